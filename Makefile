@@ -1,0 +1,32 @@
+# The README's two commands: `make run` and `make test`. Both set up .venv first and are
+# quick when it is already there.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint setup crds bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned: on the project's machines torch==2.13.0 is a CPU build on local disk;
+# any other spec may pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/tandem validate examples/digits-train.yaml
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+crds: $(STAMP)
+	$(BIN)/tandem crds --out crds
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,136 @@
+"""InferencePool: DL4J's ParallelInference as a Kubernetes resource, served over the Open Inference Protocol."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, StringConstraints, model_validator
+
+from tandem.api.common import API_VERSION, ApiModel, CallableRef, Condition, ObjectMeta, PodSettings, ResourceName
+
+InferenceMode = Literal["batched", "sequential", "inplace"]
+PoolPhase = Literal["Pending", "Loading", "Ready", "Degraded", "Failed"]
+Datatype = Literal["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "BF16", "FP32", "FP64"]
+
+
+class FromTrainingJob(ApiModel):
+    """Serve the latest checkpoint of a ParallelTrainingJob in the same namespace."""
+
+    name: ResourceName
+    follow: bool = True
+    """Load each new checkpoint as the job writes it (zero-drop hot swap)."""
+
+
+class ModelSource(ApiModel):
+    """The model to serve: exactly one of checkpoint, callable, fromTrainingJob."""
+
+    model_config = {"json_schema_extra": {"oneOf": [
+        {"required": ["checkpoint"]}, {"required": ["callable"]}, {"required": ["fromTrainingJob"]},
+    ]}}
+
+    name: ResourceName | None = None
+    """Model name in the inference API (/v2/models/{name}); defaults to the pool's name."""
+    version: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]+$")] = "1"
+    checkpoint: Annotated[str, StringConstraints(min_length=1)] | None = None
+    """Path of a Tandem trainer checkpoint (loaded with weights_only; the architecture comes from its manifest)."""
+    callable: CallableRef | None = None
+    """`module:callable` returning a torch.nn.Module with its weights."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for `callable`."""
+    from_training_job: FromTrainingJob | None = None
+    input_shape: list[Annotated[int, Field(ge=1)]] | None = None
+    """Shape of one example (no batch dimension); read from the checkpoint when not given."""
+    input_datatype: Datatype = "FP32"
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> ModelSource:
+        sources = [
+            name for name, value in
+            (("checkpoint", self.checkpoint), ("callable", self.callable), ("fromTrainingJob", self.from_training_job))
+            if value is not None
+        ]
+        if len(sources) != 1:
+            found = ", ".join(sources) if sources else "none"
+            raise ValueError(f"set exactly one of checkpoint, callable, fromTrainingJob (found: {found})")
+        return self
+
+
+class Autoscaling(ApiModel):
+    """Scale replicas on queue depth (a HorizontalPodAutoscaler on the pool's scale subresource)."""
+
+    model_config = {"json_schema_extra": {"x-kubernetes-validations": [
+        {"rule": "self.minReplicas <= self.maxReplicas", "message": "minReplicas must not exceed maxReplicas"},
+    ]}}
+
+    min_replicas: Annotated[int, Field(ge=1)] = 1
+    max_replicas: Annotated[int, Field(ge=1)]
+    target_queue_depth: Annotated[float, Field(gt=0)] = 8.0
+    """Average pending requests per replica to aim for."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"minReplicas ({self.min_replicas}) must not exceed maxReplicas ({self.max_replicas})")
+        return self
+
+
+class InferencePoolSpec(PodSettings):
+    """Desired state of an InferencePool."""
+
+    replicas: Annotated[int, Field(ge=0)] = 1
+    """Server pods."""
+    workers_per_replica: Annotated[int, Field(ge=1)] = 1
+    """Model replicas in each pod (one per GPU; on CPU, threads with their own replica)."""
+    gpus_per_replica: Annotated[int, Field(ge=0)] = 0
+    model: ModelSource
+    inference_mode: InferenceMode = "batched"
+    batch_limit: Annotated[int, Field(ge=1)] = 32
+    """Most requests merged into one forward pass (DL4J batchLimit; Triton max_batch_size)."""
+    queue_limit: Annotated[int, Field(ge=1)] = 64
+    """Most requests waiting; beyond it requests are rejected at once with 429 (DL4J queueLimit)."""
+    max_queue_delay_microseconds: Annotated[int, Field(ge=0)] = 0
+    """How long a batch may wait to fill (Triton's dynamic batcher; 0 batches whatever is queued)."""
+    request_timeout_ms: Annotated[int, Field(ge=1)] = 30000
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    autoscaling: Autoscaling | None = None
+
+
+class ModelStatus(ApiModel):
+    source: str | None = None
+    """What is loaded: `checkpoint`, `callable` or `fromTrainingJob/<name>`."""
+    checkpoint: str | None = None
+    loaded_at: datetime | None = None
+
+
+class InferencePoolStatus(ApiModel):
+    """Observed state of an InferencePool."""
+
+    phase: PoolPhase = "Pending"
+    conditions: list[Condition] = Field(default_factory=list)
+    replicas: Annotated[int, Field(ge=0)] = 0
+    ready_replicas: Annotated[int, Field(ge=0)] = 0
+    ready_summary: str = ""
+    """`readyReplicas/replicas`, for kubectl's column."""
+    endpoint: str | None = None
+    """Base URL of the Open Inference Protocol (v2) endpoint."""
+    model: ModelStatus = Field(default_factory=ModelStatus)
+    message: str = ""
+    observed_generation: int | None = None
+    selector: str | None = None
+    """Label selector of the server pods (the scale subresource's labelSelectorPath)."""
+
+    @model_validator(mode="after")
+    def _summary(self) -> InferencePoolStatus:
+        self.ready_summary = f"{self.ready_replicas}/{self.replicas}"
+        return self
+
+
+class InferencePool(ApiModel):
+    """Batched, multi-replica inference for a PyTorch model."""
+
+    api_version: Literal["tandem.dev/v1alpha1"] = API_VERSION
+    kind: Literal["InferencePool"] = "InferencePool"
+    metadata: ObjectMeta
+    spec: InferencePoolSpec
+    status: InferencePoolStatus | None = None

@@ -1,0 +1,274 @@
+"""ParallelTrainingJob: DL4J's ParallelWrapper as a Kubernetes resource."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, StringConstraints, field_validator, model_validator
+
+from tandem.api.common import (
+    API_VERSION,
+    CALLABLE_REF,
+    ApiModel,
+    CallableRef,
+    Condition,
+    ObjectMeta,
+    PodSettings,
+)
+
+TrainingMode = Literal["allReduce", "sharedGradients", "averaging", "custom"]
+TrainingPhase = Literal["Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
+DataRef = Annotated[str, StringConstraints(min_length=1)]
+
+# DL4J's AdaptiveThresholdAlgorithm: decay 0.5 per 20 steps, sparsity target 1e-4..1e-2.
+DL4J_THRESHOLD_DECAY = 0.965936
+
+
+class Optimizer(ApiModel):
+    """The optimizer every rank runs (torch.optim)."""
+
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: Annotated[float, Field(gt=0)] = 0.05
+    """Peak learning rate (reached after lrWarmupSteps)."""
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    """SGD momentum; ignored by adam/adamw."""
+
+
+class TrainerSpec(ApiModel):
+    """What to train and how: the user's code, the loop's knobs."""
+
+    model: CallableRef
+    """`module:callable` returning a torch.nn.Module, e.g. `tandem.examples.digits:mlp`."""
+    model_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the model callable."""
+    data: DataRef
+    """Training data: a `module:callable` returning a torch Dataset, or a `.npz` file with arrays x and y."""
+    eval_data: DataRef | None = None
+    """Evaluation data, same forms as `data`; reported as metrics.accuracy (0..1) for classifiers."""
+    data_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the data callables."""
+    epochs: Annotated[int, Field(ge=1)] = 1
+    max_steps: Annotated[int, Field(ge=1)] | None = None
+    """Stop after this many optimizer steps, even if epochs remain."""
+    batch_size_per_worker: Annotated[int, Field(ge=1)] = 32
+    """Examples per rank per micro-batch; the global batch is workers x this x gradientAccumulationSteps."""
+    optimizer: Optimizer = Field(default_factory=Optimizer)
+    lr_warmup_steps: Annotated[int, Field(ge=0)] = 0
+    """Linear warm-up from 0 to optimizer.lr over this many optimizer steps."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: constant, or cosine decay to 0 at the last step."""
+    gradient_clip_norm: Annotated[float, Field(gt=0)] | None = None
+    """Clip the global gradient norm to this value (torch.nn.utils.clip_grad_norm_)."""
+    gradient_accumulation_steps: Annotated[int, Field(ge=1)] = 1
+    mixed_precision: Literal["none", "bf16", "fp16"] = "none"
+    """bf16 autocast, or fp16 autocast with a gradient scaler."""
+    seed: Annotated[int, Field(ge=0)] = 0
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True) and no data-loader nondeterminism."""
+    require_gpu: bool = Field(False, alias="requireGPU")
+    """Fail before training when CUDA is unavailable, instead of falling back to CPU."""
+    prefetch_buffer: Annotated[int, Field(ge=0)] = 4
+    """Batches each rank loads ahead on a background thread (DL4J prefetchBuffer; torch's DataLoader
+    keeps 2 per loader process). 0 loads on the training thread."""
+    max_consecutive_bad_steps: Annotated[int, Field(ge=1)] = 10
+    """Steps with a NaN/Inf loss or gradient are skipped and counted; this many in a row fails the job."""
+
+    @field_validator("data", "eval_data")
+    @classmethod
+    def _data_ref(cls, value: str | None) -> str | None:
+        import re
+
+        if value is None or value.endswith(".npz") or re.match(CALLABLE_REF, value):
+            return value
+        raise ValueError(
+            f"{value!r} is neither a `module:callable` reference nor a path to a .npz file with arrays x and y"
+        )
+
+
+class Averaging(ApiModel):
+    """trainingMode averaging: independent steps, parameters averaged every `frequency` steps."""
+
+    frequency: Annotated[int, Field(ge=1)] = 1
+    """Average every this many optimizer steps (DL4J averagingFrequency)."""
+    average_optimizer_state: bool = True
+    """Also average optimizer state such as momentum buffers (DL4J averageUpdaters)."""
+    report_score_after_averaging: bool = True
+    """Report the mean loss across ranks after each averaging (DL4J reportScoreAfterAveraging)."""
+
+
+class TargetSparsity(ApiModel):
+    """The band, as a fraction of gradient entries sent per step, that the adaptive threshold aims for."""
+
+    model_config = {"json_schema_extra": {"x-kubernetes-validations": [
+        {"rule": "self.min <= self.max", "message": "targetSparsity.min must not exceed targetSparsity.max"},
+    ]}}
+
+    min: Annotated[float, Field(gt=0, le=1)] = 1e-4
+    max: Annotated[float, Field(gt=0, le=1)] = 1e-2
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TargetSparsity:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
+        return self
+
+
+class ResidualClip(ApiModel):
+    """Clip each rank's residual to factor x threshold every `every` steps (DL4J ResidualClippingPostProcessor)."""
+
+    factor: Annotated[float, Field(gt=0)] = 5.0
+    every: Annotated[int, Field(ge=1)] = 5
+
+
+class SharedGradients(ApiModel):
+    """trainingMode sharedGradients: Strom-style threshold encoding with error feedback (DL4J SHARED_GRADIENTS)."""
+
+    initial_threshold: Annotated[float, Field(gt=0)] = 1e-3
+    target_sparsity: TargetSparsity = Field(default_factory=TargetSparsity)
+    threshold_decay: Annotated[float, Field(gt=0, lt=1)] = DL4J_THRESHOLD_DECAY
+    """Multiplicative threshold step when the encoded fraction leaves the target band."""
+    residual_clip: ResidualClip = Field(default_factory=ResidualClip)
+
+
+class Custom(ApiModel):
+    """trainingMode custom: run your own command in every rank with the worker contract env (DL4J CUSTOM)."""
+
+    command: Annotated[list[str], Field(min_length=1)]
+    args: list[str] = Field(default_factory=list)
+
+
+class CheckpointSpec(ApiModel):
+    """Where and how often rank 0 writes checkpoints."""
+
+    directory: Annotated[str, StringConstraints(min_length=1)] = "checkpoints"
+    """Checkpoint directory; a relative path resolves under the working directory locally and under the
+    checkpoint volume's mount in pods."""
+    persistent_volume_claim: str | None = None
+    """A PersistentVolumeClaim the operator mounts for checkpoints (shared by all restarts)."""
+    every_steps: Annotated[int, Field(ge=1)] | None = None
+    every_minutes: Annotated[float, Field(gt=0)] | None = None
+    keep_last: Annotated[int, Field(ge=1)] = 3
+    resume: bool = True
+    """Resume from the latest complete checkpoint in `directory` when one exists."""
+
+
+class ParallelTrainingJobSpec(PodSettings):
+    """Desired state of a ParallelTrainingJob."""
+
+    model_config = {"json_schema_extra": {"x-kubernetes-validations": [
+        {"rule": "self.trainingMode != 'custom' || has(self.custom)",
+         "message": "trainingMode custom needs custom.command (the command every rank runs)"},
+    ]}}
+
+    workers: Annotated[int, Field(ge=1)] = 1
+    """Number of ranks (one pod each; DL4J workers)."""
+    gpus_per_worker: Annotated[int, Field(ge=0)] = 0
+    trainer: TrainerSpec
+    training_mode: TrainingMode = "allReduce"
+    averaging: Averaging = Field(default_factory=Averaging)
+    shared_gradients: SharedGradients = Field(default_factory=SharedGradients)
+    custom: Custom | None = None
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    backoff_limit: Annotated[int, Field(ge=0)] = 3
+    """Restarts (of the whole group, from the latest checkpoint) before the job fails."""
+    active_deadline_seconds: Annotated[int, Field(ge=1)] | None = None
+    ttl_seconds_after_finished: Annotated[int, Field(ge=0)] | None = None
+    suspend: bool = False
+    heartbeat_timeout_seconds: Annotated[int, Field(ge=1)] = 300
+    """Rank 0 must report progress this often, or the job is restarted as hung."""
+
+    @model_validator(mode="after")
+    def _mode_settings(self) -> ParallelTrainingJobSpec:
+        if self.training_mode == "custom" and self.custom is None:
+            raise ValueError("trainingMode custom needs `custom.command` (the command every rank runs)")
+        return self
+
+
+class WorkersStatus(ApiModel):
+    ready: Annotated[int, Field(ge=0)] = 0
+    total: Annotated[int, Field(ge=0)] = 0
+    summary: str = ""
+    """`ready/total`, for kubectl's column."""
+
+    @model_validator(mode="after")
+    def _summary(self) -> WorkersStatus:
+        self.summary = f"{self.ready}/{self.total}"
+        return self
+
+
+class MasterStatus(ApiModel):
+    pod: str | None = None
+    address: str | None = None
+    port: Annotated[int, Field(ge=1, le=65535)] | None = None
+
+
+class ProgressStatus(ApiModel):
+    epoch: Annotated[int, Field(ge=0)] = 0
+    step: Annotated[int, Field(ge=0)] = 0
+    total_steps: Annotated[int, Field(ge=0)] = 0
+    loss: float | None = None
+    samples_per_second: float | None = None
+    eta_seconds: float | None = None
+    last_heartbeat: datetime | None = None
+    summary: str = ""
+    """`step/totalSteps`, for kubectl's column."""
+
+    @model_validator(mode="after")
+    def _summary(self) -> ProgressStatus:
+        self.summary = f"{self.step}/{self.total_steps}"
+        return self
+
+
+class CommunicationStatus(ApiModel):
+    """Gradient-exchange volume, summed over ranks."""
+
+    bytes_sent: Annotated[int, Field(ge=0)] = 0
+    dense_bytes: Annotated[int, Field(ge=0)] = 0
+    """What a dense fp32 all-reduce of the same gradients would have sent."""
+
+
+class CheckpointRecord(ApiModel):
+    path: str
+    step: Annotated[int, Field(ge=0)]
+    time: datetime
+
+
+class CheckpointStatus(ApiModel):
+    latest: str | None = None
+    """Path of the latest checkpoint complete on disk (written only after it is)."""
+    step: Annotated[int, Field(ge=0)] | None = None
+    time: datetime | None = None
+    history: list[CheckpointRecord] = Field(default_factory=list)
+
+
+class ParallelTrainingJobStatus(ApiModel):
+    """Observed state of a ParallelTrainingJob, written by the operator and rank 0."""
+
+    phase: TrainingPhase = "Pending"
+    conditions: list[Condition] = Field(default_factory=list)
+    workers: WorkersStatus = Field(default_factory=WorkersStatus)
+    master: MasterStatus = Field(default_factory=MasterStatus)
+    progress: ProgressStatus = Field(default_factory=ProgressStatus)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    """Named metrics; `accuracy` is evaluation accuracy in 0..1."""
+    communication: CommunicationStatus = Field(default_factory=CommunicationStatus)
+    checkpoint: CheckpointStatus = Field(default_factory=CheckpointStatus)
+    restarts: Annotated[int, Field(ge=0)] = 0
+    start_time: datetime | None = None
+    completion_time: datetime | None = None
+    message: str = ""
+    observed_generation: int | None = None
+    selector: str | None = None
+    """Label selector of the worker pods (the scale subresource's labelSelectorPath)."""
+
+
+class ParallelTrainingJob(ApiModel):
+    """Data-parallel training of a PyTorch model over `workers` ranks."""
+
+    api_version: Literal["tandem.dev/v1alpha1"] = API_VERSION
+    kind: Literal["ParallelTrainingJob"] = "ParallelTrainingJob"
+    metadata: ObjectMeta
+    spec: ParallelTrainingJobSpec
+    status: ParallelTrainingJobStatus | None = None

@@ -1,0 +1,79 @@
+"""The `tandem` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tandem.manifest import ManifestError, load_file
+
+
+def _crds(args: argparse.Namespace) -> int:
+    from tandem.crd import crd_files, write_crds
+
+    if args.out is None:
+        sys.stdout.write("---\n".join(crd_files().values()))
+        return 0
+    for path in write_crds(Path(args.out)):
+        print(f"wrote {path}")
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    failed = 0
+    for file in args.files:
+        try:
+            resources = load_file(file)
+        except ManifestError as error:
+            print(error, file=sys.stderr)
+            failed += 1
+            continue
+        for resource in resources:
+            print(f"{file}: {resource.kind}/{resource.metadata.name} is valid")
+    return 1 if failed else 0
+
+
+def _not_available(feature: str, issue: str):
+    def run(args: argparse.Namespace) -> int:
+        print(f"tandem {feature}: not available yet ({issue})", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        description="Data-parallel PyTorch training and batched inference, on one machine or on Kubernetes.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    crds = commands.add_parser("crds", help="print the CustomResourceDefinitions, or write them to a directory")
+    crds.add_argument("--out", metavar="DIR", help="write one YAML file per CRD into DIR (e.g. crds/)")
+    crds.set_defaults(handler=_crds)
+
+    validate = commands.add_parser("validate", help="check manifests against the CRD schema and the API model")
+    validate.add_argument("files", nargs="+", metavar="FILE")
+    validate.set_defaults(handler=_validate)
+
+    run = commands.add_parser("run", help="run a ParallelTrainingJob on this machine")
+    run.add_argument("file", metavar="FILE")
+    run.set_defaults(handler=_not_available("run", "the trainer is issue #3; use `tandem validate` meanwhile"))
+
+    serve = commands.add_parser("serve", help="serve an InferencePool's model on this machine")
+    serve.add_argument("file", metavar="FILE")
+    serve.set_defaults(handler=_not_available("serve", "the inference server is issue #4"))
+
+    operator = commands.add_parser("operator", help="run the Kubernetes operator")
+    operator.set_defaults(handler=_not_available("operator", "the operator is a later issue"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The worker: trainer, inference server, checkpoints, reporting. Never imports tandem.operator."""

@@ -1,0 +1,149 @@
+"""Checkpoints: written atomically by rank 0, read back only with `torch.load(weights_only=True)`.
+
+A checkpoint is one file `step-00000120.pt` in the checkpoint directory holding a dict of tensors and
+plain values (no pickled classes):
+
+    format        "tandem-checkpoint/1"
+    manifest      tandem/torch/python versions, spec hash, model reference + args, input shape/dtype,
+                  step, epoch, world size, training mode, time
+    model         the model's state_dict
+    ...           whatever else the trainer saves (optimizer, lr schedule, RNG states, data position,
+                  compression residuals)
+
+The file appears under its final name only once complete (temp file, fsync, rename, fsync of the
+directory), so any `step-*.pt` is a finished checkpoint; a damaged one is still refused on load.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import platform
+import re
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tandem
+
+FORMAT = "tandem-checkpoint/1"
+_NAME = re.compile(r"^step-(\d{8,})\.pt$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, truncated, corrupt, or not fitting the model."""
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"step-{step:08d}.pt"
+
+
+def build_manifest(**fields: Any) -> dict[str, Any]:
+    """The manifest saved with every checkpoint: `fields` plus the versions that wrote it."""
+    return {
+        "tandem": tandem.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        **fields,
+    }
+
+
+def save(directory: Path, state: Mapping[str, Any], *, step: int, keep_last: int) -> Path:
+    """Write `state` (which must hold `manifest` and `model`) as the checkpoint of `step`; keep the newest
+    `keep_last`. Returns the final path, which exists only once the file is complete."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(directory, step)
+    temporary = directory / f".{final.name}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "wb") as file:
+            torch.save({"format": FORMAT, **state}, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, final)
+    finally:
+        temporary.unlink(missing_ok=True)
+    _fsync_directory(directory)
+    for old in list_checkpoints(directory)[:-keep_last]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def _fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints in `directory`, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [path for _, path in sorted(found)]
+
+
+def latest(directory: Path) -> Path | None:
+    checkpoints = list_checkpoints(directory)
+    return checkpoints[-1] if checkpoints else None
+
+
+def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a checkpoint safely (weights_only); CheckpointError says what is wrong with it."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{path}: refused: holds objects other than tensors and plain values (weights_only load): {error}"
+        ) from error
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: truncated or corrupt checkpoint ({type(error).__name__}: {error})") from error
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{path}: not a Tandem checkpoint (format {found!r}, expected {FORMAT!r})")
+    for key in ("manifest", "model"):
+        if key not in state:
+            raise CheckpointError(f"{path}: incomplete checkpoint: no {key!r} entry")
+    return state
+
+
+def restore_model(model: torch.nn.Module, state_dict: Mapping[str, Any], source: str | Path) -> None:
+    """Load weights into `model`, or a CheckpointError listing what does not fit."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    mismatched = [
+        f"{name} {tuple(state_dict[name].shape)} vs model {tuple(own[name].shape)}"
+        for name in sorted(set(own) & set(state_dict))
+        if isinstance(state_dict[name], torch.Tensor) and state_dict[name].shape != own[name].shape
+    ]
+    if missing or unexpected or mismatched:
+        problems = []
+        if missing:
+            problems.append(f"missing {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+        if unexpected:
+            problems.append(f"unexpected {', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5 else ""))
+        if mismatched:
+            problems.append(f"shape mismatch {'; '.join(mismatched[:5])}")
+        raise CheckpointError(f"{source}: checkpoint does not fit the model: {' | '.join(problems)}")
+    model.load_state_dict(state_dict)
+
+
+def load_for_inference(path: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The checkpoint's model, rebuilt from its manifest's reference, weights loaded, in eval mode."""
+    from tandem.worker.references import build_model
+
+    state = load(path)
+    manifest = state["manifest"]
+    if "model" not in manifest:
+        raise CheckpointError(f"{path}: the manifest names no model reference to rebuild the architecture")
+    model = build_model(manifest["model"], manifest.get("model_args", {}))
+    restore_model(model, state["model"], path)
+    return model.eval(), manifest

@@ -34,6 +34,18 @@ def _validate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    from tandem.worker.launch import run
+
+    return run(args.file, workers=args.workers, status_out=args.status_out)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from tandem.worker.entrypoint import cli
+
+    return cli()
+
+
 def _not_available(feature: str, issue: str):
     def run(args: argparse.Namespace) -> int:
         print(f"tandem {feature}: not available yet ({issue})", file=sys.stderr)
@@ -57,12 +69,21 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("files", nargs="+", metavar="FILE")
     validate.set_defaults(handler=_validate)
 
-    run = commands.add_parser("run", help="run a ParallelTrainingJob on this machine")
+    run = commands.add_parser("run", help="run a ParallelTrainingJob on this machine, one process per rank")
     run.add_argument("file", metavar="FILE")
-    run.set_defaults(handler=_not_available("run", "the trainer is issue #3; use `tandem validate` meanwhile"))
+    run.add_argument("--workers", type=int, metavar="N", help="ranks to start (overrides spec.workers)")
+    run.add_argument("--status-out", metavar="PATH", help="also write the final status as JSON to PATH")
+    run.set_defaults(handler=_run)
+
+    worker = commands.add_parser("worker", help="run one rank from the worker contract env (what pods run)")
+    worker.add_argument("role", choices=["train"])
+    worker.set_defaults(handler=_worker)
 
     serve = commands.add_parser("serve", help="serve an InferencePool's model on this machine")
     serve.add_argument("file", metavar="FILE")
+    serve.add_argument("--port", type=int, help="HTTP port (default: the manifest's spec.port)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--checkpoint", metavar="PATH", help="serve this trainer checkpoint instead of spec.model")
     serve.set_defaults(handler=_not_available("serve", "the inference server is issue #4"))
 
     operator = commands.add_parser("operator", help="run the Kubernetes operator")

@@ -1,0 +1,76 @@
+"""Data loading: each rank's shard (DistributedSampler), resumable mid-epoch, prefetched on a thread."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from itertools import islice
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+
+
+def training_loader(dataset: Dataset, *, rank: int, world_size: int, batch_size: int, seed: int) -> DataLoader:
+    """This rank's batches: a shuffle shared by all ranks (seed + epoch), every world_size-th example.
+
+    With 2 ranks x batch b, step k covers exactly the examples 1 rank x batch 2b would, so both give the
+    same gradient mean.
+    """
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False)
+
+
+def evaluation_shard(dataset: Dataset, *, rank: int, world_size: int) -> Subset:
+    """Every world_size-th example, no padding: the shards add up to the dataset exactly once."""
+    return Subset(dataset, range(rank, len(dataset), world_size))
+
+
+def epoch_batches(loader: DataLoader, epoch: int, *, skip: int = 0, prefetch: int = 0) -> Iterator[Any]:
+    """The epoch's batches after the first `skip` (a resumed run's data position), loaded `prefetch` ahead."""
+    loader.sampler.set_epoch(epoch)
+    batches = islice(iter(loader), skip, None)
+    return _prefetched(batches, prefetch) if prefetch > 0 else batches
+
+
+_DONE = object()
+
+
+def _prefetched(batches: Iterator[Any], depth: int) -> Iterator[Any]:
+    """Load up to `depth` batches ahead on a daemon thread (DL4J's AsyncDataSetIterator)."""
+    buffer: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                while not stop.is_set():
+                    try:
+                        buffer.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            buffer.put(_DONE)
+        except BaseException as error:  # handed to the training thread, which raises it
+            buffer.put(error)
+
+    thread = threading.Thread(target=produce, name="tandem-prefetch", daemon=True)
+    thread.start()
+    try:
+        while (item := buffer.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(item, device) for item in batch)
+    return batch

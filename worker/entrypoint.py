@@ -1,0 +1,87 @@
+"""`tandem worker train`: one rank, configured only by the worker contract (env vars + the spec file).
+
+`tandem run` starts every rank through this entry point, the operator runs it in pods, and a person can
+run it by hand with the same variables.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+
+from tandem.api import ParallelTrainingJob
+from tandem.worker.distributed import WorkerEnv, init_process_group, select_device
+from tandem.worker.references import build_model, load_dataset
+from tandem.worker.reporting import ConsoleSink, StatusFileSink, read_status_file
+from tandem.worker.trainer import RankContext, install_stop_handlers, train
+
+
+def load_job(env: WorkerEnv) -> ParallelTrainingJob:
+    return ParallelTrainingJob.model_validate_json(env.spec_path.read_text())
+
+
+def run_custom(job: ParallelTrainingJob) -> int:
+    """trainingMode custom: replace this process with the user's command; the contract env is already set."""
+    command = [*job.spec.custom.command, *job.spec.custom.args]
+    os.execvp(command[0], command)
+    return 127  # only reached if exec returns, which it does not
+
+
+def main() -> int:
+    env = WorkerEnv.from_environ()
+    job = load_job(env)
+    if job.spec.training_mode == "custom":
+        return run_custom(job)
+    spec, trainer = job.spec, job.spec.trainer
+    device = select_device(env, require_gpu=trainer.require_gpu)
+    model = build_model(trainer.model, trainer.model_args)
+    train_set = load_dataset(trainer.data, trainer.data_args)
+    eval_set = load_dataset(trainer.eval_data, trainer.data_args) if trainer.eval_data else None
+    sinks = []
+    if env.is_master:
+        sinks = [StatusFileSink(env.status_file)] if env.status_file else [ConsoleSink(env.job)]
+    context = RankContext(
+        rank=env.rank, world_size=env.world_size, device=device, job=env.job,
+        checkpoint_dir=env.checkpoint_dir or _checkpoint_dir(job),
+        resume_from=env.resume_from, sinks=sinks,
+    )
+    install_stop_handlers(context)
+    init_process_group(env, device)
+    try:
+        train(spec, context, model, train_set, eval_set)
+    except BaseException as error:
+        if env.is_master and env.status_file:
+            _record_failure(env, error)
+        raise
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _checkpoint_dir(job: ParallelTrainingJob) -> Path:
+    return Path(job.spec.checkpoint.directory)
+
+
+def _record_failure(env: WorkerEnv, error: BaseException) -> None:
+    status = read_status_file(env.status_file)
+    if status is None:
+        return
+    status.phase = "Failed"
+    status.message = f"rank 0: {type(error).__name__}: {error}"
+    StatusFileSink(env.status_file).publish(status)
+
+
+def cli() -> int:
+    try:
+        return main()
+    except Exception:
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,153 @@
+"""Progress reporting: rank 0 keeps one status object (the CR's `.status` shape) and publishes it to sinks.
+
+Sinks: a status file (what `tandem run` reads and renders), the console (a rich progress bar on a
+terminal, plain log lines otherwise), and, on a cluster, the Kubernetes status sink.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Protocol
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from tandem.api import ParallelTrainingJobStatus
+from tandem.api.training import CheckpointRecord
+
+HISTORY_LIMIT = 10
+
+
+def now() -> datetime:
+    return datetime.now(UTC).replace(microsecond=0)
+
+
+class Sink(Protocol):
+    def publish(self, status: ParallelTrainingJobStatus) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StatusFileSink:
+    """Writes the status as JSON, atomically replaced, so a reader never sees half a file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def publish(self, status: ParallelTrainingJobStatus) -> None:
+        temporary = self.path.with_name(f".{self.path.name}.tmp")
+        temporary.write_text(json.dumps(status.to_dict()))
+        os.replace(temporary, self.path)
+
+    def close(self) -> None:
+        pass
+
+
+def read_status_file(path: Path) -> ParallelTrainingJobStatus | None:
+    try:
+        return ParallelTrainingJobStatus.model_validate_json(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class ConsoleSink:
+    """Epoch, step/total, loss, samples/s and ETA: a live bar on a terminal, one log line per update otherwise."""
+
+    def __init__(self, title: str, stream=None):
+        self.title = title
+        self.console = Console(file=stream or sys.stderr)
+        self.live = self.console.is_terminal
+        self._progress: Progress | None = None
+        self._task = None
+
+    def publish(self, status: ParallelTrainingJobStatus) -> None:
+        progress = status.progress
+        loss = f"{progress.loss:.4f}" if progress.loss is not None else "-"
+        speed = f"{progress.samples_per_second:.0f}" if progress.samples_per_second else "-"
+        if not self.live:
+            eta = f"{progress.eta_seconds:.0f}s" if progress.eta_seconds is not None else "-"
+            self.console.print(
+                f"{self.title}: {status.phase} epoch {progress.epoch} step {progress.step}/{progress.total_steps} "
+                f"loss {loss} samples/s {speed} eta {eta}",
+                highlight=False, soft_wrap=True,
+            )
+            return
+        if self._progress is None:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[detail]}"), TimeRemainingColumn(), console=self.console,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(self.title, total=progress.total_steps or None, detail="")
+        self._progress.update(
+            self._task, completed=progress.step, total=progress.total_steps or None,
+            description=f"{self.title} epoch {progress.epoch}",
+            detail=f"loss {loss}  {speed} samples/s",
+        )
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+class Reporter:
+    """Rank 0's status: updated every step, published at most every `interval` seconds, and at once for
+    checkpoints and phase changes."""
+
+    def __init__(self, sinks: list[Sink], *, workers: int, total_steps: int, interval: float = 2.0):
+        self.sinks = sinks
+        self.interval = interval
+        self.status = ParallelTrainingJobStatus(phase="Running", start_time=now())
+        self.status.workers.ready = self.status.workers.total = workers
+        self.status.progress.total_steps = total_steps
+        self._last_publish = 0.0
+        self._rate_window: tuple[float, int, int] | None = None
+
+    def publish(self) -> None:
+        self.status = ParallelTrainingJobStatus.model_validate(self.status.model_dump())  # refresh summaries
+        for sink in self.sinks:
+            sink.publish(self.status)
+        self._last_publish = time.monotonic()
+
+    def progress(self, *, epoch: int, step: int, loss: float | None, samples: int) -> None:
+        """Record a finished optimizer step; `samples` counts examples processed by this run over all ranks."""
+        progress = self.status.progress
+        progress.epoch, progress.step, progress.last_heartbeat = epoch, step, now()
+        if loss is not None:
+            progress.loss = loss
+        clock = time.monotonic()
+        if self._rate_window is None:
+            self._rate_window = (clock, samples, step)
+        else:
+            started, samples_then, step_then = self._rate_window
+            elapsed = clock - started
+            if elapsed > 0 and step > step_then:
+                progress.samples_per_second = (samples - samples_then) / elapsed
+                steps_per_second = (step - step_then) / elapsed
+                progress.eta_seconds = max(0.0, (progress.total_steps - step) / steps_per_second)
+        if clock - self._last_publish >= self.interval:
+            self.publish()
+
+    def checkpoint(self, path: Path, step: int) -> None:
+        record = CheckpointRecord(path=str(path), step=step, time=now())
+        checkpoint = self.status.checkpoint
+        checkpoint.latest, checkpoint.step, checkpoint.time = record.path, record.step, record.time
+        checkpoint.history = [*checkpoint.history, record][-HISTORY_LIMIT:]
+        self.publish()
+
+    def finish(self, phase: str, message: str = "") -> ParallelTrainingJobStatus:
+        self.status.phase = phase
+        self.status.message = message
+        self.status.completion_time = now()
+        if phase == "Succeeded":
+            self.status.progress.eta_seconds = 0.0
+        self.publish()
+        for sink in self.sinks:
+            sink.close()
+        return self.status

@@ -1,0 +1,422 @@
+"""The training loop every rank runs, in every mode but `custom` (which runs the user's own command).
+
+Read top to bottom: set up (seed, model, mode, optimizer, data), resume, then epochs of steps, each step
+gradient-accumulated micro-batches, a NaN/Inf guard, clipping, the optimizer step, averaging when due,
+progress, checkpoints, and a stop check that all ranks agree on. Evaluation and a final checkpoint close it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import signal
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tandem.worker import checkpoint
+from tandem.worker.averaging import average_replicas
+from tandem.worker.data import epoch_batches, evaluation_shard, to_device, training_loader
+from tandem.worker.optim import build_optimizer, build_schedule
+from tandem.worker.reporting import Reporter, Sink
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+from tandem.api import ParallelTrainingJobSpec, ParallelTrainingJobStatus
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (too many bad steps, a checkpoint that does not fit, ...)."""
+
+
+@dataclass
+class RankContext:
+    """Who this process is in the group, and where its outputs go."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    job: str
+    checkpoint_dir: Path
+    resume_from: Path | None = None
+    sinks: list[Sink] = field(default_factory=list)
+    stop_requested: bool = False
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class Position:
+    """Where training stands: restored from checkpoints, saved into them."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_done: int = 0
+    """Micro-batches of `epoch` already consumed."""
+    bad_steps: int = 0
+    consecutive_bad_steps: int = 0
+    samples: int = 0
+
+
+def spec_hash(spec: ParallelTrainingJobSpec) -> str:
+    payload = json.dumps(spec.to_dict(), sort_keys=True).encode()
+    return hashlib.sha256(payload).hexdigest()[:16]
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def install_stop_handlers(context: RankContext) -> None:
+    """SIGTERM / SIGINT ask for a clean stop: all ranks agree on the step, write a checkpoint, exit."""
+
+    def request_stop(signum, frame):  # noqa: ARG001
+        context.stop_requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+
+
+def train(
+    spec: ParallelTrainingJobSpec,
+    context: RankContext,
+    model: torch.nn.Module,
+    train_set: Dataset,
+    eval_set: Dataset | None = None,
+) -> ParallelTrainingJobStatus | None:
+    """Train `model` in place on this rank; returns the final status on rank 0 (None elsewhere)."""
+    trainer = spec.trainer
+    seed_everything(trainer.seed, trainer.deterministic)
+    model.to(context.device)
+    wrapped, compression = _wrap(model, spec, context)
+    optimizer = build_optimizer(model.parameters(), trainer.optimizer)
+
+    loader = training_loader(
+        train_set, rank=context.rank, world_size=context.world_size,
+        batch_size=trainer.batch_size_per_worker, seed=trainer.seed,
+    )
+    steps_per_epoch = math.ceil(len(loader) / trainer.gradient_accumulation_steps)
+    total_steps = trainer.epochs * steps_per_epoch
+    if trainer.max_steps is not None:
+        total_steps = min(total_steps, trainer.max_steps)
+    schedule = build_schedule(optimizer, trainer, total_steps)
+    scaler = torch.amp.GradScaler(context.device.type, enabled=trainer.mixed_precision == "fp16")
+    autocast = _autocast(trainer.mixed_precision, context.device)
+
+    position = Position()
+    reporter = None
+    if context.is_master:
+        reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps)
+    if context.resume_from is not None:
+        position = _resume(context, model, optimizer, schedule, scaler, compression, reporter)
+    torch.manual_seed(trainer.seed + 1_000_003 * context.rank + position.step)  # per-rank dropout noise
+
+    input_shape: list[int] | None = None
+    bytes_sent = dense_bytes = 0
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    stop_flag, stop_pending = torch.zeros(1), None
+    running_loss: float | None = None
+
+    def save() -> None:
+        path = _save_checkpoint(context, spec, model, optimizer, schedule, scaler, compression, position, input_shape)
+        if reporter is not None and path is not None:
+            reporter.checkpoint(path, position.step)
+
+    last_checkpoint_time = time.monotonic()
+    model.train()
+    while position.step < total_steps and position.epoch < trainer.epochs and not context.stop_requested:
+        batches = epoch_batches(loader, position.epoch, skip=position.batches_done, prefetch=trainer.prefetch_buffer)
+        micro_batches: list[Any] = []
+        remaining_in_epoch = len(loader) - position.batches_done
+        for batch in batches:
+            micro_batches.append(batch)
+            remaining_in_epoch -= 1
+            if len(micro_batches) < trainer.gradient_accumulation_steps and remaining_in_epoch > 0:
+                continue
+
+            # One optimizer step over the accumulated micro-batches.
+            loss_sum = 0.0
+            for index, micro_batch in enumerate(micro_batches):
+                inputs, targets = to_device(micro_batch, context.device)
+                if input_shape is None:
+                    input_shape = list(inputs.shape[1:])
+                last = index == len(micro_batches) - 1
+                sync = nullcontext() if last or not isinstance(wrapped, DistributedDataParallel) else wrapped.no_sync()
+                with sync, autocast:
+                    loss = _loss(wrapped(inputs), targets) / len(micro_batches)
+                scaler.scale(loss).backward()
+                loss_sum += loss.detach().item()
+                position.samples += len(inputs) * context.world_size
+            position.batches_done += len(micro_batches)
+            micro_batches = []
+
+            scaler.unscale_(optimizer)
+            if trainer.gradient_clip_norm is not None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.gradient_clip_norm)
+            else:
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+            if torch.isfinite(grad_norm) and math.isfinite(loss_sum):
+                scaler.step(optimizer)
+                position.consecutive_bad_steps = 0
+            elif trainer.mixed_precision != "fp16":
+                # After the gradient exchange every rank holds the same gradients, so all skip together.
+                position.bad_steps += 1
+                position.consecutive_bad_steps += 1
+                if position.consecutive_bad_steps >= trainer.max_consecutive_bad_steps:
+                    raise TrainingError(
+                        f"{position.consecutive_bad_steps} consecutive steps with a NaN/Inf loss or gradient "
+                        f"(step {position.step}); lower optimizer.lr, set gradientClipNorm, or check the data"
+                    )
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            schedule.step()
+            position.step += 1
+            running_loss = loss_sum if running_loss is None else 0.9 * running_loss + 0.1 * loss_sum
+
+            if spec.training_mode == "averaging":
+                if position.step % spec.averaging.frequency == 0:
+                    bytes_sent += average_replicas(
+                        model, optimizer if spec.averaging.average_optimizer_state else None, context.world_size
+                    )
+                    if spec.averaging.report_score_after_averaging:
+                        running_loss = _mean_over_ranks(loss_sum, context)
+            elif spec.training_mode == "allReduce":
+                bytes_sent += parameter_bytes
+            dense_bytes += parameter_bytes
+
+            if reporter is not None:
+                reporter.progress(epoch=position.epoch + 1, step=position.step, loss=running_loss, samples=position.samples)
+
+            # Stop requests travel with the step: the flag all-reduced at step k is read at step k+1.
+            if stop_pending is not None:
+                stop_pending.wait()
+                if stop_flag.item() > 0:
+                    context.stop_requested = True
+            stop_flag.fill_(1.0 if context.stop_requested else 0.0)
+            stop_pending = dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX, async_op=True)
+
+            done = position.step >= total_steps or context.stop_requested
+            if done:
+                break
+            if _checkpoint_due(spec, position.step, last_checkpoint_time):
+                _synchronise_for_checkpoint(spec, model, optimizer, context)
+                save()
+                last_checkpoint_time = time.monotonic()
+        else:
+            position.epoch += 1
+            position.batches_done = 0
+            continue
+        break
+
+    if stop_pending is not None:
+        stop_pending.wait()
+    if position.batches_done >= len(loader):
+        position.epoch, position.batches_done = position.epoch + 1, 0
+    _synchronise_for_checkpoint(spec, model, optimizer, context)
+    save()
+
+    metrics = evaluate(model, eval_set, context, trainer.batch_size_per_worker) if eval_set is not None else {}
+    if compression is not None:
+        bytes_sent, dense_bytes = compression.bytes_sent, compression.dense_bytes
+    totals = torch.tensor([float(bytes_sent), float(dense_bytes)], dtype=torch.float64)
+    dist.all_reduce(totals)
+    if reporter is None:
+        return None
+    status = reporter.status
+    status.progress.epoch = min(trainer.epochs, position.epoch + (1 if position.batches_done else 0))
+    status.metrics.update(metrics)
+    status.communication.bytes_sent, status.communication.dense_bytes = int(totals[0]), int(totals[1])
+    if position.bad_steps:
+        status.metrics["skippedSteps"] = float(position.bad_steps)
+    stopped = context.stop_requested and position.step < total_steps
+    return reporter.finish(
+        "Suspended" if stopped else "Succeeded",
+        f"stopped at step {position.step} on request; checkpoint written" if stopped else "training complete",
+    )
+
+
+def _wrap(model: torch.nn.Module, spec: ParallelTrainingJobSpec, context: RankContext):
+    """DDP for allReduce and sharedGradients (with the threshold-encoding hook); the bare model for averaging,
+    after making every replica start from rank 0's weights."""
+    device_ids = [context.device.index] if context.device.type == "cuda" else None
+    if spec.training_mode == "averaging":
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+        return model, None
+    ddp = DistributedDataParallel(model, device_ids=device_ids)
+    if spec.training_mode != "sharedGradients":
+        return ddp, None
+    from tandem.worker.compression import ThresholdCompression, threshold_hook
+
+    shared = spec.shared_gradients
+    state = ThresholdCompression(
+        initial_threshold=shared.initial_threshold,
+        min_sparsity=shared.target_sparsity.min,
+        max_sparsity=shared.target_sparsity.max,
+        threshold_decay=shared.threshold_decay,
+        residual_clip_factor=shared.residual_clip.factor,
+        residual_clip_every=shared.residual_clip.every,
+    )
+    ddp.register_comm_hook(state, threshold_hook)
+    return ddp, state
+
+
+def _autocast(precision: str, device: torch.device):
+    if precision == "none":
+        return nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for integer class labels, mean squared error for float targets."""
+    if targets.is_floating_point():
+        return F.mse_loss(outputs.float(), targets.reshape(outputs.shape).float())
+    return F.cross_entropy(outputs.float(), targets)
+
+
+def _mean_over_ranks(value: float, context: RankContext) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return float(tensor.item()) / context.world_size
+
+
+def _checkpoint_due(spec: ParallelTrainingJobSpec, step: int, last_time: float) -> bool:
+    """Same answer on every rank: steps are shared; the time rule is decided by rank 0 and broadcast."""
+    policy = spec.checkpoint
+    due = policy.every_steps is not None and step % policy.every_steps == 0
+    if policy.every_minutes is not None:
+        flag = torch.tensor([1.0 if time.monotonic() - last_time >= policy.every_minutes * 60 else 0.0])
+        dist.broadcast(flag, src=0)
+        due = due or bool(flag.item())
+    return due
+
+
+def _synchronise_for_checkpoint(spec, model, optimizer, context: RankContext) -> None:
+    """In averaging mode replicas drift between averagings: average before saving so rank 0's copy is the model."""
+    if spec.training_mode == "averaging":
+        average_replicas(model, optimizer if spec.averaging.average_optimizer_state else None, context.world_size)
+
+
+def _rank_state(compression) -> dict[str, Any]:
+    state: dict[str, Any] = {"torch_rng": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda_rng"] = torch.cuda.get_rng_state()
+    if compression is not None:
+        state["compression"] = compression.state_dict()
+    return state
+
+
+def _save_checkpoint(context, spec, model, optimizer, schedule, scaler, compression, position, input_shape):
+    """Gather every rank's own state (RNG, residuals) to rank 0, which alone writes."""
+    per_rank = [None] * context.world_size if context.is_master else None
+    dist.gather_object(_rank_state(compression), per_rank, dst=0)
+    if not context.is_master:
+        return None
+    trainer = spec.trainer
+    manifest = checkpoint.build_manifest(
+        spec_hash=spec_hash(spec), model=trainer.model, model_args=trainer.model_args,
+        input_shape=input_shape, input_dtype="FP32", step=position.step, epoch=position.epoch,
+        world_size=context.world_size, training_mode=spec.training_mode, job=context.job,
+    )
+    state = {
+        "manifest": manifest,
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+        "scaler": scaler.state_dict(),
+        "position": position.__dict__.copy(),
+        "per_rank": [_to_cpu(s) for s in per_rank],
+        "python_rng": random.getstate(),
+        "numpy_rng": _numpy_rng_state(),
+    }
+    return checkpoint.save(context.checkpoint_dir, state, step=position.step, keep_last=spec.checkpoint.keep_last)
+
+
+def _to_cpu(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _numpy_rng_state() -> dict[str, Any]:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached": float(cached)}
+
+
+def _resume(context, model, optimizer, schedule, scaler, compression, reporter) -> Position:
+    state = checkpoint.load(context.resume_from, map_location="cpu")
+    checkpoint.restore_model(model, state["model"], context.resume_from)
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        scaler.load_state_dict(state["scaler"])
+    except (KeyError, ValueError, RuntimeError) as error:
+        raise checkpoint.CheckpointError(
+            f"{context.resume_from}: optimizer/schedule state does not fit this job ({error})"
+        ) from error
+    position = Position(**state["position"])
+    per_rank = state.get("per_rank", [])
+    if len(per_rank) == context.world_size:
+        mine = per_rank[context.rank]
+        torch.set_rng_state(mine["torch_rng"])
+        if "cuda_rng" in mine and torch.cuda.is_available():
+            torch.cuda.set_rng_state(mine["cuda_rng"])
+        if compression is not None and "compression" in mine:
+            compression.load_state_dict(mine["compression"])
+    random.setstate(_tuples(state["python_rng"]))
+    numpy_state = state["numpy_rng"]
+    np.random.set_state((numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                         numpy_state["has_gauss"], numpy_state["cached"]))
+    if reporter is not None:
+        reporter.checkpoint(Path(context.resume_from), position.step)
+        reporter.status.progress.step, reporter.status.progress.epoch = position.step, position.epoch + 1
+    return position
+
+
+def _tuples(value: Any) -> Any:
+    """random.setstate wants the tuples it gave (a checkpoint round trip may turn them into lists)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, dataset: Dataset, context: RankContext, batch_size: int) -> dict[str, float]:
+    """Eval loss and, for integer labels, accuracy (0..1) over the whole eval set, sharded across ranks."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+    shard = evaluation_shard(dataset, rank=context.rank, world_size=context.world_size)
+    for inputs, targets in DataLoader(shard, batch_size=max(batch_size, 256)):
+        inputs, targets = inputs.to(context.device), targets.to(context.device)
+        outputs = model(inputs)
+        totals[0] += float(_loss(outputs, targets)) * len(targets)
+        if not targets.is_floating_point():
+            totals[1] += float((outputs.argmax(dim=1) == targets).sum())
+        totals[2] += len(targets)
+    dist.all_reduce(totals)
+    model.train(was_training)
+    count = max(totals[2].item(), 1.0)
+    metrics = {"evalLoss": totals[0].item() / count}
+    if not dataset[0][1].is_floating_point():
+        metrics["accuracy"] = totals[1].item() / count
+    return metrics

@@ -121,7 +121,7 @@ def _collect(processes: list, results: multiprocessing.Queue, timeout: float) ->
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s") from None
             continue
         if not ok:
-            raise RankFailed(rank, value)
+            raise _failure(rank, value, processes, values)
         values[rank] = value
     return [values[rank] for rank in range(len(processes))]
 
@@ -135,8 +135,18 @@ def _check_alive(processes: list, values: dict[int, Any], results: multiprocessi
             except queue.Empty:
                 raise RankFailed(rank, f"exited with code {process.exitcode} without returning") from None
             if not ok:
-                raise RankFailed(reported_rank, value)
+                raise _failure(reported_rank, value, processes, values)
             values[reported_rank] = value
+
+
+def _failure(rank: int, detail: str, processes: list, values: dict[int, Any]) -> RankFailed:
+    """The failure of `rank`, naming the ranks that died without a report: often the cause of its error."""
+    silent = [
+        f"rank {other} exited with code {process.exitcode} without reporting"
+        for other, process in enumerate(processes)
+        if other != rank and other not in values and process.exitcode not in (None, 0)
+    ]
+    return RankFailed(rank, "\n".join([detail.rstrip(), *silent]))
 
 
 def _stop(processes: list) -> None:

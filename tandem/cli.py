@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import import_module
 from pathlib import Path
 
 from tandem.manifest import ManifestError, load_file
@@ -84,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="HTTP port (default: the manifest's spec.port)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--checkpoint", metavar="PATH", help="serve this trainer checkpoint instead of spec.model")
-    serve.set_defaults(handler=_not_available("serve", "the inference server is issue #4"))
+    serve.add_argument("--grace-period", type=float, default=25.0, metavar="SECONDS",
+                       help="on SIGTERM: how long queued and running requests may take to finish (default 25)")
+    serve.set_defaults(handler=lambda args: import_module("tandem.worker.server").serve_cli(args))
 
     operator = commands.add_parser("operator", help="run the Kubernetes operator")
     operator.set_defaults(handler=_not_available("operator", "the operator is a later issue"))

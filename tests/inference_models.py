@@ -1,0 +1,121 @@
+"""Models for the inference tests, referenced as `inference_models:...` (tests/ is on sys.path under pytest, and
+on PYTHONPATH for `tandem serve` subprocesses).
+
+Tests hold requests at a known point with a Gate instead of sleeping: a gated model's forward waits while its
+gate is closed, and records every batch size it ran. Replicas are deep copies, so the gate is shared state
+that deepcopy leaves alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tandem.examples.digits import mlp
+
+GATES: dict[str, Gate] = {}
+POISON = 666.0
+WAIT_LIMIT_S = 120.0  # a forward never waits longer than this, so a broken test cannot hang the suite
+
+
+class Gate:
+    """Shared by every replica of a model: open (forwards run) or closed (forwards wait)."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.open.set()
+        self.lock = threading.Lock()
+        self.batches: list[int] = []
+        self.threads: list[str] = []
+        self.entered = 0
+
+    def __deepcopy__(self, memo: dict) -> Gate:
+        return self
+
+    def close(self) -> None:
+        self.open.clear()
+        with self.lock:
+            self.entered = 0
+            self.batches.clear()
+
+    def wait_entered(self, count: int, timeout: float = 60.0) -> None:
+        """Until `count` forwards have started (and are waiting at the closed gate)."""
+        deadline = time.monotonic() + timeout
+        while self.entered < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {self.entered} of {count} forwards started")
+            time.sleep(0.005)
+
+
+def seeded_mlp(seed: int = 0, hidden: int = 16) -> nn.Module:
+    """The digits MLP with weights fixed by `seed`, without touching the global RNG."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return mlp(hidden=hidden).eval()
+
+
+class Gated(nn.Module):
+    def __init__(self, inner: nn.Module, gate: Gate):
+        super().__init__()
+        self.inner = inner
+        self.gate = gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate
+        with gate.lock:
+            gate.entered += 1
+            gate.batches.append(x.shape[0])
+            gate.threads.append(threading.current_thread().name)
+        if not gate.open.wait(WAIT_LIMIT_S):
+            raise RuntimeError("test gate never opened")
+        if (x == POISON).any():
+            raise ValueError(f"poisoned input ({POISON})")
+        return self.inner(x)
+
+
+def gated_mlp(name: str, seed: int = 0, hidden: int = 16) -> nn.Module:
+    """seeded_mlp behind the gate GATES[name] (created on first use); raises on inputs holding POISON."""
+    gate = GATES.setdefault(name, Gate())
+    return Gated(seeded_mlp(seed, hidden), gate)
+
+
+def slow_to_build(name: str, seed: int = 0) -> nn.Module:
+    """Building this model waits for GATES[name] to open: the server stays unready meanwhile."""
+    gate = GATES.setdefault(name, Gate())
+    if not gate.open.wait(WAIT_LIMIT_S):
+        raise RuntimeError("test gate never opened")
+    return seeded_mlp(seed)
+
+
+class FileGated(nn.Module):
+    """For a server in another process: forwards after the first wait until the file `gate` exists."""
+
+    def __init__(self, inner: nn.Module, gate: str):
+        super().__init__()
+        self.inner = inner
+        self.gate = gate
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        deadline = time.monotonic() + WAIT_LIMIT_S
+        while x.shape[0] == 1 and (x == 1.0).all() and not Path(self.gate).exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError("test gate file never appeared")
+            time.sleep(0.01)
+        return self.inner(x)
+
+
+def file_gated_mlp(gate: str, seed: int = 0) -> nn.Module:
+    """Inputs of all ones wait for the file `gate` (warm-up uses zeros and passes)."""
+    return FileGated(seeded_mlp(seed), gate)
+
+
+class Echo(nn.Module):
+    """Sums each example's features: accepts any per-example shape (for batching by shape)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], -1).sum(dim=1, keepdim=True)

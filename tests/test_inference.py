@@ -1,0 +1,363 @@
+"""ParallelInference in process: real threads and real models; requests are held at a known point with a gate
+(inference_models.Gate), never with sleeps or timed assertions."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from inference_models import GATES, POISON, Echo, gated_mlp, seeded_mlp
+from tandem.worker.inference import InferenceTimeout, ModelError, QueueFullError, ShutDownError, warmup_sizes
+
+from tandem import ParallelInference
+
+torch.set_num_threads(1)
+MODES = ("batched", "sequential", "inplace")
+
+
+@pytest.fixture
+def gate(request):
+    """A fresh gate named after the test, with its model."""
+    name = request.node.name
+    GATES.pop(name, None)
+    model = gated_mlp(name)
+    yield model, GATES[name]
+    GATES[name].open.set()
+
+
+def _inputs(count: int, seed: int = 1) -> torch.Tensor:
+    return torch.rand(count, 64, generator=torch.Generator().manual_seed(seed))
+
+
+def _in_threads(function, items, threads: int = 16) -> list:
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(function, items))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_concurrent_callers_each_get_their_own_output(mode):
+    model = seeded_mlp()
+    x = _inputs(96)
+    with ParallelInference(model, mode=mode, workers=2, queue_limit=256) as inference:
+        outputs = _in_threads(lambda i: inference.output(x[i:i + 1]), range(len(x)))
+    torch.testing.assert_close(torch.cat(outputs), model(x))
+
+
+def test_the_three_modes_give_identical_outputs():
+    model = seeded_mlp(seed=3)
+    x = _inputs(40, seed=2)
+    results = {}
+    for mode in MODES:
+        with ParallelInference(model, mode=mode, workers=2, queue_limit=64) as inference:
+            results[mode] = torch.cat(_in_threads(lambda i, inf=inference: inf.output(x[i:i + 1]), range(len(x))))
+    torch.testing.assert_close(results["batched"], results["sequential"])
+    torch.testing.assert_close(results["sequential"], results["inplace"])
+
+
+def test_batched_mode_merges_queued_requests_into_one_forward(gate):
+    model, gate = gate
+    x = _inputs(9)
+    with ParallelInference(model, workers=1, batch_limit=32) as inference, ThreadPoolExecutor(9) as pool:
+        futures = _hold(inference, gate, pool, x)  # the worker is busy with the first, eight wait
+        gate.open.set()
+        outputs = [f.result(60) for f in futures]
+    assert gate.batches == [1, 8]
+    torch.testing.assert_close(torch.cat(outputs), model.inner(x))
+
+
+def test_batches_hold_at_most_batch_limit_examples(gate):
+    model, gate = gate
+    x = _inputs(11)
+    with ParallelInference(model, workers=1, batch_limit=4) as inference, ThreadPoolExecutor(11) as pool:
+        futures = _hold(inference, gate, pool, x)
+        gate.open.set()
+        outputs = [f.result(60) for f in futures]
+    assert gate.batches == [1, 4, 4, 2]
+    torch.testing.assert_close(torch.cat(outputs), model.inner(x))
+
+
+def test_requests_of_other_shapes_are_not_merged():
+    echo = Echo()
+    shapes = [(1, 3), (2, 5), (1, 3), (1, 2, 2), (3, 5), (1, 3)]
+    inputs = [torch.full(shape, float(i)) for i, shape in enumerate(shapes)]
+    with ParallelInference(echo, workers=2, queue_limit=64) as inference:
+        outputs = _in_threads(inference.output, inputs)
+    for x, y in zip(inputs, outputs, strict=True):
+        torch.testing.assert_close(y, echo(x))
+
+
+def test_a_large_request_runs_alone_and_numpy_in_gives_numpy_out():
+    model = seeded_mlp()
+    x = _inputs(50).numpy()
+    with ParallelInference(model, batch_limit=8) as inference:
+        y = inference.output(x)
+    assert isinstance(y, np.ndarray) and y.shape == (50, 10)
+    np.testing.assert_allclose(y, model(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_sequential_mode_runs_one_request_per_forward_in_order(gate):
+    model, gate = gate
+    x = torch.arange(5, dtype=torch.float32).repeat_interleave(64).reshape(5, 64)
+    seen = []
+    original = model.inner.forward
+
+    def recording(batch):
+        seen.append(batch[:, 0].tolist())
+        return original(batch)
+
+    model.inner.forward = recording  # replicas are deep copies: patch before ParallelInference copies it
+    with ParallelInference(model, mode="sequential", workers=1) as inference, ThreadPoolExecutor(5) as pool:
+        futures = _hold(inference, gate, pool, x)
+        gate.open.set()
+        [f.result(60) for f in futures]
+    assert gate.batches == [1, 1, 1, 1, 1]
+    assert seen == [[0.0], [1.0], [2.0], [3.0], [4.0]]
+
+
+def test_inplace_mode_runs_on_the_callers_thread(gate):
+    model, gate = gate
+    with ParallelInference(model, mode="inplace", workers=2) as inference:
+        inference.output(_inputs(1))
+        threading.Thread(target=inference.output, args=(_inputs(1),), name="caller-2").start()
+        gate.wait_entered(2)
+    assert gate.threads[-2:] in (["MainThread", "caller-2"], ["caller-2", "MainThread"])
+
+
+def test_a_full_queue_is_rejected_at_once_and_accepted_requests_succeed(gate):
+    model, gate = gate
+    x = _inputs(5)
+    with ParallelInference(model, workers=1, batch_limit=1, queue_limit=3) as inference, \
+            ThreadPoolExecutor(4) as pool:
+        accepted = _hold(inference, gate, pool, x[:4])
+        with pytest.raises(QueueFullError, match="queue full: 3 requests already waiting"):
+            inference.output(x[4:5])
+        assert inference.stats.snapshot()["rejected_count"] == 1
+        gate.open.set()
+        outputs = [f.result(60) for f in accepted]
+    torch.testing.assert_close(torch.cat(outputs), model.inner(x[:4]))
+
+
+def test_inplace_mode_rejects_callers_beyond_the_queue_limit(gate):
+    model, gate = gate
+    with ParallelInference(model, mode="inplace", workers=1, queue_limit=1) as inference, \
+            ThreadPoolExecutor(2) as pool:
+        held = _hold(inference, gate, pool, _inputs(2))
+        with pytest.raises(QueueFullError):
+            inference.output(_inputs(1))
+        gate.open.set()
+        [f.result(60) for f in held]
+
+
+def test_a_request_times_out_in_the_queue_and_leaves_it(gate):
+    model, gate = gate
+    with ParallelInference(model, workers=1) as inference, ThreadPoolExecutor(1) as pool:
+        [running] = _hold(inference, gate, pool, _inputs(1))
+        with pytest.raises(InferenceTimeout, match="timeout of 50 ms"):
+            inference.output(_inputs(1), timeout=0.05)
+        assert inference.queued == 0
+        gate.open.set()
+        running.result(60)
+        assert inference.stats.snapshot()["fail_count"] == 1
+
+
+def test_an_exception_in_a_forward_fails_only_the_request_that_caused_it(gate):
+    model, gate = gate
+    x = _inputs(6)
+    x[3, 7] = POISON
+    with ParallelInference(model, workers=1) as inference, ThreadPoolExecutor(6) as pool:
+        first, *rest = _hold(inference, gate, pool, x)
+        gate.open.set()
+        first.result(60)
+        with pytest.raises(ModelError, match=r"forward failed: ValueError: poisoned input"):
+            rest[2].result(60)
+        good = [rest[i].result(60) for i in (0, 1, 3, 4)]
+        assert 5 in gate.batches  # the five queued requests were tried as one batch first
+        # after that batch failed, each request was retried on its own
+    torch.testing.assert_close(torch.cat(good), model.inner(x[[1, 2, 4, 5]]))
+    # the worker survives and keeps serving
+    with ParallelInference(model, workers=1) as inference:
+        torch.testing.assert_close(inference.output(x[:2]), model.inner(x[:2]))
+
+
+def test_a_model_returning_the_wrong_rows_is_a_model_error():
+    class Collapse(torch.nn.Module):
+        def forward(self, x):
+            return x.sum(dim=0, keepdim=True)
+
+    expected = r"shape \(1, 64\) for a batch of 3"
+    with ParallelInference(Collapse()) as inference, pytest.raises(ModelError, match=expected):
+        inference.output(_inputs(3))
+
+
+def test_update_model_switches_without_failing_requests_and_running_ones_finish_on_the_old_model(gate):
+    old, gate = gate
+    new = seeded_mlp(seed=7)
+    x = _inputs(1)
+    with ParallelInference(old, workers=2, example=x) as inference, ThreadPoolExecutor(1) as pool:
+        gate.close()
+        running = pool.submit(inference.output, x)
+        gate.wait_entered(1)
+        inference.update_model(new)  # returns while the old model is still mid-forward
+        torch.testing.assert_close(inference.output(x), new(x))
+        gate.open.set()
+        torch.testing.assert_close(running.result(60), old.inner(x))
+
+
+def test_update_model_under_concurrent_load_fails_nothing():
+    old, new = seeded_mlp(seed=1), seeded_mlp(seed=2)
+    x = _inputs(32)
+    expected_old, expected_new = old(x), new(x)
+    stop = threading.Event()
+    errors, counts = [], []
+
+    def client(index: int) -> None:
+        row = x[index:index + 1]
+        served = 0
+        while not stop.is_set() and served < 10_000:
+            try:
+                y = inference.output(row)
+            except Exception as error:  # recorded: the test asserts there are none
+                errors.append(error)
+                return
+            rows = slice(index, index + 1)
+            if not (torch.allclose(y, expected_old[rows]) or torch.allclose(y, expected_new[rows])):
+                errors.append(AssertionError(f"client {index} got an output from neither model"))
+            served += 1
+        counts.append(served)
+
+    with ParallelInference(old, workers=2, queue_limit=64, example=x[:1]) as inference:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        _wait_executions(inference, 20)
+        inference.update_model(new)
+        after = inference.stats.snapshot()["execution_count"]
+        _wait_executions(inference, after + 20)
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+        assert not errors
+        torch.testing.assert_close(inference.output(x), expected_new)
+    assert sum(counts) > 0
+
+
+def test_a_new_model_that_fails_warm_up_leaves_the_old_one_serving():
+    old = seeded_mlp()
+    x = _inputs(2)
+    with ParallelInference(old, example=x[:1]) as inference:
+        with pytest.raises(RuntimeError):
+            inference.update_model(torch.nn.Linear(3, 3))  # cannot take 64 features
+        torch.testing.assert_close(inference.output(x), old(x))
+
+
+def test_warm_up_runs_every_batch_size_in_use_on_every_replica(gate):
+    model, gate = gate
+    gate.close()
+    gate.open.set()
+    with ParallelInference(model, workers=2, batch_limit=12, example=_inputs(1)):
+        pass
+    assert sorted(gate.batches) == sorted([1, 2, 4, 8, 12] * 2)
+    assert warmup_sizes("sequential", 32, 3) == [1, 3]
+
+
+def test_shutdown_finishes_queued_requests_then_refuses_new_ones(gate):
+    model, gate = gate
+    x = _inputs(4)
+    inference = ParallelInference(model, workers=1, batch_limit=1)
+    with ThreadPoolExecutor(5) as pool:
+        futures = _hold(inference, gate, pool, x)
+        stopping = pool.submit(inference.shutdown)
+        _wait_until(lambda: inference.closed)
+        with pytest.raises(ShutDownError):
+            inference.output(x[:1])
+        gate.open.set()
+        stopping.result(60)
+        outputs = [f.result(60) for f in futures]
+    torch.testing.assert_close(torch.cat(outputs), model.inner(x))
+
+
+def test_shutdown_without_drain_fails_what_is_queued(gate):
+    model, gate = gate
+    inference = ParallelInference(model, workers=1, batch_limit=1)
+    with ThreadPoolExecutor(2) as pool:
+        running, queued = _hold(inference, gate, pool, _inputs(2))
+        inference.shutdown(drain=False, timeout=0)
+        with pytest.raises(ShutDownError):
+            queued.result(60)
+        gate.open.set()
+        running.result(60)
+
+
+def test_max_delay_waits_for_a_full_batch(gate):
+    model, gate = gate
+    x = _inputs(4)
+    # A delay far longer than the test: the batch goes as soon as it holds batch_limit examples.
+    with ParallelInference(model, workers=1, batch_limit=4, max_delay_us=600_000_000) as inference:
+        gate.close()
+        gate.open.set()
+        outputs = _in_threads(lambda i: inference.output(x[i:i + 1]), range(4), threads=4)
+    assert gate.batches == [4]
+    torch.testing.assert_close(torch.cat(outputs), model.inner(x))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"mode": "parallel"}, "mode must be one of batched, sequential, inplace"),
+    ({"workers": 0}, "workers must be an integer >= 1"),
+    ({"batch_limit": 0}, "batch_limit must be an integer >= 1"),
+    ({"queue_limit": -1}, "queue_limit must be an integer >= 1"),
+    ({"devices": ["cpu"], "workers": 2}, "devices lists 1 devices for 2 workers"),
+])
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelInference(seeded_mlp(), **kwargs)
+
+
+def test_an_input_without_a_batch_dimension_is_refused():
+    with ParallelInference(seeded_mlp()) as inference, pytest.raises(ValueError, match="batch dimension"):
+        inference.output(torch.tensor(1.0))
+
+
+def test_the_callback_api_answers_on_a_worker_thread():
+    model = seeded_mlp()
+    x = _inputs(3)
+    done = threading.Event()
+    answers = []
+    with ParallelInference(model) as inference:
+        inference.submit(x, lambda output, error: (answers.append((output, error, threading.current_thread().name)),
+                                                   done.set()))
+        assert done.wait(60)
+    output, error, thread = answers[0]
+    assert error is None and thread.startswith("tandem-inference-")
+    torch.testing.assert_close(output, model(x))
+
+
+def _hold(inference: ParallelInference, gate, pool: ThreadPoolExecutor, rows: torch.Tensor) -> list[Future]:
+    """Close the gate, send the first row (its forward waits at the gate) and queue the others behind it in
+    order, one request per row; returns their futures."""
+    gate.close()
+    futures = [pool.submit(inference.output, rows[:1])]
+    gate.wait_entered(1)
+    for i in range(1, len(rows)):
+        futures.append(pool.submit(inference.output, rows[i:i + 1]))
+        _wait_queued(inference, i)
+    return futures
+
+
+def _wait_until(condition, timeout: float = 60.0) -> None:
+    done = threading.Event()
+    for _ in range(int(timeout / 0.005)):
+        if condition():
+            return
+        done.wait(0.005)
+    raise TimeoutError("condition not reached")
+
+
+def _wait_queued(inference: ParallelInference, count: int) -> None:
+    _wait_until(lambda: inference.queued >= count)
+
+
+def _wait_executions(inference: ParallelInference, count: int) -> None:
+    _wait_until(lambda: inference.stats.snapshot()["execution_count"] >= count)

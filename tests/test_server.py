@@ -1,0 +1,563 @@
+"""The inference server over real HTTP on 127.0.0.1 (ephemeral ports): tritonclient.http as the client, plain
+http.client where a test needs the raw response (headers, exact bytes). Requests are held at a known point
+with a gate (inference_models.Gate), never with sleeps or timed assertions."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+import torch
+import tritonclient.http as triton
+from inference_models import GATES, POISON, Gate, seeded_mlp
+from tandem.worker import checkpoint
+from tandem.worker.model_source import ModelLoadError
+from tandem.worker.server import InferenceServer
+from tritonclient.utils import InferenceServerException
+
+from tandem.api.inference import InferencePool
+from tandem.cli import main as cli_main
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+WAIT_S = 60.0
+
+
+def make_pool(name: str = "digits", **spec) -> InferencePool:
+    spec.setdefault("model", {"callable": "inference_models:seeded_mlp", "inputShape": [64]})
+    return InferencePool.model_validate({
+        "apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool", "metadata": {"name": name}, "spec": spec})
+
+
+def gated_pool(name: str, **spec) -> InferencePool:
+    GATES.pop(name, None)
+    return make_pool(name, model={"callable": "inference_models:gated_mlp", "args": {"name": name}, "inputShape": [64]},
+                     **spec)
+
+
+def write_checkpoint(directory: Path, seed: int, step: int, hidden: int = 16, features: int = 64) -> Path:
+    """A trainer checkpoint of the digits MLP (through the trainer's own checkpoint module)."""
+    model = seeded_mlp(seed, hidden) if features == 64 else torch.nn.Linear(features, 10)
+    manifest = checkpoint.build_manifest(
+        model="tandem.examples.digits:mlp" if features == 64 else "torch.nn:Linear",
+        model_args={"hidden": hidden} if features == 64 else {"in_features": features, "out_features": 10},
+        input_shape=[features], input_dtype="FP32", step=step)
+    return checkpoint.save(directory, {"manifest": manifest, "model": model.state_dict()}, step=step, keep_last=10)
+
+
+def inputs(count: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).random((count, 64), dtype=np.float32)
+
+
+def reference(x: np.ndarray, seed: int = 0, hidden: int = 16) -> np.ndarray:
+    with torch.no_grad():
+        return seeded_mlp(seed, hidden)(torch.from_numpy(x)).numpy()
+
+
+def infer(client: triton.InferenceServerClient, x: np.ndarray, binary: bool = True, model: str = "digits",
+          **kwargs) -> np.ndarray:
+    tensor = triton.InferInput("input", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x, binary_data=binary)
+    output = triton.InferRequestedOutput("output", binary_data=binary)
+    return client.infer(model, [tensor], outputs=[output], **kwargs).as_numpy("output")
+
+
+def infer_in_thread(url: str, x: np.ndarray, model: str) -> np.ndarray:
+    """A blocking tritonclient call with its own client, for a worker thread: tritonclient's async_infer runs on
+    gevent and makes progress only while the calling thread waits in gevent, so requests that must be in flight
+    while the test does something else are sent from threads."""
+    client = triton.InferenceServerClient(url)
+    try:
+        return infer(client, x, model=model)
+    finally:
+        client.close()
+
+
+def request(port: int, method: str, path: str, body: bytes | None = None,
+            headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+def json_body(x: np.ndarray, **extra) -> bytes:
+    return orjson.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                     "data": x.ravel().tolist()}], **extra})
+
+
+def wait_until(condition, timeout: float = WAIT_S, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout}s")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def served():
+    """Start servers for a test; all are stopped afterwards."""
+    servers = []
+
+    def start(pool: InferencePool, checkpoint_path: str | None = None, **kwargs):
+        background = InferenceServer(pool, checkpoint_path, **kwargs).start_in_thread()
+        servers.append(background)
+        return background
+
+    yield start
+    for name in list(GATES):
+        GATES[name].open.set()
+    for background in servers:
+        background.stop()
+
+
+def test_tritonclient_health_metadata_config_and_infer_with_json_and_binary_tensors(served):
+    server = served(make_pool(workersPerReplica=2, maxQueueDelayMicroseconds=100))
+    client = triton.InferenceServerClient(server.url)
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("digits") and client.is_model_ready("digits", "1")
+    metadata = client.get_server_metadata()
+    assert metadata["name"] == "tandem" and "binary_tensor_data" in metadata["extensions"]
+    model = client.get_model_metadata("digits", "1")
+    assert model["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 64]}]
+    assert model["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1, 10]}]
+    config = client.get_model_config("digits")
+    assert config["max_batch_size"] == 32
+    assert config["input"] == [{"name": "input", "data_type": "TYPE_FP32", "format": "FORMAT_NONE", "dims": [64]}]
+    assert config["output"][0]["dims"] == [10]
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 100
+    assert config["instance_group"][0]["count"] == 2
+    x = inputs(3)
+    for binary in (True, False):
+        np.testing.assert_allclose(infer(client, x, binary=binary), reference(x), rtol=1e-5, atol=1e-6)
+    # No requested outputs: tritonclient asks for binary_data_output
+    tensor = triton.InferInput("input", [3, 64], "FP32")
+    tensor.set_data_from_numpy(x)
+    result = client.infer("digits", [tensor], request_id="r-1")
+    assert result.get_response()["id"] == "r-1"
+    assert result.get_response()["outputs"][0]["parameters"] == {"binary_data_size": 3 * 10 * 4}
+    np.testing.assert_allclose(result.as_numpy("output"), reference(x), rtol=1e-5, atol=1e-6)
+    stats = client.get_inference_statistics("digits")["model_stats"][0]
+    assert stats["inference_stats"]["success"]["count"] == 3
+    assert stats["inference_count"] == 9
+    assert client.get_model_repository_index() == [
+        {"name": "digits", "version": "1", "state": "READY", "reason": "callable"}]
+
+
+def test_json_request_without_content_type_and_binary_response_on_request(served):
+    server = served(make_pool())
+    x = inputs(2)
+    status, headers, body = request(server.port, "POST", "/v2/models/digits/infer", json_body(x))
+    assert status == 200 and headers["Content-Type"].startswith("application/json")
+    answer = json.loads(body)
+    np.testing.assert_allclose(np.array(answer["outputs"][0]["data"]).reshape(2, 10), reference(x), rtol=1e-5,
+                               atol=1e-6)
+    # Binary input, binary output, by hand: JSON header, then the raw tensor bytes
+    header = orjson.dumps({"inputs": [{"name": "input", "shape": [2, 64], "datatype": "FP32",
+                                       "parameters": {"binary_data_size": x.nbytes}}],
+                           "parameters": {"binary_data_output": True}})
+    status, headers, body = request(server.port, "POST", "/v2/models/digits/versions/1/infer", header + x.tobytes(),
+                                    {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 200
+    length = int(headers["Inference-Header-Content-Length"])
+    head = json.loads(body[:length])
+    assert head["outputs"][0]["parameters"]["binary_data_size"] == len(body) - length == 80
+    np.testing.assert_allclose(np.frombuffer(body[length:], dtype=np.float32).reshape(2, 10), reference(x),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_many_concurrent_clients_each_get_exactly_their_own_outputs(served):
+    server = served(make_pool(workersPerReplica=2, queueLimit=256))
+    x = inputs(240, seed=5)
+    expected = reference(x)
+    client = triton.InferenceServerClient(server.url, concurrency=48)
+    handles = []
+    for i in range(len(x)):  # each request: 1 or 2 examples, binary or JSON
+        rows = x[i:i + 1] if i % 3 else x[i:i + 2]
+        tensor = triton.InferInput("input", list(rows.shape), "FP32")
+        tensor.set_data_from_numpy(rows, binary_data=bool(i % 2))
+        output = triton.InferRequestedOutput("output", binary_data=bool(i % 2))
+        handles.append((i, len(rows), client.async_infer("digits", [tensor], outputs=[output])))
+    for i, rows, handle in handles:
+        np.testing.assert_allclose(handle.get_result(timeout=WAIT_S).as_numpy("output"), expected[i:i + rows],
+                                   rtol=1e-5, atol=1e-6)
+    stats = client.get_inference_statistics("digits")["model_stats"][0]
+    assert stats["inference_stats"]["success"]["count"] == len(x)
+    client.close()
+
+
+def test_the_three_modes_serve_identical_outputs(served):
+    x = inputs(20, seed=9)
+    results = {}
+    for mode in ("batched", "sequential", "inplace"):
+        server = served(make_pool(f"m-{mode}", inferenceMode=mode, workersPerReplica=2))
+        client = triton.InferenceServerClient(server.url, concurrency=8)
+        handles = []
+        for i in range(len(x)):
+            tensor = triton.InferInput("input", [1, 64], "FP32")
+            tensor.set_data_from_numpy(x[i:i + 1])
+            handles.append(client.async_infer(f"m-{mode}", [tensor]))
+        results[mode] = np.concatenate([h.get_result(timeout=WAIT_S).as_numpy("output") for h in handles])
+        client.close()
+    np.testing.assert_allclose(results["batched"], results["sequential"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(results["sequential"], results["inplace"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(results["batched"], reference(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_every_accepted_request_succeeds(served):
+    name = "queue-full"
+    server = served(gated_pool(name, workersPerReplica=1, batchLimit=1, queueLimit=4))
+    gate = GATES[name]
+    inference = server.server.inference
+    x = inputs(5)
+    pool = ThreadPoolExecutor(5)
+    gate.close()
+    accepted = []
+    for i in range(5):  # one running (held at the gate) and four queued
+        accepted.append(pool.submit(infer_in_thread, server.url, x[i:i + 1], name))
+        if i == 0:
+            gate.wait_entered(1)
+    wait_until(lambda: inference.queued == 4, what="four queued requests")
+    for _ in range(3):
+        status, headers, body = request(server.port, "POST", f"/v2/models/{name}/infer", json_body(x[:1]))
+        assert status == 429 and headers["Retry-After"] == "1"
+        assert "queue full: 4 requests already waiting" in json.loads(body)["error"]
+    with pytest.raises(InferenceServerException) as rejected:
+        infer(triton.InferenceServerClient(server.url), x[:1], model=name)
+    assert rejected.value.status() == "429"
+    gate.open.set()
+    outputs = np.concatenate([f.result(WAIT_S) for f in accepted])
+    pool.shutdown()
+    np.testing.assert_allclose(outputs, reference(x), rtol=1e-5, atol=1e-6)
+    metrics = request(server.port, "GET", "/metrics")[2].decode()
+    assert f'tandem_inference_requests_total{{model="{name}",outcome="rejected"}} 4.0' in metrics
+    assert f'tandem_inference_requests_total{{model="{name}",outcome="success"}} 5.0' in metrics
+
+
+def test_hot_swap_under_concurrent_load_fails_nothing_and_later_outputs_come_from_the_new_model(served, tmp_path):
+    first = write_checkpoint(tmp_path / "a", seed=1, step=1)
+    second = write_checkpoint(tmp_path / "b", seed=2, step=2)
+    server = served(make_pool(model={"checkpoint": str(first)}, workersPerReplica=2, queueLimit=128))
+    x = inputs(8, seed=3)
+    old, new = reference(x, seed=1), reference(x, seed=2)
+    stop = threading.Event()
+    swapped = threading.Event()
+    failures, counts = [], {"old": 0, "new": 0}
+
+    def client_loop(index: int) -> None:
+        client = triton.InferenceServerClient(server.url)
+        row = x[index:index + 1]
+        try:
+            for _ in range(100_000):
+                if stop.is_set():
+                    return
+                was_swapped = swapped.is_set()
+                try:
+                    y = infer(client, row, binary=bool(index % 2))
+                except Exception as error:  # collected: the test asserts there are none
+                    failures.append(repr(error))
+                    return
+                if np.allclose(y, new[index:index + 1], rtol=1e-5, atol=1e-6):
+                    counts["new"] += 1
+                elif np.allclose(y, old[index:index + 1], rtol=1e-5, atol=1e-6) and not was_swapped:
+                    counts["old"] += 1
+                else:
+                    failures.append(f"client {index}: output from neither the served nor the new model")
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(len(x))]
+    for thread in threads:
+        thread.start()
+    inference = server.server.inference
+    wait_until(lambda: inference.stats.snapshot()["success_count"] >= 30, what="load before the swap")
+    admin = triton.InferenceServerClient(server.url)
+    admin.load_model("digits", config=json.dumps({"checkpoint": str(second)}))  # tritonclient's own call
+    swapped.set()
+    done = inference.stats.snapshot()["success_count"]
+    wait_until(lambda: inference.stats.snapshot()["success_count"] >= done + 30, what="load after the swap")
+    stop.set()
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert failures == []
+    assert counts["old"] > 0 and counts["new"] > 0
+    np.testing.assert_allclose(infer(admin, x), new, rtol=1e-5, atol=1e-6)
+    assert admin.get_model_repository_index()[0]["reason"] == str(second)
+
+
+def test_a_checkpoint_that_fails_to_load_leaves_the_old_model_serving(served, tmp_path):
+    good = write_checkpoint(tmp_path / "good", seed=1, step=1)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:200])
+    other_shape = write_checkpoint(tmp_path / "other", seed=1, step=1, features=32)
+    server = served(make_pool(model={"checkpoint": str(good)}))
+    x = inputs(2)
+    cases = [
+        (truncated, "truncated or corrupt checkpoint"),
+        (tmp_path / "missing.pt", "no such checkpoint file"),
+        (other_shape, "a hot swap must keep them"),
+        (tmp_path / "empty-dir", "no checkpoint in this directory"),
+    ]
+    (tmp_path / "empty-dir").mkdir()
+    for path, message in cases:
+        status, _, body = request(server.port, "POST", "/v2/repository/models/digits/load",
+                                  orjson.dumps({"parameters": {"checkpoint": str(path)}}))
+        error = json.loads(body)["error"]
+        assert status == 400 and message in error and f"still serving {good}" in error, error
+        np.testing.assert_allclose(infer(triton.InferenceServerClient(server.url), x), reference(x, seed=1),
+                                   rtol=1e-5, atol=1e-6)
+    # A directory serves its latest checkpoint
+    write_checkpoint(tmp_path / "dir", seed=4, step=3)
+    latest = write_checkpoint(tmp_path / "dir", seed=5, step=9)
+    status, _, body = request(server.port, "POST", "/v2/repository/models/digits/load",
+                              orjson.dumps({"parameters": {"checkpoint": str(tmp_path / "dir")}}))
+    assert status == 200 and json.loads(body)["checkpoint"] == str(latest)
+    np.testing.assert_allclose(infer(triton.InferenceServerClient(server.url), x), reference(x, seed=5),
+                               rtol=1e-5, atol=1e-6)
+
+
+def binary_case(size: int, payload: int, status: int, words: str, header_length: int | None = None):
+    header = ('{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", '
+              f'"parameters": {{"binary_data_size": {size}}}}}]}}')
+    length = len(header) if header_length is None else header_length
+    return ("POST", "/v2/models/digits/infer", header + "x" * payload, {"Inference-Header-Content-Length": str(length)},
+            status, words)
+
+
+BAD_REQUESTS = [
+    # (method, path, body, headers, status, words in the error)
+    ("POST", "/v2/models/nope/infer", "{}", {}, 404, "unknown model 'nope'"),
+    ("POST", "/v2/models/digits/versions/7/infer", "{}", {}, 404, "no version '7'"),
+    ("GET", "/v2/models/nope", None, {}, 404, "unknown model 'nope'"),
+    ("GET", "/v2/models/nope/config", None, {}, 404, "unknown model"),
+    ("GET", "/v2/nothing/here", None, {}, 404, "no endpoint GET /v2/nothing/here"),
+    ("GET", "/v2/models/digits/infer", None, {}, 405, "GET is not allowed"),
+    ("POST", "/v2/models/digits/infer", "", {}, 400, "empty request body"),
+    ("POST", "/v2/models/digits/infer", "{not json", {}, 400, "malformed JSON"),
+    ("POST", "/v2/models/digits/infer", "[1, 2]", {}, 400, "must be a JSON object"),
+    ("POST", "/v2/models/digits/infer", '{"inputs": []}', {}, 400, "non-empty 'inputs' list"),
+    ("POST", "/v2/models/digits/infer", '{"inputs": [7]}', {}, 400, "inputs[0] must be an object"),
+    ("POST", "/v2/models/digits/infer",
+     '{"inputs": [{"name": "pixels", "shape": [1, 64], "datatype": "FP32", "data": []}]}', {}, 400,
+     "unknown input 'pixels': the model's only input is 'input'"),
+    ("POST", "/v2/models/digits/infer",
+     '{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "INT64", "data": []}]}', {}, 400,
+     "datatype 'INT64' does not match the model's FP32"),
+    ("POST", "/v2/models/digits/infer",
+     '{"inputs": [{"name": "input", "shape": [1, 63], "datatype": "FP32", "data": []}]}', {}, 400,
+     "shape [1, 63] does not match the model's [-1, 64]"),
+    ("POST", "/v2/models/digits/infer",
+     '{"inputs": [{"name": "input", "shape": ["1", 64], "datatype": "FP32", "data": []}]}', {}, 400,
+     "shape must be a list of non-negative integers"),
+    ("POST", "/v2/models/digits/infer",
+     '{"inputs": [{"name": "input", "shape": [33, 64], "datatype": "FP32", "data": []}]}', {}, 400,
+     "batch size 33 is outside 1..32"),
+    ("POST", "/v2/models/digits/infer",
+     '{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [1, 2, 3]}]}', {}, 400,
+     "data holds 3 values; shape [1, 64] needs 64"),
+    ("POST", "/v2/models/digits/infer",
+     '{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": ' + json.dumps(["x"] * 64) + "}]}",
+     {}, 400, "FP32 data must be numbers; found strings"),
+    ("POST", "/v2/models/digits/infer",
+     '{"inputs": [{"name": "input", "shape": [2, 64], "datatype": "FP32", "data": [[1, 2], [3]]}]}', {}, 400,
+     "not a regular nested list"),
+    ("POST", "/v2/models/digits/infer",
+     '{"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32"}]}', {}, 400, "no data"),
+    binary_case(100, 100, 400, "binary_data_size 100 does not fit shape [1, 64] of FP32 (256 bytes)"),
+    binary_case(256, 10, 400, "does not match the 10 bytes after the JSON header"),
+    binary_case(256, 256, 400, "is outside the body's", header_length=10_000),
+    ("POST", "/v2/models/digits/infer", "{}", {"Inference-Header-Content-Length": "abc"}, 400,
+     "Inference-Header-Content-Length: 'abc' is not a byte count"),
+    ("POST", "/v2/models/digits/infer", json_body(np.zeros((1, 64), np.float32), outputs=[{"name": "probs"}]).decode(),
+     {}, 400, "unknown output 'probs': the model's only output is 'output'"),
+    ("POST", "/v2/models/digits/infer", json_body(np.zeros((1, 64), np.float32),
+                                                  parameters={"timeout": "soon"}).decode(),
+     {}, 400, "parameters.timeout must be a non-negative integer"),
+    ("POST", "/v2/models/digits/infer", json_body(np.zeros((1, 64), np.float32), id=5).decode(), {}, 400,
+     "id must be a string"),
+    ("POST", "/v2/models/digits/infer", "[" + "0," * 600_000 + "0]", {}, 413, "request body too large"),
+    ("POST", "/v2/repository/models/digits/load", "{nope", {}, 400, "malformed JSON in the load request"),
+    ("POST", "/v2/repository/models/digits/load", '{"parameters": {"path": "x"}}', {}, 400,
+     "unknown load parameter(s) path"),
+    ("POST", "/v2/repository/models/digits/unload", "", {}, 400, "unloading is not supported"),
+]
+
+
+def test_bad_requests_get_4xx_naming_the_problem_and_the_server_keeps_serving(served):
+    server = served(make_pool())
+    for method, path, body, headers, status, words in BAD_REQUESTS:
+        got, response_headers, raw = request(server.port, method, path, None if body is None else body.encode(),
+                                             headers)
+        assert response_headers["Content-Type"].startswith("application/json"), (path, body)
+        error = json.loads(raw)["error"]
+        assert (got, words in error) == (status, True), (method, path, body[:80] if body else None, got, error)
+    x = inputs(2)
+    np.testing.assert_allclose(infer(triton.InferenceServerClient(server.url), x), reference(x), rtol=1e-5, atol=1e-6)
+    metrics = request(server.port, "GET", "/metrics")[2].decode()
+    invalid = sum(1 for method, path, *_ in BAD_REQUESTS if method == "POST" and path.endswith("/infer"))
+    assert f'tandem_inference_requests_total{{model="digits",outcome="invalid"}} {float(invalid)}' in metrics
+
+
+def test_an_exception_in_a_forward_fails_only_that_request(served):
+    name = "poison"
+    server = served(gated_pool(name, workersPerReplica=1))
+    gate = GATES[name]
+    inference = server.server.inference
+    x = inputs(4)
+    x[2, 5] = POISON
+    pool = ThreadPoolExecutor(4)
+    gate.close()
+    futures = []
+    for i in range(4):
+        futures.append(pool.submit(infer_in_thread, server.url, x[i:i + 1], name))
+        if i == 0:
+            gate.wait_entered(1)
+    wait_until(lambda: inference.queued == 3, what="three queued requests")
+    gate.open.set()
+    with pytest.raises(InferenceServerException) as failed:
+        futures[2].result(WAIT_S)
+    assert failed.value.status() == "500" and "poisoned input" in failed.value.message()
+    for i in (0, 1, 3):
+        np.testing.assert_allclose(futures[i].result(WAIT_S), reference(x[i:i + 1]), rtol=1e-5, atol=1e-6)
+    pool.shutdown()
+    assert 3 in gate.batches  # the three queued requests ran as one batch before the retry one by one
+    np.testing.assert_allclose(infer_in_thread(server.url, x[:2], name), reference(x[:2]), rtol=1e-5, atol=1e-6)
+
+def test_a_request_timeout_answers_504_and_the_request_leaves_the_queue(served):
+    name = "timeout"
+    server = served(gated_pool(name, workersPerReplica=1))
+    gate = GATES[name]
+    pool = ThreadPoolExecutor(1)
+    gate.close()
+    running = pool.submit(infer_in_thread, server.url, inputs(1), name)
+    gate.wait_entered(1)
+    with pytest.raises(InferenceServerException) as timed_out:
+        infer(triton.InferenceServerClient(server.url), inputs(1), model=name, timeout=20_000)  # microseconds
+    assert timed_out.value.status() == "504" and "timeout of 20 ms" in timed_out.value.message()
+    assert server.server.inference.queued == 0
+    gate.open.set()
+    running.result(WAIT_S)
+    pool.shutdown()
+
+
+def test_not_ready_until_the_model_is_loaded_but_live_at_once(served):
+    name = "slow-build"
+    GATES.pop(name, None)
+    gate = GATES.setdefault(name, Gate())
+    gate.open.clear()
+    pool = make_pool(name, model={"callable": "inference_models:slow_to_build", "args": {"name": name},
+                                  "inputShape": [64]})
+    server = InferenceServer(pool)
+    served_holder: list = []
+    started = threading.Thread(target=lambda: served_holder.append(server.start_in_thread()))
+    started.start()
+    wait_until(lambda: server.port is not None, what="listening")
+    assert request(server.port, "GET", "/v2/health/live")[:1] == (200,)
+    status, _, body = request(server.port, "GET", "/v2/health/ready")
+    assert (status, json.loads(body)) == (503, {"ready": False})
+    status, _, body = request(server.port, "POST", f"/v2/models/{name}/infer", json_body(inputs(1)))
+    assert status == 503 and "not loaded yet" in json.loads(body)["error"]
+    gate.open.set()
+    started.join(WAIT_S)
+    background = served_holder[0]
+    try:
+        assert request(server.port, "GET", "/v2/health/ready")[0] == 200
+        assert request(server.port, "GET", f"/v2/models/{name}/ready")[0] == 200
+    finally:
+        background.stop()
+
+
+def test_two_servers_in_one_process_keep_their_own_metrics(served):
+    first, second = served(make_pool("one")), served(make_pool("two", batchLimit=8))
+    infer(triton.InferenceServerClient(first.url), inputs(3), model="one")
+    one = request(first.port, "GET", "/metrics")[2].decode()
+    two = request(second.port, "GET", "/metrics")[2].decode()
+    assert 'tandem_inference_requests_total{model="one",outcome="success"} 1.0' in one
+    assert 'tandem_inference_examples_total{model="one"} 3.0' in one
+    assert 'tandem_inference_batch_size_bucket{le="4.0",model="one"} 1.0' in one
+    assert 'tandem_inference_requests_total{model="two",outcome="success"} 0.0' in two
+    assert 'tandem_inference_batch_size_bucket{le="8.0",model="two"} 0.0' in two
+    for family in ("tandem_inference_pending_requests", "tandem_inference_queue_duration_seconds_bucket",
+                   "tandem_inference_compute_duration_seconds_sum", "tandem_inference_executions_total"):
+        assert family in one
+
+
+def test_following_a_training_jobs_checkpoints_hot_swaps_each_new_one(served, tmp_path):
+    directory = tmp_path / "checkpoints"
+    write_checkpoint(directory, seed=1, step=10)
+    pool = make_pool(model={"fromTrainingJob": {"name": "digits-train", "follow": True}})
+    server = served(pool, str(directory), follow_interval=0.05)
+    client = triton.InferenceServerClient(server.url)
+    x = inputs(2)
+    np.testing.assert_allclose(infer(client, x), reference(x, seed=1), rtol=1e-5, atol=1e-6)
+    newest = write_checkpoint(directory, seed=2, step=20)
+    wait_until(lambda: server.server.loaded.checkpoint == str(newest), what="the new checkpoint served")
+    np.testing.assert_allclose(infer(client, x), reference(x, seed=2), rtol=1e-5, atol=1e-6)
+    assert client.get_model_repository_index()[0]["reason"] == str(newest)
+
+
+def test_a_pool_that_cannot_be_served_is_refused_with_the_reason(tmp_path, capsys):
+    with pytest.raises(ModelLoadError, match="pass --checkpoint"):
+        InferenceServer(make_pool(model={"fromTrainingJob": {"name": "digits-train"}}))
+    manifest = tmp_path / "pool.yaml"
+    manifest.write_text(json.dumps(make_pool(model={"callable": "inference_models:seeded_mlp"}).to_dict()))
+    assert cli_main(["serve", str(manifest), "--port", "0"]) == 1
+    assert "model.inputShape is required with model.callable" in capsys.readouterr().err
+
+
+def test_sigterm_turns_not_ready_finishes_requests_in_flight_and_exits_0(tmp_path):
+    gate = tmp_path / "open"
+    manifest = tmp_path / "pool.yaml"
+    manifest.write_text(json.dumps(make_pool(
+        "drain", model={"callable": "inference_models:file_gated_mlp", "args": {"gate": str(gate)}, "inputShape": [64]},
+        workersPerReplica=1, batchLimit=1).to_dict()))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", str(manifest), "--port", "0",
+                                "--grace-period", "120"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        port = _port_from_log(process)
+        wait_until(lambda: request(port, "GET", "/v2/health/ready")[0] == 200, what="ready")
+        held = np.ones((1, 64), np.float32)  # inputs of all ones wait for the gate file
+        pool = ThreadPoolExecutor(3)
+        futures = [pool.submit(infer_in_thread, f"127.0.0.1:{port}", held, "drain") for _ in range(3)]
+        wait_until(lambda: 'tandem_inference_pending_requests{model="drain"} 3.0'
+                   in request(port, "GET", "/metrics")[2].decode(), what="three requests in flight")
+        process.send_signal(signal.SIGTERM)
+        wait_until(lambda: request(port, "GET", "/v2/health/ready")[0] == 503, what="not ready")
+        status, _, body = request(port, "POST", "/v2/models/drain/infer", json_body(inputs(1)))
+        assert status == 503 and "shutting down" in json.loads(body)["error"]
+        assert process.poll() is None  # still draining
+        gate.touch()
+        for future in futures:
+            np.testing.assert_allclose(future.result(WAIT_S), reference(held), rtol=1e-5, atol=1e-6)
+        pool.shutdown()
+        assert process.wait(WAIT_S) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "finishing requests already received" in process.stderr.read()
+
+
+def _port_from_log(process: subprocess.Popen) -> int:
+    """The port from `tandem serve`'s first line: `listening on http://127.0.0.1:PORT ...`."""
+    line = process.stderr.readline()
+    assert "listening on http://127.0.0.1:" in line, line
+    return int(line.split("http://127.0.0.1:")[1].split()[0])
+

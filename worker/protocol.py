@@ -1,0 +1,302 @@
+"""The Open Inference Protocol (KServe/Triton v2) on the wire: inference requests and responses as JSON tensors
+and with Triton's binary tensor extension, model metadata, and Triton's model configuration shape.
+
+Pure functions over bytes and dicts (no HTTP, no model): the server calls them, tests call them directly.
+Every problem with a request raises ProtocolError, whose message names the field and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+
+# Datatype name -> (torch dtype, numpy dtype used on the wire; None where numpy has no such type).
+DATATYPES: dict[str, tuple[torch.dtype, Any]] = {
+    "BOOL": (torch.bool, np.bool_),
+    "UINT8": (torch.uint8, np.uint8),
+    "INT8": (torch.int8, np.int8),
+    "INT16": (torch.int16, np.int16),
+    "INT32": (torch.int32, np.int32),
+    "INT64": (torch.int64, np.int64),
+    "FP16": (torch.float16, np.float16),
+    "BF16": (torch.bfloat16, None),
+    "FP32": (torch.float32, np.float32),
+    "FP64": (torch.float64, np.float64),
+}
+TORCH_DATATYPE = {torch_dtype: name for name, (torch_dtype, _) in DATATYPES.items()}
+_ITEMSIZE = {name: torch.empty(0, dtype=torch_dtype).element_size() for name, (torch_dtype, _) in DATATYPES.items()}
+_JSON_KINDS = {"BOOL": "b", "UINT8": "iu", "INT8": "iu", "INT16": "iu", "INT32": "iu", "INT64": "iu"}
+_KIND_NAMES = {"b": "true/false", "i": "integers", "u": "integers", "f": "non-integer numbers", "U": "strings"}
+_JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+class ProtocolError(ValueError):
+    """A request the server cannot serve; `status` is the HTTP status to answer with (4xx)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    """Per example: the batch dimension is not included."""
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What the served model takes and returns, and how many examples one request may carry."""
+
+    input: TensorSpec
+    output: TensorSpec
+    max_batch_size: int
+
+    def metadata(self, name: str, versions: list[str], platform: str = "pytorch") -> dict[str, Any]:
+        """`GET /v2/models/{name}`: shapes with -1 for the batch dimension."""
+        return {
+            "name": name, "versions": versions, "platform": platform,
+            "inputs": [_tensor_metadata(self.input)], "outputs": [_tensor_metadata(self.output)],
+        }
+
+    def config(self, name: str, *, instances: int, kind: str, max_queue_delay_us: int, preferred: list[int],
+               queue_limit: int, timeout_us: int) -> dict[str, Any]:
+        """`GET /v2/models/{name}/config` in Triton's model configuration shape (what perf_analyzer reads)."""
+        return {
+            "name": name,
+            "platform": "pytorch",
+            "backend": "tandem",
+            "max_batch_size": self.max_batch_size,
+            "input": [_tensor_config(self.input)],
+            "output": [_tensor_config(self.output)],
+            "dynamic_batching": {
+                "preferred_batch_size": preferred,
+                "max_queue_delay_microseconds": max_queue_delay_us,
+                "default_queue_policy": {
+                    "max_queue_size": queue_limit,
+                    "default_timeout_microseconds": timeout_us,
+                    "timeout_action": "REJECT",
+                },
+            },
+            "instance_group": [{"name": name, "kind": kind, "count": instances}],
+            "version_policy": {"latest": {"num_versions": 1}},
+        }
+
+
+def _tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
+    return {"name": spec.name, "datatype": spec.datatype, "shape": [-1, *spec.shape]}
+
+
+def _tensor_config(spec: TensorSpec) -> dict[str, Any]:
+    return {"name": spec.name, "data_type": f"TYPE_{'STRING' if spec.datatype == 'BYTES' else spec.datatype}",
+            "format": "FORMAT_NONE", "dims": list(spec.shape)}
+
+
+@dataclass
+class InferRequest:
+    """A decoded, validated inference request."""
+
+    x: torch.Tensor
+    id: str | None
+    binary_output: bool
+    timeout_us: int | None
+
+
+def decode_request(body: bytes, header_length: str | None, signature: Signature) -> InferRequest:
+    """Decode and validate an inference request body (JSON, or a JSON header followed by binary tensors when
+    `header_length`, the Inference-Header-Content-Length header, is given)."""
+    if header_length is None:
+        header, binary = body, b""
+    else:
+        try:
+            length = int(header_length)
+        except ValueError:
+            raise ProtocolError(f"{HEADER_LENGTH}: {header_length!r} is not a byte count") from None
+        if not 0 < length <= len(body):
+            raise ProtocolError(f"{HEADER_LENGTH}: {length} is outside the body's {len(body)} bytes")
+        header, binary = body[:length], body[length:]
+    if not header:
+        raise ProtocolError("empty request body: expected a JSON inference request with an 'inputs' list")
+    try:
+        request = orjson.loads(header)
+    except orjson.JSONDecodeError as error:
+        raise ProtocolError(f"malformed JSON in the request: {error}") from None
+    if not isinstance(request, dict):
+        raise ProtocolError(f"the request must be a JSON object with an 'inputs' list; got a {_json_type(request)}")
+    inputs = request.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise ProtocolError("the request needs a non-empty 'inputs' list")
+    expected = signature.input.name
+    names = [item.get("name") if isinstance(item, dict) else None for item in inputs]
+    for index, (item, name) in enumerate(zip(inputs, names, strict=True)):
+        if not isinstance(item, dict):
+            raise ProtocolError(f"inputs[{index}] must be an object with name, shape, datatype and data")
+        if name != expected:
+            raise ProtocolError(f"unknown input {name!r}: the model's only input is {expected!r}")
+    if len(inputs) > 1:
+        raise ProtocolError(f"input {expected!r} is given {len(inputs)} times")
+    parameters = _object(request.get("parameters"), "parameters")
+    x = _decode_tensor(inputs[0], binary, signature)
+    binary_output = _binary_output(request, parameters, signature)
+    timeout = parameters.get("timeout")
+    if timeout is not None and (not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0):
+        raise ProtocolError(f"parameters.timeout must be a non-negative integer (microseconds); got {timeout!r}")
+    request_id = request.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise ProtocolError(f"id must be a string; got a {_json_type(request_id)}")
+    return InferRequest(x, request_id, binary_output, timeout or None)
+
+
+def _decode_tensor(item: dict[str, Any], binary: bytes, signature: Signature) -> torch.Tensor:
+    spec = signature.input
+    where = f"input {spec.name!r}"
+    datatype = item.get("datatype")
+    if datatype != spec.datatype:
+        raise ProtocolError(f"{where}: datatype {datatype!r} does not match the model's {spec.datatype}")
+    shape = item.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise ProtocolError(f"{where}: shape must be a list of non-negative integers; got {shape!r}")
+    if len(shape) != len(spec.shape) + 1 or tuple(shape[1:]) != spec.shape:
+        wanted = [-1, *spec.shape]
+        raise ProtocolError(f"{where}: shape {shape} does not match the model's {wanted} "
+                            "(the first dimension is the batch)")
+    if not 1 <= shape[0] <= signature.max_batch_size:
+        raise ProtocolError(f"{where}: batch size {shape[0]} is outside 1..{signature.max_batch_size} "
+                            "(the model's max_batch_size)")
+    torch_dtype, numpy_dtype = DATATYPES[datatype]
+    count = math.prod(shape)
+    parameters = _object(item.get("parameters"), f"{where} parameters")
+    size = parameters.get("binary_data_size")
+    if size is not None:
+        if "data" in item:
+            raise ProtocolError(f"{where}: give either data or parameters.binary_data_size, not both")
+        return _binary_tensor(size, binary, shape, count, torch_dtype, where)
+    if binary:
+        raise ProtocolError(f"the body has {len(binary)} bytes after the JSON header but no input has "
+                            "parameters.binary_data_size")
+    if "data" not in item:
+        raise ProtocolError(f"{where}: no data (give data, or binary data with parameters.binary_data_size)")
+    return _json_tensor(item["data"], shape, count, datatype, torch_dtype, numpy_dtype, where)
+
+
+def _binary_tensor(size: Any, binary: bytes, shape: list[int], count: int, dtype: torch.dtype,
+                   where: str) -> torch.Tensor:
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ProtocolError(f"{where}: binary_data_size must be a non-negative integer; got {size!r}")
+    itemsize = _ITEMSIZE[TORCH_DATATYPE[dtype]]
+    if size != count * itemsize:
+        raise ProtocolError(f"{where}: binary_data_size {size} does not fit shape {shape} of "
+                            f"{TORCH_DATATYPE[dtype]} ({count * itemsize} bytes)")
+    if size != len(binary):
+        raise ProtocolError(f"{where}: binary_data_size {size} does not match the {len(binary)} bytes after the "
+                            "JSON header")
+    # bytearray: a writable copy, so torch does not warn and nothing aliases the request buffer.
+    return torch.frombuffer(bytearray(binary), dtype=dtype).reshape(shape)
+
+
+def _json_tensor(data: Any, shape: list[int], count: int, datatype: str, torch_dtype: torch.dtype, numpy_dtype: Any,
+                 where: str) -> torch.Tensor:
+    if not isinstance(data, list):
+        raise ProtocolError(f"{where}: data must be a list of numbers; got a {_json_type(data)}")
+    try:
+        array = np.asarray(data)
+    except ValueError:
+        raise ProtocolError(f"{where}: data is not a regular nested list of numbers") from None
+    kinds = _JSON_KINDS.get(datatype, "iuf")
+    if array.size != count:
+        raise ProtocolError(f"{where}: data holds {array.size} values; shape {shape} needs {count}")
+    if array.dtype.kind not in kinds:
+        wanted = {"b": "true/false", "iu": "integers"}.get(kinds, "numbers")
+        found = _KIND_NAMES.get(array.dtype.kind, "values of mixed types")
+        raise ProtocolError(f"{where}: {datatype} data must be {wanted}; found {found}")
+    if kinds == "iu" and array.size:
+        info = np.iinfo(numpy_dtype)
+        low, high = array.min(), array.max()
+        if low < info.min or high > info.max:
+            raise ProtocolError(f"{where}: {datatype} data out of range ({info.min}..{info.max}): found {low}..{high}")
+    if numpy_dtype is None:  # BF16: no numpy type; go through float32
+        return torch.from_numpy(array.astype(np.float32)).to(torch_dtype).reshape(shape)
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=numpy_dtype)).reshape(shape)
+
+
+def _binary_output(request: dict[str, Any], parameters: dict[str, Any], signature: Signature) -> bool:
+    binary = parameters.get("binary_data_output", False)
+    if not isinstance(binary, bool):
+        raise ProtocolError(f"parameters.binary_data_output must be true or false; got {binary!r}")
+    outputs = request.get("outputs")
+    if outputs is None:
+        return binary
+    if not isinstance(outputs, list):
+        raise ProtocolError(f"outputs must be a list; got a {_json_type(outputs)}")
+    for index, item in enumerate(outputs):
+        if not isinstance(item, dict):
+            raise ProtocolError(f"outputs[{index}] must be an object with a name")
+        if item.get("name") != signature.output.name:
+            raise ProtocolError(f"unknown output {item.get('name')!r}: the model's only output is "
+                                f"{signature.output.name!r}")
+        output_parameters = _object(item.get("parameters"), f"outputs[{index}].parameters")
+        if output_parameters.get("classification"):
+            raise ProtocolError("the classification extension (class_count) is not supported")
+        if "binary_data" in output_parameters:
+            binary = output_parameters["binary_data"]
+            if not isinstance(binary, bool):
+                raise ProtocolError(f"outputs[{index}].parameters.binary_data must be true or false; got {binary!r}")
+    return binary
+
+
+def encode_response(output: torch.Tensor, request: InferRequest, model: str, version: str,
+                    signature: Signature) -> tuple[bytes, str, int | None]:
+    """The response to `request` whose output is `output` (its rows of the model's output): the body, its
+    content type, and the length of the JSON header when binary tensor data follows it (else None)."""
+    spec = signature.output
+    head: dict[str, Any] = {"model_name": model, "model_version": version}
+    if request.id is not None:
+        head["id"] = request.id
+    description: dict[str, Any] = {"name": spec.name, "datatype": spec.datatype, "shape": list(output.shape)}
+    head["outputs"] = [description]
+    if request.binary_output:
+        data = _bytes(output)
+        description["parameters"] = {"binary_data_size": len(data)}
+        header = orjson.dumps(head)
+        return header + data, "application/octet-stream", len(header)
+    description["data"] = _flat_array(output)
+    return orjson.dumps(head, option=_JSON_OPTIONS), "application/json", None
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    tensor = tensor.contiguous()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().tobytes()
+    return tensor.numpy().tobytes()
+
+
+def _flat_array(tensor: torch.Tensor) -> np.ndarray:
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.float()
+    return np.ascontiguousarray(tensor.numpy()).reshape(-1)
+
+
+def dumps(value: Any) -> bytes:
+    return orjson.dumps(value, option=_JSON_OPTIONS)
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{where} must be an object; got a {_json_type(value)}")
+    return value
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(
+        type(value), "null" if value is None else type(value).__name__)

@@ -42,6 +42,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from tandem.worker.signals import block_stop_signals
+
+    block_stop_signals()  # before torch starts any thread
     from tandem.worker.entrypoint import cli
 
     return cli()

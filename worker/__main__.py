@@ -2,7 +2,11 @@
 
 import sys
 
-from tandem.worker.entrypoint import cli
+from tandem.worker.signals import block_stop_signals
+
+block_stop_signals()  # before torch starts any thread
+
+from tandem.worker.entrypoint import cli  # noqa: E402
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["train"]:

@@ -45,7 +45,7 @@ def build_manifest(**fields: Any) -> dict[str, Any]:
     """The manifest saved with every checkpoint: `fields` plus the versions that wrote it."""
     return {
         "tandem": tandem.__version__,
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),
         "python": platform.python_version(),
         **fields,
     }
@@ -100,9 +100,13 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
-        raise CheckpointError(
-            f"{path}: refused: holds objects other than tensors and plain values (weights_only load): {error}"
-        ) from error
+        detail = str(error).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+        if "Unsupported global" in detail:
+            raise CheckpointError(
+                f"{path}: refused: it holds pickled objects, not only tensors and plain values, and checkpoints are "
+                f"only read with weights_only ({detail})"
+            ) from error
+        raise CheckpointError(f"{path}: truncated or corrupt checkpoint ({detail})") from error
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as error:
         raise CheckpointError(f"{path}: truncated or corrupt checkpoint ({type(error).__name__}: {error})") from error
     if not isinstance(state, dict) or state.get("format") != FORMAT:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from itertools import islice
 from typing import Any
 
@@ -27,11 +27,24 @@ def evaluation_shard(dataset: Dataset, *, rank: int, world_size: int) -> Subset:
     return Subset(dataset, range(rank, len(dataset), world_size))
 
 
-def epoch_batches(loader: DataLoader, epoch: int, *, skip: int = 0, prefetch: int = 0) -> Iterator[Any]:
-    """The epoch's batches after the first `skip` (a resumed run's data position), loaded `prefetch` ahead."""
+def epoch_batches(loader: DataLoader, epoch: int, *, skip: int = 0, prefetch: int = 0) -> Generator[Any]:
+    """The epoch's batches after the first `skip` (a resumed run's data position), loaded `prefetch` ahead.
+    Close it (contextlib.closing) when leaving an epoch early, so its loader thread ends."""
     loader.sampler.set_epoch(epoch)
     batches = islice(iter(loader), skip, None)
-    return _prefetched(batches, prefetch) if prefetch > 0 else batches
+    yield from _prefetched(batches, prefetch) if prefetch > 0 else batches
+
+
+def accumulation_groups(batches: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    """Consecutive groups of `size` micro-batches (one optimizer step each); the last may be shorter."""
+    group: list[Any] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
 
 
 _DONE = object()
@@ -66,6 +79,7 @@ def _prefetched(batches: Iterator[Any], depth: int) -> Iterator[Any]:
             yield item
     finally:
         stop.set()
+        thread.join()
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

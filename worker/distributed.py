@@ -91,6 +91,11 @@ def select_device(env: WorkerEnv, *, require_gpu: bool) -> torch.device:
     return torch.device("cpu")
 
 
+def share_cpu_threads(env: WorkerEnv) -> None:
+    """Ranks on one machine split its cores instead of each starting a thread per core."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+
+
 def wait_for_master(addr: str, port: int, timeout: float) -> None:
     """Block until the master's TCP port accepts connections (not just until its name resolves)."""
     deadline = time.monotonic() + timeout

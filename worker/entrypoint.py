@@ -12,12 +12,12 @@ import traceback
 from pathlib import Path
 
 import torch.distributed as dist
-
-from tandem.api import ParallelTrainingJob
-from tandem.worker.distributed import WorkerEnv, init_process_group, select_device
+from tandem.worker.distributed import WorkerEnv, init_process_group, select_device, share_cpu_threads
 from tandem.worker.references import build_model, load_dataset
 from tandem.worker.reporting import ConsoleSink, StatusFileSink, read_status_file
-from tandem.worker.trainer import RankContext, install_stop_handlers, train
+from tandem.worker.trainer import RankContext, seed_everything, train, watch_stop_signals
+
+from tandem.api import ParallelTrainingJob
 
 
 def load_job(env: WorkerEnv) -> ParallelTrainingJob:
@@ -37,7 +37,9 @@ def main() -> int:
     if job.spec.training_mode == "custom":
         return run_custom(job)
     spec, trainer = job.spec, job.spec.trainer
+    share_cpu_threads(env)
     device = select_device(env, require_gpu=trainer.require_gpu)
+    seed_everything(trainer.seed, trainer.deterministic)  # the same initial weights on every rank and every run
     model = build_model(trainer.model, trainer.model_args)
     train_set = load_dataset(trainer.data, trainer.data_args)
     eval_set = load_dataset(trainer.eval_data, trainer.data_args) if trainer.eval_data else None
@@ -49,7 +51,7 @@ def main() -> int:
         checkpoint_dir=env.checkpoint_dir or _checkpoint_dir(job),
         resume_from=env.resume_from, sinks=sinks,
     )
-    install_stop_handlers(context)
+    watch_stop_signals(context)
     init_process_group(env, device)
     try:
         train(spec, context, model, train_set, eval_set)

@@ -19,15 +19,16 @@ import time
 from pathlib import Path
 
 import torch
-
-from tandem.api import ParallelTrainingJob, ParallelTrainingJobStatus
-from tandem.manifest import ManifestError, load_one
 from tandem.worker import checkpoint
 from tandem.worker.distributed import free_port
 from tandem.worker.references import BadReference, build_model, import_reference
 from tandem.worker.reporting import ConsoleSink, now, read_status_file
 
+from tandem.api import ParallelTrainingJob, ParallelTrainingJobStatus
+from tandem.manifest import ManifestError, load_one
+
 POLL_SECONDS = 0.2
+INTERRUPTED_EXIT_CODE = 130  # stopped by Ctrl-C / SIGTERM after a final checkpoint, as shells report SIGINT
 LOG_TAIL_LINES = 30
 _PR_SET_PDEATHSIG = 1
 
@@ -62,6 +63,15 @@ def preflight(job: ParallelTrainingJob) -> None:
                 import_reference(ref)
     except BadReference as error:
         raise PreflightError(f"spec.trainer: {error}") from error
+    resume_from = checkpoint.latest(Path(spec.checkpoint.directory)) if spec.checkpoint.resume else None
+    if resume_from is not None:
+        try:
+            state = checkpoint.load(resume_from)
+            checkpoint.restore_model(build_model(trainer.model, trainer.model_args), state["model"], resume_from)
+        except checkpoint.CheckpointError as error:
+            raise PreflightError(
+                f"cannot resume: {error}. Remove it, or set spec.checkpoint.resume: false to start afresh"
+            ) from error
 
 
 def _die_with_parent() -> None:
@@ -204,4 +214,4 @@ def run(path: str, *, workers: int | None = None, status_out: str | None = None)
         Path(status_out).write_text(text + "\n")
     if failed_rank is None:
         shutil.rmtree(run_dir, ignore_errors=True)
-    return 0 if status.phase == "Succeeded" else 1
+    return {"Succeeded": 0, "Suspended": INTERRUPTED_EXIT_CODE}.get(status.phase, 1)

@@ -12,8 +12,10 @@ import json
 import math
 import random
 import signal
+import threading
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +26,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tandem.worker import checkpoint
 from tandem.worker.averaging import average_replicas
-from tandem.worker.data import epoch_batches, evaluation_shard, to_device, training_loader
+from tandem.worker.data import accumulation_groups, epoch_batches, evaluation_shard, to_device, training_loader
 from tandem.worker.optim import build_optimizer, build_schedule
 from tandem.worker.reporting import Reporter, Sink
+from tandem.worker.signals import STOP_SIGNALS, block_stop_signals
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
@@ -48,6 +51,9 @@ class RankContext:
     checkpoint_dir: Path
     resume_from: Path | None = None
     sinks: list[Sink] = field(default_factory=list)
+    listeners: list[Callable[[int, torch.nn.Module, bool], None]] = field(default_factory=list)
+    """Called after every optimizer step with (step, model, synchronised): DL4J's TrainingListener.
+    `synchronised` is true when all replicas now hold the same parameters."""
     stop_requested: bool = False
 
     @property
@@ -82,14 +88,21 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def install_stop_handlers(context: RankContext) -> None:
-    """SIGTERM / SIGINT ask for a clean stop: all ranks agree on the step, write a checkpoint, exit."""
+def watch_stop_signals(context: RankContext) -> None:
+    """SIGTERM / SIGINT ask for a clean stop: all ranks agree on the step, write a checkpoint, exit.
 
-    def request_stop(signum, frame):  # noqa: ARG001
-        context.stop_requested = True
+    The signals are taken by one thread with sigwait, never by an interrupt handler: delivered to an arbitrary
+    thread, a signal interrupts whatever system call torch's or gloo's threads are in. The process must have
+    blocked them (`block_stop_signals`) before any thread started, so every thread inherits the block.
+    """
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    def wait_for_signals() -> None:
+        while True:
+            signal.sigwait(STOP_SIGNALS)
+            context.stop_requested = True
+
+    block_stop_signals()
+    threading.Thread(target=wait_for_signals, name="tandem-stop-signals", daemon=True).start()
 
 
 def train(
@@ -138,95 +151,86 @@ def train(
             reporter.checkpoint(path, position.step)
 
     last_checkpoint_time = time.monotonic()
+    agreed_stop = False
     model.train()
-    while position.step < total_steps and position.epoch < trainer.epochs and not context.stop_requested:
+    while position.step < total_steps and position.epoch < trainer.epochs and not agreed_stop:
         batches = epoch_batches(loader, position.epoch, skip=position.batches_done, prefetch=trainer.prefetch_buffer)
-        micro_batches: list[Any] = []
-        remaining_in_epoch = len(loader) - position.batches_done
-        for batch in batches:
-            micro_batches.append(batch)
-            remaining_in_epoch -= 1
-            if len(micro_batches) < trainer.gradient_accumulation_steps and remaining_in_epoch > 0:
-                continue
+        with closing(batches):
+            for micro_batches in accumulation_groups(batches, trainer.gradient_accumulation_steps):
+                # One optimizer step over the accumulated micro-batches; DDP exchanges gradients on the last.
+                loss_sum = 0.0
+                for index, micro_batch in enumerate(micro_batches):
+                    inputs, targets = to_device(micro_batch, context.device)
+                    input_shape = input_shape or list(inputs.shape[1:])
+                    last = index == len(micro_batches) - 1
+                    no_sync = isinstance(wrapped, DistributedDataParallel) and not last
+                    with wrapped.no_sync() if no_sync else nullcontext(), autocast:
+                        loss = _loss(wrapped(inputs), targets) / len(micro_batches)
+                    scaler.scale(loss).backward()
+                    loss_sum += loss.detach().item()
+                    position.samples += len(inputs) * context.world_size
+                position.batches_done += len(micro_batches)
 
-            # One optimizer step over the accumulated micro-batches.
-            loss_sum = 0.0
-            for index, micro_batch in enumerate(micro_batches):
-                inputs, targets = to_device(micro_batch, context.device)
-                if input_shape is None:
-                    input_shape = list(inputs.shape[1:])
-                last = index == len(micro_batches) - 1
-                sync = nullcontext() if last or not isinstance(wrapped, DistributedDataParallel) else wrapped.no_sync()
-                with sync, autocast:
-                    loss = _loss(wrapped(inputs), targets) / len(micro_batches)
-                scaler.scale(loss).backward()
-                loss_sum += loss.detach().item()
-                position.samples += len(inputs) * context.world_size
-            position.batches_done += len(micro_batches)
-            micro_batches = []
+                scaler.unscale_(optimizer)
+                if trainer.gradient_clip_norm is not None:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.gradient_clip_norm)
+                else:
+                    grads = [p.grad for p in model.parameters() if p.grad is not None]
+                    grad_norm = torch.nn.utils.get_total_norm(grads)
+                if torch.isfinite(grad_norm) and math.isfinite(loss_sum):
+                    scaler.step(optimizer)
+                    position.consecutive_bad_steps = 0
+                elif trainer.mixed_precision != "fp16":  # fp16: the gradient scaler skips such steps itself
+                    # After the gradient exchange every rank holds the same gradients, so all skip together.
+                    position.bad_steps += 1
+                    position.consecutive_bad_steps += 1
+                    if position.consecutive_bad_steps >= trainer.max_consecutive_bad_steps:
+                        raise TrainingError(
+                            f"{position.consecutive_bad_steps} consecutive steps with a NaN/Inf loss or gradient "
+                            f"(step {position.step}); lower optimizer.lr, set gradientClipNorm, or check the data"
+                        )
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                schedule.step()
+                position.step += 1
+                running_loss = loss_sum if running_loss is None else 0.9 * running_loss + 0.1 * loss_sum
 
-            scaler.unscale_(optimizer)
-            if trainer.gradient_clip_norm is not None:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.gradient_clip_norm)
-            else:
-                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-            if torch.isfinite(grad_norm) and math.isfinite(loss_sum):
-                scaler.step(optimizer)
-                position.consecutive_bad_steps = 0
-            elif trainer.mixed_precision != "fp16":
-                # After the gradient exchange every rank holds the same gradients, so all skip together.
-                position.bad_steps += 1
-                position.consecutive_bad_steps += 1
-                if position.consecutive_bad_steps >= trainer.max_consecutive_bad_steps:
-                    raise TrainingError(
-                        f"{position.consecutive_bad_steps} consecutive steps with a NaN/Inf loss or gradient "
-                        f"(step {position.step}); lower optimizer.lr, set gradientClipNorm, or check the data"
+                synchronised = True
+                if spec.training_mode == "averaging":
+                    synchronised = position.step % spec.averaging.frequency == 0
+                    if synchronised:
+                        bytes_sent += _average(spec, model, optimizer, context)
+                        if spec.averaging.report_score_after_averaging:
+                            running_loss = _mean_over_ranks(loss_sum, context)
+                elif spec.training_mode == "allReduce":
+                    bytes_sent += parameter_bytes
+                dense_bytes += parameter_bytes
+                for listener in context.listeners:
+                    listener(position.step, model, synchronised)
+                if reporter is not None:
+                    reporter.progress(
+                        epoch=position.epoch + 1, step=position.step, loss=running_loss, samples=position.samples
                     )
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            schedule.step()
-            position.step += 1
-            running_loss = loss_sum if running_loss is None else 0.9 * running_loss + 0.1 * loss_sum
 
-            if spec.training_mode == "averaging":
-                if position.step % spec.averaging.frequency == 0:
-                    bytes_sent += average_replicas(
-                        model, optimizer if spec.averaging.average_optimizer_state else None, context.world_size
-                    )
-                    if spec.averaging.report_score_after_averaging:
-                        running_loss = _mean_over_ranks(loss_sum, context)
-            elif spec.training_mode == "allReduce":
-                bytes_sent += parameter_bytes
-            dense_bytes += parameter_bytes
+                # A stop request (signal) is local; ranks act on the flag all-reduced at the previous step, so
+                # they all stop after the same step.
+                if stop_pending is not None:
+                    stop_pending.wait()
+                    agreed_stop = stop_flag.item() > 0
+                stop_flag.fill_(1.0 if context.stop_requested else 0.0)
+                stop_pending = dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX, async_op=True)
 
-            if reporter is not None:
-                reporter.progress(epoch=position.epoch + 1, step=position.step, loss=running_loss, samples=position.samples)
-
-            # Stop requests travel with the step: the flag all-reduced at step k is read at step k+1.
-            if stop_pending is not None:
-                stop_pending.wait()
-                if stop_flag.item() > 0:
-                    context.stop_requested = True
-            stop_flag.fill_(1.0 if context.stop_requested else 0.0)
-            stop_pending = dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX, async_op=True)
-
-            done = position.step >= total_steps or context.stop_requested
-            if done:
-                break
-            if _checkpoint_due(spec, position.step, last_checkpoint_time):
-                _synchronise_for_checkpoint(spec, model, optimizer, context)
-                save()
-                last_checkpoint_time = time.monotonic()
-        else:
-            position.epoch += 1
-            position.batches_done = 0
-            continue
-        break
+                if position.step >= total_steps or agreed_stop:
+                    break
+                if _checkpoint_due(spec, position.step, last_checkpoint_time):
+                    _synchronise_for_checkpoint(spec, model, optimizer, context)
+                    save()
+                    last_checkpoint_time = time.monotonic()
+        if position.batches_done >= len(loader):
+            position.epoch, position.batches_done = position.epoch + 1, 0
 
     if stop_pending is not None:
         stop_pending.wait()
-    if position.batches_done >= len(loader):
-        position.epoch, position.batches_done = position.epoch + 1, 0
     _synchronise_for_checkpoint(spec, model, optimizer, context)
     save()
 
@@ -243,7 +247,7 @@ def train(
     status.communication.bytes_sent, status.communication.dense_bytes = int(totals[0]), int(totals[1])
     if position.bad_steps:
         status.metrics["skippedSteps"] = float(position.bad_steps)
-    stopped = context.stop_requested and position.step < total_steps
+    stopped = agreed_stop and position.step < total_steps
     return reporter.finish(
         "Suspended" if stopped else "Succeeded",
         f"stopped at step {position.step} on request; checkpoint written" if stopped else "training complete",
@@ -307,10 +311,14 @@ def _checkpoint_due(spec: ParallelTrainingJobSpec, step: int, last_time: float) 
     return due
 
 
+def _average(spec: ParallelTrainingJobSpec, model, optimizer, context: RankContext) -> int:
+    return average_replicas(model, optimizer if spec.averaging.average_optimizer_state else None, context.world_size)
+
+
 def _synchronise_for_checkpoint(spec, model, optimizer, context: RankContext) -> None:
     """In averaging mode replicas drift between averagings: average before saving so rank 0's copy is the model."""
     if spec.training_mode == "averaging":
-        average_replicas(model, optimizer if spec.averaging.average_optimizer_state else None, context.world_size)
+        _average(spec, model, optimizer, context)
 
 
 def _rank_state(compression) -> dict[str, Any]:

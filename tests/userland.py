@@ -1,0 +1,46 @@
+"""User code for the trainer tests, imported by worker processes (tests/ is put on their PYTHONPATH)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from tandem.examples.digits import mlp
+
+CRASH_AT_STEP = 3
+
+
+class CrashOnRankOne(nn.Module):
+    """The digits MLP, except that rank 1's forward raises on its CRASH_AT_STEP-th call."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp(hidden=16)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if os.environ.get("RANK") == "1" and self.calls == CRASH_AT_STEP:
+            raise RuntimeError("injected failure in rank 1's forward pass")
+        return self.net(x)
+
+
+def crash_on_rank_one() -> nn.Module:
+    return CrashOnRankOne()
+
+
+def nan_data(bad_every: int = 0, size: int = 256) -> TensorDataset:
+    """Random 64-feature, 10-class data; every example NaN when bad_every == 1, every bad_every-th otherwise."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.rand(size, 64, generator=generator)
+    y = torch.randint(0, 10, (size,), generator=generator)
+    if bad_every:
+        x[::bad_every] = float("nan")
+    return TensorDataset(x, y)
+
+
+def not_a_module() -> str:
+    return "a string"

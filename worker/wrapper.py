@@ -1,0 +1,136 @@
+"""`tandem.ParallelWrapper`: DL4J's ParallelWrapper for single-machine Python users.
+
+    with ParallelWrapper(model, workers=2, mode="sharedGradients", batch_size=32, epochs=10) as wrapper:
+        status = wrapper.fit(train_set, eval_data=eval_set)
+    # `model` now holds the trained parameters
+
+Ranks are processes (started with `spawn`, so define the model's class in an importable module or
+under `if __name__ == "__main__":`), joined in a gloo group on CPU or NCCL with one GPU each, running
+the same training loop as `tandem run` and the operator's pods.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tandem.worker.distributed import WorkerEnv, free_port, init_process_group, select_device, share_cpu_threads
+from tandem.worker.reporting import ConsoleSink
+from tandem.worker.trainer import RankContext, train
+from torch.utils.data import Dataset
+
+from tandem.api import ParallelTrainingJobSpec, ParallelTrainingJobStatus
+
+
+def _reference(obj: Any) -> str:
+    """The `module:Class` of an object, recorded in checkpoint manifests as where the architecture lives."""
+    kind = type(obj)
+    return f"{kind.__module__}:{kind.__qualname__}"
+
+
+class ParallelWrapper:
+    """Data-parallel training of `model` over `workers` local ranks; after `fit`, `model` holds the result.
+
+    Keyword options map onto the ParallelTrainingJob spec: `mode` (allReduce | sharedGradients | averaging),
+    `batch_size` (per worker), `epochs`, `max_steps`, `optimizer` ("sgd" | "adam" | "adamw"), `lr`,
+    `momentum`, `weight_decay`, `averaging_frequency`, `average_optimizer_state`, `prefetch_buffer`,
+    `checkpoint_dir`, and any other TrainerSpec field by its Python name (e.g. `gradient_clip_norm=1.0`).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        workers: int = 2,
+        mode: str = "allReduce",
+        batch_size: int = 32,
+        epochs: int = 1,
+        optimizer: str = "sgd",
+        lr: float = 0.05,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        averaging_frequency: int = 1,
+        average_optimizer_state: bool = True,
+        checkpoint_dir: str | Path | None = None,
+        show_progress: bool = True,
+        **trainer_options: Any,
+    ):
+        self.model = model
+        self.show_progress = show_progress
+        self._owned_checkpoint_dir = checkpoint_dir is None
+        self.checkpoint_dir = Path(checkpoint_dir or tempfile.mkdtemp(prefix="tandem-wrapper-"))
+        self.spec_fields = {
+            "workers": workers,
+            "training_mode": mode,
+            "averaging": {"frequency": averaging_frequency, "average_optimizer_state": average_optimizer_state},
+            "checkpoint": {"directory": str(self.checkpoint_dir), "resume": False},
+        }
+        self.trainer_fields = {
+            "model": _reference(model),
+            "batch_size_per_worker": batch_size,
+            "epochs": epochs,
+            "optimizer": {"name": optimizer, "lr": lr, "momentum": momentum, "weight_decay": weight_decay},
+            **trainer_options,
+        }
+        self._closed = False
+
+    def fit(self, data: Dataset, eval_data: Dataset | None = None) -> ParallelTrainingJobStatus:
+        """Train on `data` (a map-style Dataset of (input, target)); returns the final status."""
+        if self._closed:
+            raise RuntimeError("this ParallelWrapper is closed")
+        spec = ParallelTrainingJobSpec.model_validate({
+            **self.spec_fields, "trainer": {**self.trainer_fields, "data": _reference(data)},
+        })
+        results = Path(tempfile.mkdtemp(prefix="tandem-fit-"))
+        try:
+            mp.start_processes(
+                _rank_main,
+                args=(spec.model_dump_json(), free_port(), self.model, data, eval_data, results, self.show_progress),
+                nprocs=spec.workers, join=True, start_method="spawn",
+            )
+            state = torch.load(results / "model.pt", map_location="cpu", weights_only=True)
+            self.model.load_state_dict(state)
+            return ParallelTrainingJobStatus.model_validate_json((results / "status.json").read_text())
+        finally:
+            shutil.rmtree(results, ignore_errors=True)
+
+    def close(self) -> None:
+        """Release the wrapper; its temporary checkpoint directory (if it made one) is removed."""
+        self._closed = True
+        if self._owned_checkpoint_dir:
+            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
+
+    def __enter__(self) -> ParallelWrapper:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _rank_main(rank, spec_json, port, model, data, eval_data, results: Path, show_progress: bool) -> None:
+    spec = ParallelTrainingJobSpec.model_validate_json(spec_json)
+    env = WorkerEnv.from_environ({
+        "RANK": str(rank), "WORLD_SIZE": str(spec.workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TANDEM_SPEC": "(in-process)", "TANDEM_JOB": "ParallelWrapper",
+    })
+    share_cpu_threads(env)
+    device = select_device(env, require_gpu=spec.trainer.require_gpu)
+    sinks = [ConsoleSink("ParallelWrapper")] if rank == 0 and show_progress else []
+    context = RankContext(
+        rank=rank, world_size=spec.workers, device=device, job=env.job,
+        checkpoint_dir=Path(spec.checkpoint.directory), sinks=sinks,
+    )
+    init_process_group(env, device)
+    try:
+        status = train(spec, context, model, data, eval_data)
+        if rank == 0:
+            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, results / "model.pt")
+            (results / "status.json").write_text(json.dumps(status.to_dict()))
+    finally:
+        dist.destroy_process_group()

@@ -29,8 +29,9 @@ gradients: the threshold is in scaled units and re-adapts when the scale changes
 Why the faster climb: from DL4J's initial 1e-3, DL4J's step (0.5 per 20 steps) needs about 100 steps to reach
 where a small model's gradients are, and until then nearly every entry is encoded and goes as a bitmap. On the
 digits MLP (2 ranks, 30 epochs) that early phase alone costs about 1% of the dense bytes: 1.4% in all with
-DL4J's rule against 0.3% with the default growth cap of 2, at the same eval accuracy (bench/RESULTS.md). The
-threshold then settles near mean |gradient| / max_sparsity, which slows the first epochs somewhat.
+DL4J's rule against 0.3% with the default growth cap of 2, at the same eval accuracy (bench/RESULTS.md). With
+either rule the threshold settles near mean |gradient| / max_sparsity, each entry is sent about once per
+1 / max_sparsity steps, and the first epochs converge more slowly than with a dense all-reduce.
 
 Byte accounting, per rank (sum both counters over ranks to compare like with like):
 - ``bytes_sent``: the payload this rank contributes to each collective: 4 bytes for its count, then 4 bytes per

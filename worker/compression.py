@@ -193,7 +193,8 @@ class ThresholdCompression:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a state_dict(); residuals move to each parameter's device when its bucket is next reduced."""
+        """Restore a state_dict(), before the DDP wrapper's first backward (residuals are matched to parameters
+        by DDP's initial bucket layout); they move to each parameter's device when its bucket is reduced."""
         self.threshold = float(state["threshold"])
         self.step = int(state["step"])
         self.bytes_sent = int(state["bytes_sent"])

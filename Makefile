@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/tandem validate examples/digits-train.yaml
+	$(BIN)/tandem validate examples/*.yaml
+	$(BIN)/tandem run examples/digits-train.yaml
 
 test: $(STAMP)
 	$(BIN)/ruff check .

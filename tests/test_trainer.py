@@ -279,9 +279,10 @@ def test_parallel_wrapper_trains_the_callers_model(tmp_path):
     from tandem import ParallelWrapper
     from tandem.examples.digits import eval_data, mlp, train_data
 
+    torch.manual_seed(0)
     model = mlp(hidden=32)
     before = [p.detach().clone() for p in model.parameters()]
-    with ParallelWrapper(model, workers=2, mode="allReduce", batch_size=16, epochs=3, lr=0.05,
+    with ParallelWrapper(model, workers=2, mode="allReduce", batch_size=16, epochs=5, lr=0.05,
                          show_progress=False) as wrapper:
         status = wrapper.fit(train_data(), eval_data=eval_data())
     assert status.phase == "Succeeded"

@@ -6,10 +6,12 @@ run it by hand with the same variables.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import torch.distributed as dist
 from tandem.worker.distributed import WorkerEnv, init_process_group, select_device, share_cpu_threads
@@ -60,6 +62,10 @@ def main() -> int:
             _record_failure(env, error)
         raise
     finally:
+        # DDP's reducer (kept alive by autograd hooks on the model) holds the process group: release both so
+        # gloo's threads are joined now, not during interpreter teardown.
+        del model, train_set, eval_set
+        gc.collect()
         dist.destroy_process_group()
     return 0
 
@@ -77,12 +83,17 @@ def _record_failure(env: WorkerEnv, error: BaseException) -> None:
     StatusFileSink(env.status_file).publish(status)
 
 
-def cli() -> int:
+def cli() -> NoReturn:
     try:
-        return main()
+        code = main()
     except Exception:
         traceback.print_exc()
-        return 1
+        code = 1
+    # Leave without interpreter teardown: C++ threads of torch.distributed that outlive it abort the process
+    # ("terminate called without an active exception", pytorch/pytorch#179291), turning a clean exit into a crash.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

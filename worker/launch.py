@@ -89,6 +89,7 @@ class Launcher:
         self.processes: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         self.stop_requested_at: float | None = None
+        self.master_port: int | None = None
 
     def environment(self, rank: int, port: int, spec_path: Path) -> dict[str, str]:
         spec = self.job.spec
@@ -108,7 +109,7 @@ class Launcher:
     def start(self) -> None:
         spec_path = self.run_dir / "spec.json"
         spec_path.write_text(json.dumps(self.job.to_dict()))
-        port = free_port()
+        port = self.master_port = free_port()
         spec = self.job.spec
         if spec.training_mode == "custom":
             command = [*spec.custom.command, *spec.custom.args]
@@ -166,6 +167,7 @@ class Launcher:
         status = read_status_file(self.status_file) or ParallelTrainingJobStatus(start_time=now())
         status.workers.total = self.job.spec.workers
         status.workers.ready = 0
+        status.master.address, status.master.port = "127.0.0.1", self.master_port
         if failed_rank is not None:
             status.phase = "Failed"
             status.message = f"rank {failed_rank} exited with code {code}"

@@ -11,8 +11,11 @@ the same training loop as `tandem run` and the operator's pods.
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -133,4 +136,10 @@ def _rank_main(rank, spec_json, port, model, data, eval_data, results: Path, sho
             torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, results / "model.pt")
             (results / "status.json").write_text(json.dumps(status.to_dict()))
     finally:
+        del model, data, eval_data
+        gc.collect()
         dist.destroy_process_group()
+    # As the worker entry point does: skip interpreter teardown, where leftover gloo threads abort the process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

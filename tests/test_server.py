@@ -152,9 +152,11 @@ def test_tritonclient_health_metadata_config_and_infer_with_json_and_binary_tens
     assert result.get_response()["id"] == "r-1"
     assert result.get_response()["outputs"][0]["parameters"] == {"binary_data_size": 3 * 10 * 4}
     np.testing.assert_allclose(result.as_numpy("output"), reference(x), rtol=1e-5, atol=1e-6)
+    compressed = client.infer("digits", [tensor], request_compression_algorithm="gzip")
+    np.testing.assert_allclose(compressed.as_numpy("output"), reference(x), rtol=1e-5, atol=1e-6)
     stats = client.get_inference_statistics("digits")["model_stats"][0]
-    assert stats["inference_stats"]["success"]["count"] == 3
-    assert stats["inference_count"] == 9
+    assert stats["inference_stats"]["success"]["count"] == 4
+    assert stats["inference_count"] == 12
     assert client.get_model_repository_index() == [
         {"name": "digits", "version": "1", "state": "READY", "reason": "callable"}]
 

@@ -144,7 +144,8 @@ class _Request:
 
     __slots__ = ("x", "rows", "key", "submitted", "deadline", "callback", "done", "output", "error", "owner")
 
-    def __init__(self, x: torch.Tensor, callback: Callback | None, deadline: float | None, owner: ParallelInference):
+    def __init__(self, x: torch.Tensor | np.ndarray, callback: Callback | None, deadline: float | None,
+                 owner: ParallelInference):
         self.x = x
         self.rows = x.shape[0]
         self.key = (x.shape[1:], x.dtype)
@@ -172,16 +173,15 @@ class _Request:
         return self.owner._withdraw(self)
 
 
-def _as_tensor(x: Any) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        tensor = x
-    elif isinstance(x, np.ndarray):
-        tensor = torch.from_numpy(x if x.flags.writeable else x.copy())
-    else:
-        tensor = torch.as_tensor(x)
-    if tensor.dim() == 0 or tensor.shape[0] == 0:
-        raise ValueError(f"input needs a batch dimension with at least one example; got shape {tuple(tensor.shape)}")
-    return tensor
+def _as_input(x: Any) -> torch.Tensor | np.ndarray:
+    """A tensor, or a numpy array kept as one: numpy inputs are batched and turned into tensors on the worker
+    thread (torch calls release the GIL, which on the caller's thread, an event loop say, costs a thread switch)
+    and their outputs come back as numpy arrays."""
+    if not isinstance(x, torch.Tensor | np.ndarray):
+        x = torch.as_tensor(x)
+    if x.ndim == 0 or x.shape[0] == 0:
+        raise ValueError(f"input needs a batch dimension with at least one example; got shape {tuple(x.shape)}")
+    return x
 
 
 def default_devices(workers: int) -> list[torch.device]:
@@ -239,7 +239,7 @@ class ParallelInference:
         if len(self.devices) != workers:
             raise ValueError(f"devices lists {len(self.devices)} devices for {workers} workers")
         self.stats = InferenceStats()
-        self._example = None if example is None else _as_tensor(example)
+        self._example = None if example is None else torch.as_tensor(_as_input(example))
         self._cond = threading.Condition(threading.Lock())
         self._queue: deque[_Request] = deque()
         self._queued_rows = 0
@@ -265,9 +265,9 @@ class ParallelInference:
     def output(self, x: Any, timeout: float | None = None) -> Any:
         """model(x) for a batch `x` (a tensor, numpy array or nested list; examples first), computed on a
         replica, batched with other callers' requests in batched mode. Returns a tensor (a numpy array when
-        `x` is one). Raises QueueFullError when the queue is full, InferenceTimeout after `timeout` seconds,
-        ModelError when the forward fails."""
-        tensor = _as_tensor(x)
+        `x` is one and numpy has the output's dtype). Raises QueueFullError when the queue is full,
+        InferenceTimeout after `timeout` seconds, ModelError when the forward fails."""
+        tensor = _as_input(x)
         if self.mode == "inplace":
             result = self._run_inplace(tensor, None, timeout)
         else:
@@ -282,14 +282,14 @@ class ParallelInference:
             if request.error is not None:
                 raise request.error
             result = request.output
-        return result.numpy() if isinstance(x, np.ndarray) else result
+        return result
 
     def submit(self, x: Any, callback: Callback, timeout: float | None = None) -> _Request:
         """Low-level, for servers: queue `x` and return at once; `callback(output, error)` runs exactly once on
         the worker thread that answers it (in inplace mode, before submit returns). QueueFullError and
         ShutDownError are raised here, not passed to the callback. The returned handle's cancel() withdraws a
-        request that is still queued."""
-        tensor = _as_tensor(x)
+        request that is still queued. As with output(), numpy in gives numpy out."""
+        tensor = _as_input(x)
         if self.mode == "inplace":
             request = _Request(tensor, callback, None, self)
             self._run_inplace(tensor, request, timeout)
@@ -482,7 +482,13 @@ class ParallelInference:
         start = time.perf_counter_ns()
         rows = sum(r.rows for r in batch) if len(batch) > 1 else batch[0].rows
         try:
-            x = batch[0].x if len(batch) == 1 else torch.cat([r.x for r in batch])
+            first = batch[0].x
+            as_numpy = isinstance(first, np.ndarray)
+            if as_numpy:
+                x = first if len(batch) == 1 else np.concatenate([r.x for r in batch])
+                x = torch.from_numpy(x if x.flags.writeable else x.copy())
+            else:
+                x = first if len(batch) == 1 else torch.cat([r.x for r in batch])
             if device.type != "cpu":
                 x = x.to(device, non_blocking=True)
             infer = time.perf_counter_ns()
@@ -490,7 +496,9 @@ class ParallelInference:
             output = time.perf_counter_ns()
             if out.device.type != "cpu":
                 out = out.cpu()
-            pieces = [out] if len(batch) == 1 else out.split([r.rows for r in batch])
+            if as_numpy and out.dtype != torch.bfloat16:  # numpy has no bfloat16: those stay tensors
+                out = out.numpy()
+            pieces = [out] if len(batch) == 1 else _split(out, batch)
         except Exception as error:
             if len(batch) > 1:
                 for request in batch:
@@ -548,6 +556,16 @@ class ParallelInference:
                 raise own.error
             return own.output
         return None
+
+
+def _split(out: torch.Tensor | np.ndarray, batch: list[_Request]) -> list[torch.Tensor | np.ndarray]:
+    if isinstance(out, torch.Tensor):
+        return list(out.split([r.rows for r in batch]))
+    pieces, offset = [], 0
+    for request in batch:
+        pieces.append(out[offset:offset + request.rows])
+        offset += request.rows
+    return pieces
 
 
 def _forward(replica: torch.nn.Module, x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -104,7 +104,8 @@ def _tensor_config(spec: TensorSpec) -> dict[str, Any]:
 class InferRequest:
     """A decoded, validated inference request."""
 
-    x: torch.Tensor
+    x: np.ndarray | torch.Tensor
+    """A numpy array (a tensor for BF16, which numpy lacks): no torch call on the event loop's thread."""
     id: str | None
     binary_output: bool
     timeout_us: int | None
@@ -130,7 +131,7 @@ def decode_request(body: bytes, header_length: str | None, signature: Signature)
     except orjson.JSONDecodeError as error:
         raise ProtocolError(f"malformed JSON in the request: {error}") from None
     if not isinstance(request, dict):
-        raise ProtocolError(f"the request must be a JSON object with an 'inputs' list; got a {_json_type(request)}")
+        raise ProtocolError(f"the request must be a JSON object with an 'inputs' list; got {_json_type(request)}")
     inputs = request.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise ProtocolError("the request needs a non-empty 'inputs' list")
@@ -151,11 +152,11 @@ def decode_request(body: bytes, header_length: str | None, signature: Signature)
         raise ProtocolError(f"parameters.timeout must be a non-negative integer (microseconds); got {timeout!r}")
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
-        raise ProtocolError(f"id must be a string; got a {_json_type(request_id)}")
+        raise ProtocolError(f"id must be a string; got {_json_type(request_id)}")
     return InferRequest(x, request_id, binary_output, timeout or None)
 
 
-def _decode_tensor(item: dict[str, Any], binary: bytes, signature: Signature) -> torch.Tensor:
+def _decode_tensor(item: dict[str, Any], binary: bytes, signature: Signature) -> np.ndarray | torch.Tensor:
     spec = signature.input
     where = f"input {spec.name!r}"
     datatype = item.get("datatype")
@@ -179,7 +180,7 @@ def _decode_tensor(item: dict[str, Any], binary: bytes, signature: Signature) ->
     if size is not None:
         if "data" in item:
             raise ProtocolError(f"{where}: give either data or parameters.binary_data_size, not both")
-        return _binary_tensor(size, binary, shape, count, torch_dtype, where)
+        return _binary_tensor(size, binary, shape, count, datatype, where)
     if binary:
         raise ProtocolError(f"the body has {len(binary)} bytes after the JSON header but no input has "
                             "parameters.binary_data_size")
@@ -188,25 +189,28 @@ def _decode_tensor(item: dict[str, Any], binary: bytes, signature: Signature) ->
     return _json_tensor(item["data"], shape, count, datatype, torch_dtype, numpy_dtype, where)
 
 
-def _binary_tensor(size: Any, binary: bytes, shape: list[int], count: int, dtype: torch.dtype,
-                   where: str) -> torch.Tensor:
+def _binary_tensor(size: Any, binary: bytes, shape: list[int], count: int, datatype: str,
+                   where: str) -> np.ndarray | torch.Tensor:
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise ProtocolError(f"{where}: binary_data_size must be a non-negative integer; got {size!r}")
-    itemsize = _ITEMSIZE[TORCH_DATATYPE[dtype]]
+    itemsize = _ITEMSIZE[datatype]
     if size != count * itemsize:
         raise ProtocolError(f"{where}: binary_data_size {size} does not fit shape {shape} of "
-                            f"{TORCH_DATATYPE[dtype]} ({count * itemsize} bytes)")
+                            f"{datatype} ({count * itemsize} bytes)")
     if size != len(binary):
         raise ProtocolError(f"{where}: binary_data_size {size} does not match the {len(binary)} bytes after the "
                             "JSON header")
-    # bytearray: a writable copy, so torch does not warn and nothing aliases the request buffer.
-    return torch.frombuffer(bytearray(binary), dtype=dtype).reshape(shape)
+    torch_dtype, numpy_dtype = DATATYPES[datatype]
+    if numpy_dtype is None:  # BF16
+        return torch.frombuffer(bytearray(binary), dtype=torch_dtype).reshape(shape)
+    # Read-only view of the request body; ParallelInference copies it into the batch on its worker thread.
+    return np.frombuffer(binary, dtype=numpy_dtype).reshape(shape)
 
 
 def _json_tensor(data: Any, shape: list[int], count: int, datatype: str, torch_dtype: torch.dtype, numpy_dtype: Any,
-                 where: str) -> torch.Tensor:
+                 where: str) -> np.ndarray | torch.Tensor:
     if not isinstance(data, list):
-        raise ProtocolError(f"{where}: data must be a list of numbers; got a {_json_type(data)}")
+        raise ProtocolError(f"{where}: data must be a list of numbers; got {_json_type(data)}")
     try:
         array = np.asarray(data)
     except ValueError:
@@ -225,7 +229,7 @@ def _json_tensor(data: Any, shape: list[int], count: int, datatype: str, torch_d
             raise ProtocolError(f"{where}: {datatype} data out of range ({info.min}..{info.max}): found {low}..{high}")
     if numpy_dtype is None:  # BF16: no numpy type; go through float32
         return torch.from_numpy(array.astype(np.float32)).to(torch_dtype).reshape(shape)
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=numpy_dtype)).reshape(shape)
+    return np.ascontiguousarray(array, dtype=numpy_dtype).reshape(shape)
 
 
 def _binary_output(request: dict[str, Any], parameters: dict[str, Any], signature: Signature) -> bool:
@@ -236,7 +240,7 @@ def _binary_output(request: dict[str, Any], parameters: dict[str, Any], signatur
     if outputs is None:
         return binary
     if not isinstance(outputs, list):
-        raise ProtocolError(f"outputs must be a list; got a {_json_type(outputs)}")
+        raise ProtocolError(f"outputs must be a list; got {_json_type(outputs)}")
     for index, item in enumerate(outputs):
         if not isinstance(item, dict):
             raise ProtocolError(f"outputs[{index}] must be an object with a name")
@@ -253,7 +257,7 @@ def _binary_output(request: dict[str, Any], parameters: dict[str, Any], signatur
     return binary
 
 
-def encode_response(output: torch.Tensor, request: InferRequest, model: str, version: str,
+def encode_response(output: np.ndarray | torch.Tensor, request: InferRequest, model: str, version: str,
                     signature: Signature) -> tuple[bytes, str, int | None]:
     """The response to `request` whose output is `output` (its rows of the model's output): the body, its
     content type, and the length of the JSON header when binary tensor data follows it (else None)."""
@@ -272,17 +276,16 @@ def encode_response(output: torch.Tensor, request: InferRequest, model: str, ver
     return orjson.dumps(head, option=_JSON_OPTIONS), "application/json", None
 
 
-def _bytes(tensor: torch.Tensor) -> bytes:
-    tensor = tensor.contiguous()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().tobytes()
-    return tensor.numpy().tobytes()
+def _bytes(output: np.ndarray | torch.Tensor) -> bytes:
+    if isinstance(output, torch.Tensor):  # BF16 (numpy has no such type)
+        return output.contiguous().view(torch.int16).numpy().tobytes()
+    return output.tobytes()
 
 
-def _flat_array(tensor: torch.Tensor) -> np.ndarray:
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.float()
-    return np.ascontiguousarray(tensor.numpy()).reshape(-1)
+def _flat_array(output: np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(output, torch.Tensor):
+        output = output.float().numpy()
+    return np.ascontiguousarray(output).reshape(-1)
 
 
 def dumps(value: Any) -> bytes:
@@ -293,10 +296,10 @@ def _object(value: Any, where: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ProtocolError(f"{where} must be an object; got a {_json_type(value)}")
+        raise ProtocolError(f"{where} must be an object; got {_json_type(value)}")
     return value
 
 
 def _json_type(value: Any) -> str:
-    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(
-        type(value), "null" if value is None else type(value).__name__)
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number"}.get(type(value), "null" if value is None else type(value).__name__)

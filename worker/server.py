@@ -66,6 +66,16 @@ MAX_BODY = 256 * 1024 * 1024  # aiohttp's own cap; each model gets a tighter one
 RETRY_AFTER_SECONDS = "1"
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (a dependency on Linux and macOS; measured in
+    bench/RESULTS.md), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=dumps(value), status=status, content_type="application/json", headers=headers)
 
@@ -137,7 +147,10 @@ class InferenceServer:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[_errors])
-        routes = [
+        model, version = "/v2/models/{model}", "/v2/models/{model}/versions/{version}"
+        routes = [  # aiohttp tries routes in this order: inference first
+            ("POST", model + "/infer", self._infer),
+            ("POST", version + "/infer", self._infer),
             ("GET", "/v2/health/live", self._live),
             ("GET", "/v2/health/ready", self._ready),
             ("GET", "/v2", self._server_metadata),
@@ -147,11 +160,10 @@ class InferenceServer:
             ("POST", "/v2/repository/models/{model}/unload", self._unload),
             ("GET", "/metrics", self._metrics),
         ]
-        for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        for prefix in (model, version):
             routes += [
                 ("GET", prefix, self._model_metadata),
                 ("GET", prefix + "/ready", self._model_ready),
-                ("POST", prefix + "/infer", self._infer),
                 ("GET", prefix + "/config", self._config),
                 ("GET", prefix + "/stats", self._stats),
             ]
@@ -177,9 +189,9 @@ class InferenceServer:
     async def _first_load(self) -> None:
         loop = asyncio.get_running_loop()
         origin = self.origin
-        if origin.directory is not None and origin.follow:
+        if origin.directory is not None and origin.follow and model_source.current_checkpoint(origin) is None:
+            log.info("waiting for the first checkpoint in %s", origin.directory)
             while model_source.current_checkpoint(origin) is None:
-                log.info("waiting for the first checkpoint in %s", origin.directory)
                 await asyncio.sleep(self.follow_interval)
         loaded = await loop.run_in_executor(None, self._load_model, None)
         self.inference = await loop.run_in_executor(None, self._start_inference, loaded)
@@ -222,17 +234,19 @@ class InferenceServer:
         return loaded
 
     async def _follow(self) -> None:
-        """Hot-swap each new checkpoint the training job writes (fromTrainingJob with follow)."""
-        failed: str | None = None
+        """Hot-swap each new checkpoint the training job writes (fromTrainingJob with follow). Only a checkpoint
+        not seen before is loaded: one that fails is not retried, and a checkpoint loaded by hand through
+        the repository API stays until the job writes a newer one."""
+        seen = self.loaded.checkpoint
         while True:
             await asyncio.sleep(self.follow_interval)
             latest = model_source.current_checkpoint(self.origin)
-            if latest is None or str(latest) in (self.loaded.checkpoint, failed):
+            if latest is None or str(latest) == seen:
                 continue
+            seen = str(latest)
             try:
                 await self.swap(latest)
             except ModelLoadError as error:
-                failed = str(latest)
                 log.error("not switching to %s: %s", latest, error)
 
     async def drain(self, grace_seconds: float | None = None) -> bool:
@@ -561,7 +575,7 @@ class BackgroundServer:
     def __init__(self, server: InferenceServer, host: str, port: int, ready_timeout: float):
         self.server = server
         self.host = host
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-serve", daemon=True)
         self._thread.start()
         self.port = self._call(server.start(host, port), ready_timeout)
@@ -634,4 +648,5 @@ def serve_cli(args) -> int:
         return 1
     _configure_threads(pool)
     port = pool.spec.port if args.port is None else args.port
-    return asyncio.run(server.run(args.host, port))
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(server.run(args.host, port))

@@ -1,0 +1,238 @@
+"""Inference server benchmarks (issue #4), on a model large enough that compute matters on CPU: the digits MLP
+with 2048 hidden units (64 -> 2048 -> 2048 -> 10, 4.3 M parameters), one example per request, JSON bodies as
+tritonclient sends them. Every server runs in its own process; one load generator (bench/loadgen.py, closed
+loop, keep-alive connections) drives them all from this process, on the same cores.
+
+1. batched vs sequential: `tandem serve` in each mode at concurrency 1, 8 and 64: requests/s, p50, p99.
+   Ratio printed: batched / sequential throughput at each concurrency (target >= 3x at 64).
+2. ceiling: the same model's raw batched forward in process (batch = batchLimit, the same threads), in
+   examples/s. Ratio printed: the batched server's throughput at concurrency 64 / the ceiling (target >= 0.6).
+3. LitServe serving the same model with its batching on (max_batch_size = 32), at concurrency 64 (and 8),
+   best of its configurations tried. Ratio printed: tandem / LitServe throughput, and both p99s (target >= 1.5x
+   at equal or lower p99).
+
+    .venv/bin/python bench/bench_inference.py                 # all three, about 3 minutes on 2 cores
+    .venv/bin/python bench/bench_inference.py --only modes --seconds 5
+
+Needs the `bench` extra for part 3 (pip install -e '.[bench]').
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loadgen import LoadResult, build_request, load, wait_for_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+HIDDEN = 2048
+BATCH_LIMIT = 32
+HOST = "127.0.0.1"
+EXAMPLE = np.random.default_rng(0).random(64, dtype=np.float32)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class Server:
+    """A server process in a process group of its own; stopping it stops the group (LitServe's workers are
+    child processes that outlive their parent otherwise)."""
+
+    def __init__(self, command: list[str], port: int, ready_path: str):
+        self.port = port
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        text=True, start_new_session=True)
+        try:
+            asyncio.run(wait_for_port(HOST, port, ready_path, timeout=120))
+        except BaseException:
+            self.stop()
+            print(self.process.stderr.read()[-3000:], file=sys.stderr)
+            raise
+
+    def stop(self) -> None:
+        group = self.process.pid  # start_new_session: the group id is the server's pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        time.sleep(0.5)  # let the group's other processes act on SIGTERM
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def tandem_server(mode: str, workers: int, directory: Path) -> Server:
+    manifest = directory / f"pool-{mode}.yaml"
+    manifest.write_text(json.dumps({
+        "apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool", "metadata": {"name": "mlp"},
+        "spec": {"model": {"callable": "tandem.examples.digits:mlp", "args": {"hidden": HIDDEN}, "inputShape": [64]},
+                 "inferenceMode": mode, "workersPerReplica": workers, "batchLimit": BATCH_LIMIT, "queueLimit": 256}}))
+    port = free_port()
+    return Server([sys.executable, "-m", "tandem.cli", "serve", str(manifest), "--port", str(port)], port,
+                  "/v2/health/ready")
+
+
+def tandem_request(port: int) -> bytes:
+    body = orjson.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
+                                     "data": EXAMPLE.tolist()}]})
+    return build_request(HOST, port, "/v2/models/mlp/infer", body)
+
+
+def check_tandem(body: bytes) -> None:
+    if len(orjson.loads(body)["outputs"][0]["data"]) != 10:
+        raise AssertionError(body[:200])
+
+
+def drive(port: int, request: bytes, concurrency: int, seconds: float, check=None) -> LoadResult:
+    return load(HOST, port, request, concurrency=concurrency, seconds=seconds, warmup=0.5, check=check)
+
+
+def bench_modes(seconds: float, workers: int, directory: Path) -> dict[tuple[str, int], LoadResult]:
+    results = {}
+    for mode in ("batched", "sequential"):
+        with tandem_server(mode, workers, directory) as server:
+            request = tandem_request(server.port)
+            drive(server.port, request, 8, 1.0, check_tandem)  # one more warm-up, with answers checked
+            for concurrency in (1, 8, 64):
+                result = results[mode, concurrency] = drive(server.port, request, concurrency, seconds)
+                print(f"tandem {mode:10s} c={concurrency:<3d} {result.line()}", flush=True)
+    for concurrency in (1, 8, 64):
+        ratio = results["batched", concurrency].rps / results["sequential", concurrency].rps
+        print(f"batched / sequential throughput at c={concurrency}: {ratio:.2f}x")
+    return results
+
+
+def bench_ceiling(seconds: float, workers: int) -> float:
+    """Examples/s of model(x) on batches of BATCH_LIMIT in this process, nothing else running: with `workers`
+    replicas on threads of their own (cores // workers torch threads, as `tandem serve` sets them), and with
+    one replica using every core. The better of the two is the ceiling."""
+    results = [_forward_rate(seconds, workers, max(1, cores() // workers))]
+    if workers != 1:
+        results.append(_forward_rate(seconds, 1, cores()))
+    return max(results)
+
+
+def _forward_rate(seconds: float, replicas: int, threads: int) -> float:
+    import threading
+
+    import torch
+
+    from tandem.examples.digits import mlp
+
+    torch.set_num_threads(threads)
+    models = [mlp(HIDDEN).eval() for _ in range(replicas)]
+    x = torch.from_numpy(np.tile(EXAMPLE, (BATCH_LIMIT, 1)))
+    counts = [0] * replicas
+    stop = threading.Event()
+
+    def run(index: int) -> None:
+        with torch.no_grad():
+            while not stop.is_set():
+                models[index](x)
+                counts[index] += 1
+
+    runners = [threading.Thread(target=run, args=(i,)) for i in range(replicas)]
+    for runner in runners:
+        runner.start()
+    time.sleep(0.5)
+    before, started = sum(counts), time.perf_counter()
+    time.sleep(seconds)
+    done, elapsed = sum(counts) - before, time.perf_counter() - started
+    stop.set()
+    for runner in runners:
+        runner.join()
+    rate = done * BATCH_LIMIT / elapsed
+    print(f"ceiling: raw forward in process, batch {BATCH_LIMIT}, {replicas} replica(s) x {threads} thread(s): "
+          f"{rate:.0f} examples/s", flush=True)
+    return rate
+
+
+def litserve_server(workers: int, batch_timeout: float, fast_queue: bool) -> Server:
+    port = free_port()
+    threads = max(1, cores() // workers)
+    script = Path(__file__).resolve().parent / "litserve_mlp.py"
+    arguments = [HIDDEN, BATCH_LIMIT, workers, batch_timeout, threads, port, 1 if fast_queue else 0]
+    return Server([sys.executable, str(script), *map(str, arguments)], port, "/health")
+
+
+def check_litserve(body: bytes) -> None:
+    if len(orjson.loads(body)["output"]) != 10:
+        raise AssertionError(body[:200])
+
+
+def bench_litserve(seconds: float, workers: int, tandem: dict[tuple[str, int], LoadResult] | None) -> None:
+    # LitServe's knobs that matter here, each tried; its best result at each concurrency is the one compared.
+    configs = [(workers, 0.001, False), (workers, 0.005, False), (workers, 0.005, True), (workers, 0.02, True)]
+    if workers != 1:
+        configs.append((1, 0.005, True))
+    best: dict[int, tuple[LoadResult, str]] = {}
+    for lit_workers, batch_timeout, fast_queue in configs:
+        label = f"workers_per_device={lit_workers} batch_timeout={batch_timeout} fast_queue={fast_queue}"
+        with litserve_server(lit_workers, batch_timeout, fast_queue) as server:
+            body = orjson.dumps({"input": EXAMPLE.tolist()})
+            request = build_request(HOST, server.port, "/predict", body, {"Content-Type": "application/json"})
+            drive(server.port, request, 8, 1.0, check_litserve)
+            for concurrency in (8, 64):
+                result = drive(server.port, request, concurrency, seconds)
+                print(f"litserve {label} c={concurrency:<3d} {result.line()}", flush=True)
+                if concurrency not in best or result.rps > best[concurrency][0].rps:
+                    best[concurrency] = (result, label)
+    if tandem is None:
+        return
+    for concurrency in (8, 64):
+        ours, (theirs, label) = tandem["batched", concurrency], best[concurrency]
+        print(f"tandem batched / litserve ({label}) at c={concurrency}: {ours.rps / theirs.rps:.2f}x throughput; "
+              f"p99 {ours.p99:.1f} ms vs {theirs.p99:.1f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per point (after 0.5 s warm-up)")
+    parser.add_argument("--workers", type=int, default=cores(), help="model replicas (default: one per core)")
+    parser.add_argument("--only", choices=("modes", "ceiling", "litserve"), action="append")
+    args = parser.parse_args()
+    parts = args.only or ["modes", "ceiling", "litserve"]
+    print(f"model: digits MLP, hidden {HIDDEN}; {cores()} cores; {args.workers} worker(s); batchLimit {BATCH_LIMIT}",
+          flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tandem = bench_modes(args.seconds, args.workers, Path(tmp)) if "modes" in parts else None
+    if "ceiling" in parts:
+        ceiling = bench_ceiling(args.seconds, args.workers)
+        if tandem is not None:
+            served = tandem["batched", 64].rps
+            print(f"server (batched, c=64) / raw in-process ceiling: {served:.0f} / {ceiling:.0f} = "
+                  f"{served / ceiling:.2f}")
+    if "litserve" in parts:
+        bench_litserve(args.seconds, args.workers, tandem)
+
+if __name__ == "__main__":
+    main()

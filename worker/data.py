@@ -55,20 +55,24 @@ def _prefetched(batches: Iterator[Any], depth: int) -> Iterator[Any]:
     buffer: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
+    def offer(item: Any) -> bool:
+        """Put `item` unless the consumer has gone; False once it has."""
+        while not stop.is_set():
+            try:
+                buffer.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for batch in batches:
-                while not stop.is_set():
-                    try:
-                        buffer.put(batch, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not offer(batch):
                     return
-            buffer.put(_DONE)
+            offer(_DONE)
         except BaseException as error:  # handed to the training thread, which raises it
-            buffer.put(error)
+            offer(error)
 
     thread = threading.Thread(target=produce, name="tandem-prefetch", daemon=True)
     thread.start()

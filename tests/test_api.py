@@ -204,6 +204,8 @@ INVALID = [
     ("sparsity band inverted", _train(sharedGradients={"targetSparsity": {"min": 0.1, "max": 0.01}}),
      "spec.sharedGradients.targetSparsity", "must not exceed"),
     ("custom without command", _train(trainingMode="custom"), "spec", "custom.command"),
+    ("fp16 with sharedGradients", _train(trainingMode="sharedGradients", trainer={
+        "model": "m:f", "data": "d:f", "mixedPrecision": "fp16"}), "spec", "use trainer.mixedPrecision bf16"),
     ("bad quantity", _train(resources={"limits": {"cpu": "lots"}}), "spec.resources.limits", "quantity"),
     ("two model sources", _pool(model={"callable": "m:f", "checkpoint": "/c.pt"}), "spec.model", "exactly one"),
     ("no model source", _pool(model={}), "spec.model", "exactly one"),

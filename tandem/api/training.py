@@ -160,6 +160,9 @@ class ParallelTrainingJobSpec(PodSettings):
     model_config = {"json_schema_extra": {"x-kubernetes-validations": [
         {"rule": "self.trainingMode != 'custom' || has(self.custom)",
          "message": "trainingMode custom needs custom.command (the command every rank runs)"},
+        {"rule": "self.trainingMode != 'sharedGradients' || self.trainer.mixedPrecision != 'fp16'",
+         "message": "sharedGradients encodes gradients against a threshold, which fp16's changing loss scale "
+                    "would move; use mixedPrecision bf16 or none"},
     ]}}
 
     workers: Annotated[int, Field(ge=1)] = 1
@@ -183,6 +186,11 @@ class ParallelTrainingJobSpec(PodSettings):
     def _mode_settings(self) -> ParallelTrainingJobSpec:
         if self.training_mode == "custom" and self.custom is None:
             raise ValueError("trainingMode custom needs `custom.command` (the command every rank runs)")
+        if self.training_mode == "sharedGradients" and self.trainer.mixed_precision == "fp16":
+            raise ValueError(
+                "trainingMode sharedGradients encodes gradients against a threshold, which fp16's changing loss "
+                "scale would move; use trainer.mixedPrecision bf16 or none"
+            )
         return self
 
 

@@ -1,7 +1,9 @@
 """Which HTTP stack should carry the inference server? The same tiny Open-Inference-shaped handler (parse a
 JSON body with orjson, turn 64 numbers into a numpy array, answer 10 numbers) on aiohttp (asyncio loop),
-aiohttp on uvloop, and starlette on uvicorn (httptools + uvloop), each in its own process, driven by the
-same load generator at concurrency 8 and 64. No model: this isolates the stack's own per-request cost.
+aiohttp on uvloop, starlette on uvicorn (httptools + uvloop), and tandem.worker.httpserver (an asyncio
+protocol over httptools, on uvloop: what the server uses), each in its own process, driven by the same load
+generator at concurrency 8 and 64. No model: this isolates the stack's own per-request cost. Prints each
+stack's requests/s and the server process's CPU time per request, and the ratios to aiohttp.
 
     .venv/bin/python bench/bench_http_stack.py [--seconds 4]
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -24,7 +27,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import build_request, load, wait_for_port  # noqa: E402
 
-STACKS = ("aiohttp", "aiohttp+uvloop", "starlette+uvicorn")
+STACKS = ("aiohttp", "aiohttp+uvloop", "starlette+uvicorn", "tandem httpserver")
 BODY = orjson.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [0.5] * 64}]})
 
 
@@ -37,7 +40,22 @@ def _answer(body: bytes) -> bytes:
 
 
 def serve(stack: str, port: int) -> None:
-    if stack.startswith("aiohttp"):
+    if stack == "tandem httpserver":
+        import uvloop
+        from tandem.worker.httpserver import HttpServer
+
+        def handle(request) -> None:
+            if request.path == "/v2/health/ready":
+                request.respond(200, b'{"ready":true}')
+            else:
+                request.respond(200, _answer(request.body))
+
+        async def run() -> None:
+            await HttpServer(handle, lambda: 1 << 20).start("127.0.0.1", port)
+            await asyncio.Event().wait()
+
+        uvloop.run(run())
+    elif stack.startswith("aiohttp"):
         from aiohttp import web
 
         async def infer(request: web.Request) -> web.Response:
@@ -88,7 +106,7 @@ def main() -> None:
     if args.serve:
         serve(args.serve, args.port)
         return
-    results = {}
+    results, cpu = {}, {}
     for stack in STACKS:
         port = free_port()
         server = subprocess.Popen([sys.executable, __file__, "--serve", stack, "--port", str(port)])
@@ -96,9 +114,12 @@ def main() -> None:
             asyncio.run(wait_for_port("127.0.0.1", port))
             request = build_request("127.0.0.1", port, "/v2/models/m/infer", BODY)
             for concurrency in (8, 64):
-                result = load("127.0.0.1", port, request, concurrency=concurrency, seconds=args.seconds)
+                before = _cpu_seconds(server.pid)
+                result = load("127.0.0.1", port, request, concurrency=concurrency, seconds=args.seconds, warmup=0)
+                cpu[stack, concurrency] = (_cpu_seconds(server.pid) - before) / max(1, result.requests) * 1e6
                 results[stack, concurrency] = result
-                print(f"{stack:18s} c={concurrency:<3d} {result.line()}", flush=True)
+                print(f"{stack:18s} c={concurrency:<3d} {result.line()}  server CPU "
+                      f"{cpu[stack, concurrency]:.0f} us/request", flush=True)
         finally:
             server.terminate()
             server.wait(timeout=30)
@@ -107,6 +128,15 @@ def main() -> None:
         base = results["aiohttp", concurrency].rps
         ratios = ", ".join(f"{stack} {results[stack, concurrency].rps / base:.2f}" for stack in STACKS)
         print(f"c={concurrency}: throughput relative to aiohttp: {ratios}")
+        base = cpu["aiohttp", concurrency]
+        ratios = ", ".join(f"{stack} {cpu[stack, concurrency] / base:.2f}" for stack in STACKS)
+        print(f"c={concurrency}: server CPU per request relative to aiohttp: {ratios}")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

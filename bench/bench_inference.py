@@ -6,7 +6,8 @@ loop, keep-alive connections) drives them all from this process, on the same cor
 1. batched vs sequential: `tandem serve` in each mode at concurrency 1, 8 and 64: requests/s, p50, p99.
    Ratio printed: batched / sequential throughput at each concurrency (target >= 3x at 64).
 2. ceiling: the same model's raw batched forward in process (batch = batchLimit, the same threads), in
-   examples/s. Ratio printed: the batched server's throughput at concurrency 64 / the ceiling (target >= 0.6).
+   examples/s. Ratios printed: the batched server's throughput at concurrency 64, and at 256 (where it stops
+   growing: its capacity), over the ceiling (target >= 0.6).
 3. LitServe serving the same model with its batching on (max_batch_size = 32), at concurrency 64 (and 8),
    best of its configurations tried. Ratio printed: tandem / LitServe throughput, and both p99s (target >= 1.5x
    at equal or lower p99).
@@ -41,6 +42,7 @@ from loadgen import LoadResult, build_request, load, wait_for_port  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 HIDDEN = 2048
 BATCH_LIMIT = 32
+SATURATED = 256  # concurrency at which the batched server's throughput stops growing: its capacity
 HOST = "127.0.0.1"
 EXAMPLE = np.random.default_rng(0).random(64, dtype=np.float32)
 
@@ -122,7 +124,7 @@ def bench_modes(seconds: float, workers: int, directory: Path) -> dict[tuple[str
         with tandem_server(mode, workers, directory) as server:
             request = tandem_request(server.port)
             drive(server.port, request, 8, 1.0, check_tandem)  # one more warm-up, with answers checked
-            for concurrency in (1, 8, 64):
+            for concurrency in (1, 8, 64) if mode == "sequential" else (1, 8, 64, SATURATED):
                 result = results[mode, concurrency] = drive(server.port, request, concurrency, seconds)
                 print(f"tandem {mode:10s} c={concurrency:<3d} {result.line()}", flush=True)
     for concurrency in (1, 8, 64):
@@ -228,9 +230,10 @@ def main() -> None:
     if "ceiling" in parts:
         ceiling = bench_ceiling(args.seconds, args.workers)
         if tandem is not None:
-            served = tandem["batched", 64].rps
-            print(f"server (batched, c=64) / raw in-process ceiling: {served:.0f} / {ceiling:.0f} = "
-                  f"{served / ceiling:.2f}")
+            for concurrency in (64, SATURATED):
+                served = tandem["batched", concurrency].rps
+                print(f"server (batched, c={concurrency}) / raw in-process ceiling: {served:.0f} / {ceiling:.0f} = "
+                      f"{served / ceiling:.2f}")
     if "litserve" in parts:
         bench_litserve(args.seconds, args.workers, tandem)
 

@@ -240,9 +240,12 @@ class ParallelInference:
             raise ValueError(f"devices lists {len(self.devices)} devices for {workers} workers")
         self.stats = InferenceStats()
         self._example = None if example is None else torch.as_tensor(_as_input(example))
+        # Submitters append to the queue under _submit_lock (never contended by workers); workers take batches
+        # under _cond, and a submitter takes _cond only to wake a worker that waits for work.
+        self._submit_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())
         self._queue: deque[_Request] = deque()
-        self._queued_rows = 0
+        self._idle_workers = 0
         self._running = 0
         self._closed = False
         self._free: list[int] = []  # inplace mode: indices of idle replicas
@@ -315,12 +318,11 @@ class ParallelInference:
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting requests; finish the queued ones (drain=True) or fail them with ShutDownError; stop
         the workers (waiting up to `timeout` seconds for them)."""
-        with self._cond:
+        with self._submit_lock, self._cond:
             self._closed = True
             dropped = [] if drain else list(self._queue)
             if dropped:
                 self._queue.clear()
-                self._queued_rows = 0
             self._cond.notify_all()
         if dropped:
             self.stats.failed_unrun(dropped, time.perf_counter_ns())
@@ -375,7 +377,7 @@ class ParallelInference:
     # -- queue and workers ----------------------------------------------------------------------------------
 
     def _enqueue(self, request: _Request) -> None:
-        with self._cond:
+        with self._submit_lock:
             if self._closed:
                 raise ShutDownError("ParallelInference is shut down")
             if len(self._queue) >= self.queue_limit:
@@ -384,8 +386,9 @@ class ParallelInference:
                     f"queue full: {self.queue_limit} requests already waiting (queue_limit={self.queue_limit}); "
                     "retry later")
             self._queue.append(request)
-            self._queued_rows += request.rows
-            self._cond.notify()
+        if self._idle_workers:  # read after the append; a worker counts itself before it looks at the queue
+            with self._cond:
+                self._cond.notify()
 
     def _withdraw(self, request: _Request) -> bool:
         with self._cond:
@@ -393,7 +396,6 @@ class ParallelInference:
                 self._queue.remove(request)
             except ValueError:
                 return False
-            self._queued_rows -= request.rows
         self.stats.failed_unrun([request], time.perf_counter_ns())
         return True
 
@@ -415,22 +417,26 @@ class ParallelInference:
     def _take(self, index: int) -> tuple[list[_Request] | None, list[_Request]]:
         """The next batch for worker `index` (None: shut down and drained), and requests found expired."""
         with self._cond:
-            while True:
-                queue = self._queue
-                if not queue:
-                    if self._closed:
-                        return None, []
-                    self._cond.wait()
-                    continue
-                if self.max_delay_s and self.mode == "batched" and self._queued_rows < self.batch_limit \
-                        and not self._closed:
-                    wait = queue[0].submitted / 1e9 + self.max_delay_s - time.perf_counter_ns() / 1e9
-                    if wait > 0:
-                        self._cond.wait(wait)
+            self._idle_workers += 1  # before looking at the queue: a submitter that appends after this notifies
+            try:
+                while True:
+                    queue = self._queue
+                    if not queue:
+                        if self._closed:
+                            return None, []
+                        self._cond.wait()
                         continue
-                batch, expired = self._pop_batch()
-                self._running += len(batch)
-                return batch, expired
+                    if self.max_delay_s and self.mode == "batched" and not self._closed \
+                            and sum(r.rows for r in queue) < self.batch_limit:
+                        wait = queue[0].submitted / 1e9 + self.max_delay_s - time.perf_counter_ns() / 1e9
+                        if wait > 0:
+                            self._cond.wait(wait)
+                            continue
+                    batch, expired = self._pop_batch()
+                    self._running += len(batch)
+                    return batch, expired
+            finally:
+                self._idle_workers -= 1
 
     def _pop_batch(self) -> tuple[list[_Request], list[_Request]]:
         queue = self._queue
@@ -445,19 +451,16 @@ class ParallelInference:
             request = queue.popleft()
             if request.deadline is not None and now > request.deadline:
                 expired.append(request)
-                self._queued_rows -= request.rows
                 continue
             if key is None:
                 key, rows = request.key, request.rows
                 batch.append(request)
-                self._queued_rows -= request.rows
                 if self.mode != "batched" or rows >= limit:
                     break
                 continue
             if request.key == key and rows + request.rows <= limit:
                 batch.append(request)
                 rows += request.rows
-                self._queued_rows -= request.rows
                 if rows >= limit:
                     break
                 continue

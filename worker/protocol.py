@@ -33,15 +33,17 @@ _ITEMSIZE = {name: torch.empty(0, dtype=torch_dtype).element_size() for name, (t
 _JSON_KINDS = {"BOOL": "b", "UINT8": "iu", "INT8": "iu", "INT16": "iu", "INT32": "iu", "INT64": "iu"}
 _KIND_NAMES = {"b": "true/false", "i": "integers", "u": "integers", "f": "non-integer numbers", "U": "strings"}
 _JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+_EMPTY: dict[str, Any] = {}
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
 class ProtocolError(ValueError):
     """A request the server cannot serve; `status` is the HTTP status to answer with (4xx)."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers
 
 
 @dataclass(frozen=True)
@@ -130,30 +132,35 @@ def decode_request(body: bytes, header_length: str | None, signature: Signature)
         request = orjson.loads(header)
     except orjson.JSONDecodeError as error:
         raise ProtocolError(f"malformed JSON in the request: {error}") from None
-    if not isinstance(request, dict):
+    if type(request) is not dict:
         raise ProtocolError(f"the request must be a JSON object with an 'inputs' list; got {_json_type(request)}")
     inputs = request.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise ProtocolError("the request needs a non-empty 'inputs' list")
-    expected = signature.input.name
-    names = [item.get("name") if isinstance(item, dict) else None for item in inputs]
-    for index, (item, name) in enumerate(zip(inputs, names, strict=True)):
-        if not isinstance(item, dict):
-            raise ProtocolError(f"inputs[{index}] must be an object with name, shape, datatype and data")
-        if name != expected:
-            raise ProtocolError(f"unknown input {name!r}: the model's only input is {expected!r}")
-    if len(inputs) > 1:
-        raise ProtocolError(f"input {expected!r} is given {len(inputs)} times")
-    parameters = _object(request.get("parameters"), "parameters")
+    if type(inputs) is not list or len(inputs) != 1 or type(inputs[0]) is not dict \
+            or inputs[0].get("name") != signature.input.name:
+        _explain_inputs(inputs, signature.input.name)
+    parameters = request.get("parameters")
+    parameters = _EMPTY if parameters is None else _object(parameters, "parameters")
     x = _decode_tensor(inputs[0], binary, signature)
     binary_output = _binary_output(request, parameters, signature)
     timeout = parameters.get("timeout")
-    if timeout is not None and (not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0):
+    if timeout is not None and (type(timeout) is not int or timeout < 0):
         raise ProtocolError(f"parameters.timeout must be a non-negative integer (microseconds); got {timeout!r}")
     request_id = request.get("id")
-    if request_id is not None and not isinstance(request_id, str):
+    if request_id is not None and type(request_id) is not str:
         raise ProtocolError(f"id must be a string; got {_json_type(request_id)}")
     return InferRequest(x, request_id, binary_output, timeout or None)
+
+
+def _explain_inputs(inputs: Any, expected: str) -> None:
+    """Raise the ProtocolError that says what is wrong with a request's inputs (not exactly one, named right)."""
+    if not isinstance(inputs, list) or not inputs:
+        raise ProtocolError("the request needs a non-empty 'inputs' list")
+    for index, item in enumerate(inputs):
+        if not isinstance(item, dict):
+            raise ProtocolError(f"inputs[{index}] must be an object with name, shape, datatype and data")
+        if item.get("name") != expected:
+            raise ProtocolError(f"unknown input {item.get('name')!r}: the model's only input is {expected!r}")
+    raise ProtocolError(f"input {expected!r} is given {len(inputs)} times")
 
 
 def _decode_tensor(item: dict[str, Any], binary: bytes, signature: Signature) -> np.ndarray | torch.Tensor:
@@ -163,8 +170,7 @@ def _decode_tensor(item: dict[str, Any], binary: bytes, signature: Signature) ->
     if datatype != spec.datatype:
         raise ProtocolError(f"{where}: datatype {datatype!r} does not match the model's {spec.datatype}")
     shape = item.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in shape):
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
         raise ProtocolError(f"{where}: shape must be a list of non-negative integers; got {shape!r}")
     if len(shape) != len(spec.shape) + 1 or tuple(shape[1:]) != spec.shape:
         wanted = [-1, *spec.shape]
@@ -175,8 +181,8 @@ def _decode_tensor(item: dict[str, Any], binary: bytes, signature: Signature) ->
                             "(the model's max_batch_size)")
     torch_dtype, numpy_dtype = DATATYPES[datatype]
     count = math.prod(shape)
-    parameters = _object(item.get("parameters"), f"{where} parameters")
-    size = parameters.get("binary_data_size")
+    parameters = item.get("parameters")
+    size = None if parameters is None else _object(parameters, f"{where} parameters").get("binary_data_size")
     if size is not None:
         if "data" in item:
             raise ProtocolError(f"{where}: give either data or parameters.binary_data_size, not both")

@@ -1,6 +1,6 @@
 """Inference server benchmarks (issue #4), on a model large enough that compute matters on CPU: the digits MLP
-with 2048 hidden units (64 -> 2048 -> 2048 -> 10, 4.3 M parameters), one example per request, JSON bodies as
-tritonclient sends them. Every server runs in its own process; one load generator (bench/loadgen.py, closed
+with 3072 hidden units (64 -> 3072 -> 3072 -> 10, 9.7 M parameters; --hidden to change), one example per
+request, JSON bodies. Every server runs in its own process; one load generator (bench/loadgen.py, closed
 loop, keep-alive connections) drives them all from this process, on the same cores.
 
 1. batched vs sequential: `tandem serve` in each mode at concurrency 1, 8 and 64: requests/s, p50, p99.
@@ -12,7 +12,7 @@ loop, keep-alive connections) drives them all from this process, on the same cor
    best of its configurations tried. Ratio printed: tandem / LitServe throughput, and both p99s (target >= 1.5x
    at equal or lower p99).
 
-    .venv/bin/python bench/bench_inference.py                 # all three, about 3 minutes on 2 cores
+    .venv/bin/python bench/bench_inference.py                 # all three, about 2 minutes on 2 cores
     .venv/bin/python bench/bench_inference.py --only modes --seconds 5
 
 Needs the `bench` extra for part 3 (pip install -e '.[bench]').
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import LoadResult, build_request, load, wait_for_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-HIDDEN = 2048
+HIDDEN = 3072
 BATCH_LIMIT = 32
 SATURATED = 256  # concurrency at which the batched server's throughput stops growing: its capacity
 HOST = "127.0.0.1"
@@ -217,11 +217,14 @@ def bench_litserve(seconds: float, workers: int, tandem: dict[tuple[str, int], L
 
 
 def main() -> None:
+    global HIDDEN  # the model size every part below uses
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per point (after 0.5 s warm-up)")
     parser.add_argument("--workers", type=int, default=cores(), help="model replicas (default: one per core)")
     parser.add_argument("--only", choices=("modes", "ceiling", "litserve"), action="append")
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"the MLP's hidden units (default {HIDDEN})")
     args = parser.parse_args()
+    HIDDEN = args.hidden
     parts = args.only or ["modes", "ceiling", "litserve"]
     print(f"model: digits MLP, hidden {HIDDEN}; {cores()} cores; {args.workers} worker(s); batchLimit {BATCH_LIMIT}",
           flush=True)

@@ -89,6 +89,16 @@ def read_response(sock: socket.socket, buffer: bytearray) -> tuple[int, dict[str
     return status, headers, rest[:length]
 
 
+def read_response_to_head(sock: socket.socket, buffer: bytearray) -> tuple[int, dict[str, str], bytes]:
+    """A response to HEAD: headers only, whatever Content-Length says."""
+    while b"\r\n\r\n" not in buffer:
+        buffer += sock.recv(65536)
+    head, _, rest = bytes(buffer).partition(b"\r\n\r\n")
+    buffer[:] = rest
+    lines = head.decode("latin-1").split("\r\n")
+    return int(lines[0].split()[1]), {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}, b""
+
+
 def closed_by_server(sock: socket.socket) -> bool:
     try:
         return sock.recv(1) == b""
@@ -110,6 +120,18 @@ def test_keep_alive_and_pipelined_requests_are_answered_in_order(echo):
     assert read_response(sock, buffer)[2] == b"slow done"
     assert read_response(sock, buffer)[2] == b"later"
     assert read_response(sock, buffer)[2] == b"GET /c d "
+    sock.close()
+
+
+def test_a_thousand_and_more_pipelined_requests_in_one_write_are_answered_in_order(echo):
+    sock, buffer = connect(echo.port), bytearray()
+    sock.sendall(b"".join(b"GET /r%d HTTP/1.1\r\n\r\n" % i for i in range(1500)))
+    for i in range(1500):
+        assert read_response(sock, buffer)[2] == b"GET /r%d " % i
+    sock.sendall(b"HEAD /h HTTP/1.1\r\n\r\nGET /after HTTP/1.1\r\n\r\n")
+    status, headers, body = read_response_to_head(sock, buffer)
+    assert (status, headers["content-length"], body) == (200, "8", b"")
+    assert read_response(sock, buffer)[2] == b"GET /after "
     sock.close()
 
 

@@ -143,6 +143,7 @@ class _Connection(asyncio.Protocol):
         self._refused = False  # the current message was answered early (body too large): drop the rest
         self._dropped = 0
         self._failed = False
+        self._dispatching = False
 
     # -- asyncio.Protocol -----------------------------------------------------------------------------
 
@@ -241,12 +242,10 @@ class _Connection(asyncio.Protocol):
             path = url.decode("latin-1")
         request = Request(self.parser.get_method().decode("latin-1"), path, self._headers, body,
                           self.parser.should_keep_alive(), self)
-        if self.current is None:
-            self._dispatch(request)
-        else:
-            self.waiting.append(request)
-            if len(self.waiting) >= MAX_PIPELINED:
-                self._pause_reading()
+        self.waiting.append(request)
+        if len(self.waiting) >= MAX_PIPELINED:
+            self._pause_reading()
+        self._next()
         return None
 
     # -- answering ----------------------------------------------------------------------------------
@@ -254,6 +253,20 @@ class _Connection(asyncio.Protocol):
     @property
     def idle(self) -> bool:
         return self.current is None and not self.waiting
+
+    def _next(self) -> None:
+        """Hand waiting requests to the application, one at a time, in order. A loop, not recursion: handlers
+        that answer at once would otherwise nest one call per pipelined request."""
+        if self._dispatching:
+            return
+        self._dispatching = True
+        try:
+            while self.current is None and self.waiting and not self.closed:
+                if self.reading_paused and len(self.waiting) <= MAX_PIPELINED // 2:
+                    self._resume_reading()
+                self._dispatch(self.waiting.popleft())
+        finally:
+            self._dispatching = False
 
     def _dispatch(self, request: Request) -> None:
         self.current = request
@@ -283,11 +296,14 @@ class _Connection(asyncio.Protocol):
         if self.closed or request is not self.current:
             return
         keep_alive = request.keep_alive and not self.server.closing
+        length = b"%d" % len(body)
+        if request.method == "HEAD":
+            body = b""
         head = _STATUS_LINES.get(status) or _status_line(status)
         extra = "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode("latin-1") \
             if headers else b""
         self.transport.write(b"".join((
-            head, b"Content-Type: ", content_type.encode("latin-1"), b"\r\nContent-Length: ", b"%d" % len(body),
+            head, b"Content-Type: ", content_type.encode("latin-1"), b"\r\nContent-Length: ", length,
             b"\r\n", extra, b"" if keep_alive else b"Connection: close\r\n", b"\r\n", body)))
         self.current = None
         self.last_activity = time.monotonic()
@@ -295,9 +311,7 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         if self.waiting:
-            if self.reading_paused and len(self.waiting) < MAX_PIPELINED:
-                self._resume_reading()
-            self._dispatch(self.waiting.popleft())
+            self._next()
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer the message being received at once, then read and drop the rest of it before closing: closing

@@ -146,18 +146,19 @@ class _Pending:
     def done(self, output: Any, error: BaseException | None) -> None:
         if self.finished:
             return
+        request, decoded = self.request, self.decoded
         self._finish()
         server = self.server
         if error is None:
-            body, content_type, header_length = encode_response(output, self.decoded, server.name, server.version,
+            body, content_type, header_length = encode_response(output, decoded, server.name, server.version,
                                                                 self.signature)
             server.outcomes["success"] += 1
             headers = None if header_length is None else {HEADER_LENGTH: str(header_length)}
-            self.request.respond(200, body, content_type, headers)
+            request.respond(200, body, content_type, headers)
             return
         server.outcomes["failed"] += 1
         status = 504 if isinstance(error, InferenceTimeout) else 503 if isinstance(error, ShutDownError) else 500
-        self.request.respond(*_error(status, str(error)))
+        request.respond(*_error(status, str(error)))
 
     def expire(self) -> None:
         """Past the deadline (the timeout sweep): answer 504 unless answered already."""
@@ -173,6 +174,7 @@ class _Pending:
 
     def _finish(self) -> None:
         self.finished = True
+        self.request = self.decoded = None  # it may wait in the timeout sweep's queue a while: keep it light
         server = self.server
         server.in_flight -= 1
         if server.in_flight == 0 and server.draining:
@@ -251,10 +253,13 @@ class InferenceServer:
         while True:
             await asyncio.sleep(TIMEOUT_SWEEP_S)
             now = loop.time()
-            while deadlines and (deadlines[0].finished or deadlines[0].deadline <= now):
-                deadlines.popleft().expire()
-            while early and (early[0][2].finished or early[0][0] <= now):
-                heapq.heappop(early)[2].expire()
+            try:
+                while deadlines and (deadlines[0].finished or deadlines[0].deadline <= now):
+                    deadlines.popleft().expire()
+                while early and (early[0][2].finished or early[0][0] <= now):
+                    heapq.heappop(early)[2].expire()
+            except Exception:  # never let one bad answer stop the sweep
+                log.exception("expiring a timed-out request failed")
 
     def _handle(self, request: Request):
         """Route a request; answer it now, or return a coroutine that will (loads), or let inference answer."""

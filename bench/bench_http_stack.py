@@ -42,6 +42,7 @@ def _answer(body: bytes) -> bytes:
 def serve(stack: str, port: int) -> None:
     if stack == "tandem httpserver":
         import uvloop
+
         from tandem.worker.httpserver import HttpServer
 
         def handle(request) -> None:

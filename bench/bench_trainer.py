@@ -6,8 +6,9 @@
     .venv/bin/python bench/bench_trainer.py [--steps 300] [--hidden 512] [--batch 64] [--rounds 3]
 
 Both loops are timed by the same clock on rank 0 from the end of warm-up step to the last step, so
-start-up, evaluation and the final checkpoint are outside the measurement. Rounds alternate the two
-loops so drift on the machine hits both alike; the median round is reported.
+start-up, evaluation and the final checkpoint are outside the measurement. Each round runs every loop,
+in an order rotated from round to round (the first run of a round measured slower), and the median over
+rounds is reported.
 """
 
 from __future__ import annotations
@@ -21,18 +22,24 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from tandem.worker.data import training_loader
-from tandem.worker.distributed import WorkerEnv, free_port, init_process_group, share_cpu_threads
-from tandem.worker.trainer import RankContext, train
 from torch.nn.parallel import DistributedDataParallel
 
 from tandem.api import ParallelTrainingJobSpec
 from tandem.examples.digits import mlp, train_data
+from tandem.worker.data import training_loader
+from tandem.worker.distributed import (
+    WorkerEnv,
+    free_port,
+    init_process_group,
+    share_cpu_threads,
+    shutdown_process_group,
+)
+from tandem.worker.trainer import RankContext, train
 
 WARMUP_STEPS = 20
+PAUSE_SECONDS = 2.0
 
 
 def _spec(args, workers: int) -> ParallelTrainingJobSpec:
@@ -93,7 +100,7 @@ def _report(env: WorkerEnv, marks: dict[int, float], args, workers: int, out: Pa
         seconds = marks[args.steps] - marks[WARMUP_STEPS]
         samples = (args.steps - WARMUP_STEPS) * args.batch * workers
         out.write_text(json.dumps({"samples_per_second": samples / seconds}))
-    dist.destroy_process_group()
+    shutdown_process_group()
 
 
 def measure(loop, args, workers: int) -> float:
@@ -112,12 +119,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    tandem, plain, one_rank = [], [], []
-    for _ in range(args.rounds):
-        tandem.append(measure(_tandem, args, 2))
-        plain.append(measure(_plain_ddp, args, 2))
-        one_rank.append(measure(_tandem, args, 1))
-    t, p, o = statistics.median(tandem), statistics.median(plain), statistics.median(one_rank)
+    runs = {"tandem": (_tandem, 2), "plain": (_plain_ddp, 2), "one rank": (_tandem, 1)}
+    figures: dict[str, list[float]] = {name: [] for name in runs}
+    for round_index in range(args.rounds):
+        names = list(runs)
+        names = names[round_index % len(names):] + names[:round_index % len(names)]  # no loop always goes first
+        for name in names:
+            loop, workers = runs[name]
+            time.sleep(PAUSE_SECONDS)  # let the previous run's processes finish leaving
+            figures[name].append(measure(loop, args, workers))
+    t, p, o = (statistics.median(figures[name]) for name in runs)
     print(f"digits MLP hidden={args.hidden}, batch {args.batch}/rank, {args.steps} steps, "
           f"median of {args.rounds} rounds, {os.cpu_count()} CPUs, gloo")
     print(f"(a) allReduce, 2 ranks: tandem {t:,.0f} samples/s | plain DDP loop {p:,.0f} samples/s | "

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.worker.distributed import shutdown_process_group
+
 LOOPBACK = "127.0.0.1"
 _POLL_SECONDS = 0.2
 _STOP_GRACE_SECONDS = 5.0
@@ -102,7 +104,7 @@ def _rank_main(
         return
     finally:
         if init_group and dist.is_initialized():
-            dist.destroy_process_group()
+            shutdown_process_group()
     # Plain pickle, by value: torch makes the queue's own pickler pass tensors as shared-memory handles,
     # which die with this process.
     results.put(pickle.dumps((rank, True, value)))

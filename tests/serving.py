@@ -12,10 +12,10 @@ import orjson
 import torch
 import tritonclient.http as triton
 from inference_models import GATES, seeded_mlp
-from tandem.worker import checkpoint
-from tandem.worker.server import InferenceServer
 
 from tandem.api.inference import InferencePool
+from tandem.worker import checkpoint
+from tandem.worker.server import InferenceServer
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from tandem.examples.digits import mlp
 from tandem.worker import checkpoint
 from tandem.worker.distributed import ContractError, WorkerEnv, select_device
 from tandem.worker.references import BadReference, build_model, load_dataset
-
-from tandem.examples.digits import mlp
 
 
 def _save(directory: Path, step: int, model: torch.nn.Module | None = None, keep_last: int = 3) -> Path:

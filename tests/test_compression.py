@@ -13,6 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_on_ranks
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tandem.examples.digits import eval_data, mlp, train_data
 from tandem.worker.compression import (
     ThresholdCompression,
     adapt_threshold,
@@ -25,10 +29,6 @@ from tandem.worker.compression import (
     threshold_hook,
     unpack_ternary,
 )
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
-
-from tandem.examples.digits import eval_data, mlp, train_data
 
 BATCH_PER_RANK = 32
 DIGITS_EPOCHS = 30

@@ -7,8 +7,9 @@ import time
 
 import pytest
 import torch
-from tandem.worker.data import accumulation_groups, epoch_batches, evaluation_shard, training_loader
 from torch.utils.data import TensorDataset
+
+from tandem.worker.data import accumulation_groups, epoch_batches, evaluation_shard, training_loader
 
 
 def _dataset(n: int = 100) -> TensorDataset:

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 from inference_models import GATES, POISON, Echo, gated_mlp, seeded_mlp
-from tandem.worker.inference import InferenceTimeout, ModelError, QueueFullError, ShutDownError, warmup_sizes
 
 from tandem import ParallelInference
+from tandem.worker.inference import InferenceTimeout, ModelError, QueueFullError, ShutDownError, warmup_sizes
 
 torch.set_num_threads(1)
 MODES = ("batched", "sequential", "inplace")

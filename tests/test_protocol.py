@@ -6,6 +6,7 @@ import numpy as np
 import orjson
 import pytest
 import torch
+
 from tandem.worker.protocol import (
     DATATYPES,
     InferRequest,

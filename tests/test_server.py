@@ -32,11 +32,11 @@ from serving import (
     wait_until,
     write_checkpoint,
 )
-from tandem.worker.model_source import ModelLoadError
-from tandem.worker.server import InferenceServer
 from tritonclient.utils import InferenceServerException
 
 from tandem.cli import main as cli_main
+from tandem.worker.model_source import ModelLoadError
+from tandem.worker.server import InferenceServer
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent

@@ -15,9 +15,9 @@ import pytest
 import torch
 import yaml
 from distributed import run_on_ranks
-from tandem.worker import checkpoint
 
 from tandem.api import ParallelTrainingJobSpec
+from tandem.worker import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -114,9 +114,8 @@ def test_each_mode_reaches_090_on_digits_with_its_example(tmp_path, example):
 
 
 def _train_recording_synchronised_replicas(rank: int, mode: str) -> list[torch.Tensor]:
-    from tandem.worker.trainer import RankContext, train
-
     from tandem.examples.digits import eval_data, mlp, train_data
+    from tandem.worker.trainer import RankContext, train
 
     spec = ParallelTrainingJobSpec.model_validate({
         "workers": 2, "trainingMode": mode,
@@ -250,9 +249,8 @@ def test_custom_mode_runs_the_users_command_with_the_contract_env(tmp_path):
 
 
 def _train_with_every_knob(rank: int, precision: str) -> float:
-    from tandem.worker.trainer import RankContext, train
-
     from tandem.examples.digits import eval_data, mlp, train_data
+    from tandem.worker.trainer import RankContext, train
 
     spec = ParallelTrainingJobSpec.model_validate({
         "workers": 2,

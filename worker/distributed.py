@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -123,6 +124,17 @@ def init_process_group(env: WorkerEnv, device: torch.device, *, timeout: float =
         timeout=timedelta(seconds=timeout),
         device_id=device if device.type == "cuda" else None,
     )
+
+
+def shutdown_process_group() -> None:
+    """Leave the group so that no gloo thread outlives it.
+
+    Collectives on Python-owned tensors leave references that gloo's worker threads release late; if one
+    survives to interpreter teardown the process aborts ("terminate called without an active exception",
+    pytorch/pytorch#179291). Collect them first, then destroy the group.
+    """
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def free_port() -> int:

@@ -6,20 +6,23 @@ run it by hand with the same variables.
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import traceback
 from pathlib import Path
 from typing import NoReturn
 
-import torch.distributed as dist
-from tandem.worker.distributed import WorkerEnv, init_process_group, select_device, share_cpu_threads
+from tandem.api import ParallelTrainingJob
+from tandem.worker.distributed import (
+    WorkerEnv,
+    init_process_group,
+    select_device,
+    share_cpu_threads,
+    shutdown_process_group,
+)
 from tandem.worker.references import build_model, load_dataset
 from tandem.worker.reporting import ConsoleSink, StatusFileSink, read_status_file
 from tandem.worker.trainer import RankContext, seed_everything, train, watch_stop_signals
-
-from tandem.api import ParallelTrainingJob
 
 
 def load_job(env: WorkerEnv) -> ParallelTrainingJob:
@@ -62,11 +65,8 @@ def main() -> int:
             _record_failure(env, error)
         raise
     finally:
-        # DDP's reducer (kept alive by autograd hooks on the model) holds the process group: release both so
-        # gloo's threads are joined now, not during interpreter teardown.
         del model, train_set, eval_set
-        gc.collect()
-        dist.destroy_process_group()
+        shutdown_process_group()
     return 0
 
 
@@ -89,8 +89,8 @@ def cli() -> NoReturn:
     except Exception:
         traceback.print_exc()
         code = 1
-    # Leave without interpreter teardown: C++ threads of torch.distributed that outlive it abort the process
-    # ("terminate called without an active exception", pytorch/pytorch#179291), turning a clean exit into a crash.
+    # Leave without interpreter teardown: a torch.distributed thread that outlives it aborts the process
+    # (see shutdown_process_group), which would turn a finished run into a crash.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

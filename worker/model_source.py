@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tandem.api.inference import ModelSource
 from tandem.worker import checkpoint as checkpoints
 from tandem.worker.protocol import DATATYPES, TORCH_DATATYPE, Signature, TensorSpec
 from tandem.worker.references import build_model
-
-from tandem.api.inference import ModelSource
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "output"

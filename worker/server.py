@@ -47,6 +47,9 @@ from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import tandem
+from tandem.api.inference import InferencePool
 from tandem.worker import model_source
 from tandem.worker.httpserver import HttpServer, Request
 from tandem.worker.inference import (
@@ -59,9 +62,6 @@ from tandem.worker.inference import (
 from tandem.worker.metrics import OUTCOMES, registry_for
 from tandem.worker.model_source import LoadedModel, ModelLoadError
 from tandem.worker.protocol import HEADER_LENGTH, ProtocolError, decode_request, dumps, encode_response
-
-import tandem
-from tandem.api.inference import InferencePool
 
 log = logging.getLogger("tandem.serve")
 

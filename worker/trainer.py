@@ -24,16 +24,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+from tandem.api import ParallelTrainingJobSpec, ParallelTrainingJobStatus
 from tandem.worker import checkpoint
 from tandem.worker.averaging import average_replicas
 from tandem.worker.data import accumulation_groups, epoch_batches, evaluation_shard, to_device, training_loader
 from tandem.worker.optim import build_optimizer, build_schedule
 from tandem.worker.reporting import Reporter, Sink
 from tandem.worker.signals import STOP_SIGNALS, block_stop_signals
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
 
-from tandem.api import ParallelTrainingJobSpec, ParallelTrainingJobStatus
+STOP_CHECK_STEPS = 10
+"""How often ranks exchange stop requests: a stop lands within 2 x this many steps of the signal."""
 
 
 class TrainingError(RuntimeError):
@@ -212,13 +215,14 @@ def train(
                         epoch=position.epoch + 1, step=position.step, loss=running_loss, samples=position.samples
                     )
 
-                # A stop request (signal) is local; ranks act on the flag all-reduced at the previous step, so
-                # they all stop after the same step.
-                if stop_pending is not None:
-                    stop_pending.wait()
-                    agreed_stop = stop_flag.item() > 0
-                stop_flag.fill_(1.0 if context.stop_requested else 0.0)
-                stop_pending = dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX, async_op=True)
+                # A stop request (signal) is local; every STOP_CHECK_STEPS steps the ranks share their flags
+                # (overlapped with the next steps' compute) and act on them together, after the same step.
+                if position.step % STOP_CHECK_STEPS == 0:
+                    if stop_pending is not None:
+                        stop_pending.wait()
+                        agreed_stop = stop_flag.item() > 0
+                    stop_flag.fill_(1.0 if context.stop_requested else 0.0)
+                    stop_pending = dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX, async_op=True)
 
                 if position.step >= total_steps or agreed_stop:
                     break

@@ -11,7 +11,6 @@ the same training loop as `tandem run` and the operator's pods.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
@@ -21,14 +20,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from tandem.worker.distributed import WorkerEnv, free_port, init_process_group, select_device, share_cpu_threads
-from tandem.worker.reporting import ConsoleSink
-from tandem.worker.trainer import RankContext, train
 from torch.utils.data import Dataset
 
 from tandem.api import ParallelTrainingJobSpec, ParallelTrainingJobStatus
+from tandem.worker.distributed import (
+    WorkerEnv,
+    free_port,
+    init_process_group,
+    select_device,
+    share_cpu_threads,
+    shutdown_process_group,
+)
+from tandem.worker.reporting import ConsoleSink
+from tandem.worker.trainer import RankContext, train
 
 
 def _reference(obj: Any) -> str:
@@ -137,8 +142,7 @@ def _rank_main(rank, spec_json, port, model, data, eval_data, results: Path, sho
             (results / "status.json").write_text(json.dumps(status.to_dict()))
     finally:
         del model, data, eval_data
-        gc.collect()
-        dist.destroy_process_group()
+        shutdown_process_group()
     # As the worker entry point does: skip interpreter teardown, where leftover gloo threads abort the process.
     sys.stdout.flush()
     sys.stderr.flush()

@@ -288,3 +288,13 @@ def test_parallel_wrapper_trains_the_callers_model(tmp_path):
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     with pytest.raises(RuntimeError, match="closed"):
         wrapper.fit(train_data())
+
+
+def test_the_readme_parallel_wrapper_example_runs(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    example = next(block.split("```", 1)[0] for block in readme.split("```python\n")[1:] if "ParallelWrapper(" in block)
+    script = tmp_path / "readme_example.py"
+    script.write_text(example)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout.strip().splitlines()[-1]) >= 0.9

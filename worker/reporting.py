@@ -107,32 +107,42 @@ class Reporter:
         self.status.workers.ready = self.status.workers.total = workers
         self.status.progress.total_steps = total_steps
         self._last_publish = 0.0
-        self._rate_window: tuple[float, int, int] | None = None
+        self._first: tuple[float, int, int] | None = None
+        self._latest: tuple[float, int, int, float | None, int] | None = None
 
     def publish(self) -> None:
+        self.refresh()
         self.status = ParallelTrainingJobStatus.model_validate(self.status.model_dump())  # refresh summaries
         for sink in self.sinks:
             sink.publish(self.status)
         self._last_publish = time.monotonic()
 
     def progress(self, *, epoch: int, step: int, loss: float | None, samples: int) -> None:
-        """Record a finished optimizer step; `samples` counts examples processed by this run over all ranks."""
+        """Record a finished optimizer step; `samples` counts examples processed by this run over all ranks.
+        Cheap on the steps that do not publish: the status is brought up to date only when it is published."""
+        clock = time.monotonic()
+        self._latest = (clock, epoch, step, loss, samples)
+        if self._first is None:
+            self._first = (clock, samples, step)
+        if clock - self._last_publish >= self.interval:
+            self.publish()
+
+    def refresh(self) -> None:
+        """Apply the latest recorded step to the status (once: later edits of the status stick)."""
+        if self._latest is None:
+            return
+        clock, epoch, step, loss, samples = self._latest
+        self._latest = None
         progress = self.status.progress
         progress.epoch, progress.step, progress.last_heartbeat = epoch, step, now()
         if loss is not None:
             progress.loss = loss
-        clock = time.monotonic()
-        if self._rate_window is None:
-            self._rate_window = (clock, samples, step)
-        else:
-            started, samples_then, step_then = self._rate_window
-            elapsed = clock - started
-            if elapsed > 0 and step > step_then:
-                progress.samples_per_second = (samples - samples_then) / elapsed
-                steps_per_second = (step - step_then) / elapsed
-                progress.eta_seconds = max(0.0, (progress.total_steps - step) / steps_per_second)
-        if clock - self._last_publish >= self.interval:
-            self.publish()
+        started, samples_then, step_then = self._first
+        elapsed = clock - started
+        if elapsed > 0 and step > step_then:
+            progress.samples_per_second = (samples - samples_then) / elapsed
+            steps_per_second = (step - step_then) / elapsed
+            progress.eta_seconds = max(0.0, (progress.total_steps - step) / steps_per_second)
 
     def checkpoint(self, path: Path, step: int) -> None:
         record = CheckpointRecord(path=str(path), step=step, time=now())

@@ -144,7 +144,8 @@ def train(
 
     input_shape: list[int] | None = None
     bytes_sent = dense_bytes = 0
-    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    parameters = list(model.parameters())
+    parameter_bytes = sum(p.numel() * p.element_size() for p in parameters)
     stop_flag, stop_pending = torch.zeros(1), None
     running_loss: float | None = None
 
@@ -176,10 +177,9 @@ def train(
 
                 scaler.unscale_(optimizer)
                 if trainer.gradient_clip_norm is not None:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.gradient_clip_norm)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, trainer.gradient_clip_norm)
                 else:
-                    grads = [p.grad for p in model.parameters() if p.grad is not None]
-                    grad_norm = torch.nn.utils.get_total_norm(grads)
+                    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
                 if torch.isfinite(grad_norm) and math.isfinite(loss_sum):
                     scaler.step(optimizer)
                     position.consecutive_bad_steps = 0
@@ -245,6 +245,7 @@ def train(
     dist.all_reduce(totals)
     if reporter is None:
         return None
+    reporter.refresh()
     status = reporter.status
     status.progress.epoch = min(trainer.epochs, position.epoch + (1 if position.batches_done else 0))
     status.metrics.update(metrics)

@@ -3,7 +3,7 @@
 (a) Tandem's allReduce loop against a plain hand-written DDP loop: same model, data, batch and ranks.
 (c) Tandem's samples/s with 1 and 2 ranks.
 
-    .venv/bin/python bench/bench_trainer.py [--steps 300] [--hidden 512] [--batch 64] [--rounds 3]
+    .venv/bin/python bench/bench_trainer.py [--steps 300] [--hidden 512] [--batch 64] [--rounds 3] [--prefetch N]
 
 Both loops are timed by the same clock on rank 0 from the end of warm-up step to the last step, so
 start-up, evaluation and the final checkpoint are outside the measurement. Each round runs every loop,
@@ -47,7 +47,8 @@ def _spec(args, workers: int) -> ParallelTrainingJobSpec:
         "workers": workers,
         "trainer": {"model": "tandem.examples.digits:mlp", "data": "tandem.examples.digits:train_data",
                     "modelArgs": {"hidden": args.hidden}, "batchSizePerWorker": args.batch,
-                    "maxSteps": args.steps, "epochs": 10_000, "optimizer": {"name": "sgd", "lr": 0.01}},
+                    "maxSteps": args.steps, "epochs": 10_000, "optimizer": {"name": "sgd", "lr": 0.01},
+                    **({"prefetchBuffer": args.prefetch} if args.prefetch is not None else {})},
         "checkpoint": {"directory": tempfile.mkdtemp(prefix="tandem-bench-")},
     })
 
@@ -117,6 +118,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prefetch", type=int, help="trainer.prefetchBuffer (default: the API's default)")
     args = parser.parse_args()
 
     runs = {"tandem": (_tandem, 2), "plain": (_plain_ddp, 2), "one rank": (_tandem, 1)}

@@ -3,12 +3,11 @@
 (a) Tandem's allReduce loop against a plain hand-written DDP loop: same model, data, batch and ranks.
 (c) Tandem's samples/s with 1 and 2 ranks.
 
-    .venv/bin/python bench/bench_trainer.py [--steps 300] [--hidden 512] [--batch 64] [--rounds 3] [--prefetch N]
+    .venv/bin/python bench/bench_trainer.py [--steps 300] [--hidden 512] [--batch 64] [--rounds 8] [--prefetch N]
 
 Both loops are timed by the same clock on rank 0 from the end of warm-up step to the last step, so
-start-up, evaluation and the final checkpoint are outside the measurement. Each round runs every loop,
-in an order rotated from round to round (the first run of a round measured slower), and the median over
-rounds is reported.
+start-up, evaluation and the final checkpoint are outside the measurement. Both loops run in the same rank
+processes, round after round, alternating which goes first; the median over rounds is reported.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ from tandem.worker.distributed import (
 from tandem.worker.trainer import RankContext, train
 
 WARMUP_STEPS = 20
-PAUSE_SECONDS = 2.0
 
 
 def _spec(args, workers: int) -> ParallelTrainingJobSpec:
@@ -53,20 +51,19 @@ def _spec(args, workers: int) -> ParallelTrainingJobSpec:
     })
 
 
-def _tandem(rank: int, args, workers: int, port: int, out: Path) -> None:
-    env = _join(rank, workers, port)
+def _tandem(rank: int, args, workers: int) -> float:
+    """Tandem's training loop (trainer.train, what `tandem run` runs); samples/s."""
     spec = _spec(args, workers)
     marks: dict[int, float] = {}
     context = RankContext(rank=rank, world_size=workers, device=torch.device("cpu"), job="bench",
                           checkpoint_dir=Path(spec.checkpoint.directory),
                           listeners=[lambda step, model, synced: marks.__setitem__(step, time.perf_counter())])
     train(spec, context, mlp(hidden=args.hidden), train_data(), None)
-    _report(env, marks, args, workers, out)
+    return _rate(marks, args, workers)
 
 
-def _plain_ddp(rank: int, args, workers: int, port: int, out: Path) -> None:
-    """The loop a person writes from the DDP tutorial."""
-    env = _join(rank, workers, port)
+def _plain_ddp(rank: int, args, workers: int) -> float:
+    """The loop a person writes from the DDP tutorial; samples/s."""
     torch.manual_seed(0)
     model = DistributedDataParallel(mlp(hidden=args.hidden))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -85,31 +82,39 @@ def _plain_ddp(rank: int, args, workers: int, port: int, out: Path) -> None:
             if step == args.steps:
                 break
         epoch += 1
-    _report(env, marks, args, workers, out)
+    return _rate(marks, args, workers)
 
 
-def _join(rank: int, workers: int, port: int) -> WorkerEnv:
+def _rate(marks: dict[int, float], args, workers: int) -> float:
+    return (args.steps - WARMUP_STEPS) * args.batch * workers / (marks[args.steps] - marks[WARMUP_STEPS])
+
+
+LOOPS = {"tandem": _tandem, "plain": _plain_ddp}
+
+
+def _rank(rank: int, args, workers: int, port: int, names: list[str], out: Path) -> None:
+    """Every round runs each loop once in these same processes (alternating which goes first), so both
+    loops see the same process placement, memory and machine load; rank 0 keeps the figures."""
     env = WorkerEnv.from_environ({"RANK": str(rank), "WORLD_SIZE": str(workers), "MASTER_PORT": str(port),
                                   "TANDEM_SPEC": "(bench)"})
     share_cpu_threads(env)
     init_process_group(env, torch.device("cpu"))
-    return env
-
-
-def _report(env: WorkerEnv, marks: dict[int, float], args, workers: int, out: Path) -> None:
+    figures: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(args.rounds):
+        for name in names if round_index % 2 == 0 else names[::-1]:
+            figures[name].append(LOOPS[name](rank, args, workers))
     if env.is_master:
-        seconds = marks[args.steps] - marks[WARMUP_STEPS]
-        samples = (args.steps - WARMUP_STEPS) * args.batch * workers
-        out.write_text(json.dumps({"samples_per_second": samples / seconds}))
+        out.write_text(json.dumps(figures))
     shutdown_process_group()
 
 
-def measure(loop, args, workers: int) -> float:
+def measure(names: list[str], args, workers: int) -> dict[str, float]:
+    """Median samples/s of each named loop on `workers` ranks."""
     out = Path(tempfile.mkstemp(suffix=".json")[1])
-    mp.start_processes(loop, args=(args, workers, free_port(), out), nprocs=workers, start_method="spawn")
-    result = json.loads(out.read_text())["samples_per_second"]
+    mp.start_processes(_rank, args=(args, workers, free_port(), names, out), nprocs=workers, start_method="spawn")
+    figures = json.loads(out.read_text())
     os.unlink(out)
-    return result
+    return {name: statistics.median(values) for name, values in figures.items()}
 
 
 def main() -> None:
@@ -117,20 +122,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--prefetch", type=int, help="trainer.prefetchBuffer (default: the API's default)")
     args = parser.parse_args()
 
-    runs = {"tandem": (_tandem, 2), "plain": (_plain_ddp, 2), "one rank": (_tandem, 1)}
-    figures: dict[str, list[float]] = {name: [] for name in runs}
-    for round_index in range(args.rounds):
-        names = list(runs)
-        names = names[round_index % len(names):] + names[:round_index % len(names)]  # no loop always goes first
-        for name in names:
-            loop, workers = runs[name]
-            time.sleep(PAUSE_SECONDS)  # let the previous run's processes finish leaving
-            figures[name].append(measure(loop, args, workers))
-    t, p, o = (statistics.median(figures[name]) for name in runs)
+    two = measure(["tandem", "plain"], args, 2)
+    one = measure(["tandem"], args, 1)
+    t, p, o = two["tandem"], two["plain"], one["tandem"]
     print(f"digits MLP hidden={args.hidden}, batch {args.batch}/rank, {args.steps} steps, "
           f"median of {args.rounds} rounds, {os.cpu_count()} CPUs, gloo")
     print(f"(a) allReduce, 2 ranks: tandem {t:,.0f} samples/s | plain DDP loop {p:,.0f} samples/s | "

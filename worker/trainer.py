@@ -154,11 +154,12 @@ def train(
         if reporter is not None and path is not None:
             reporter.checkpoint(path, position.step)
 
+    prefetch = trainer.prefetch_for(context.device.type)
     last_checkpoint_time = time.monotonic()
     agreed_stop = False
     model.train()
     while position.step < total_steps and position.epoch < trainer.epochs and not agreed_stop:
-        batches = epoch_batches(loader, position.epoch, skip=position.batches_done, prefetch=trainer.prefetch_buffer)
+        batches = epoch_batches(loader, position.epoch, skip=position.batches_done, prefetch=prefetch)
         with closing(batches):
             for micro_batches in accumulation_groups(batches, trainer.gradient_accumulation_steps):
                 # One optimizer step over the accumulated micro-batches; DDP exchanges gradients on the last.

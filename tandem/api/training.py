@@ -23,6 +23,8 @@ DataRef = Annotated[str, StringConstraints(min_length=1)]
 
 # DL4J's AdaptiveThresholdAlgorithm: decay 0.5 per 20 steps, sparsity target 1e-4..1e-2.
 DL4J_THRESHOLD_DECAY = 0.965936
+GPU_PREFETCH_BUFFER = 4
+"""prefetchBuffer when unset and training on a GPU (torch's DataLoader keeps 2 batches per loader process)."""
 
 
 class Optimizer(ApiModel):
@@ -69,11 +71,18 @@ class TrainerSpec(ApiModel):
     """torch.use_deterministic_algorithms(True) and no data-loader nondeterminism."""
     require_gpu: bool = Field(False, alias="requireGPU")
     """Fail before training when CUDA is unavailable, instead of falling back to CPU."""
-    prefetch_buffer: Annotated[int, Field(ge=0)] = 4
-    """Batches each rank loads ahead on a background thread (DL4J prefetchBuffer; torch's DataLoader
-    keeps 2 per loader process). 0 loads on the training thread."""
+    prefetch_buffer: Annotated[int, Field(ge=0)] | None = None
+    """Batches each rank loads ahead on a background thread (DL4J prefetchBuffer). Unset: 4 when training on
+    a GPU, 0 on CPU, where a loader thread takes cores from the training itself. 0 loads on the training
+    thread."""
     max_consecutive_bad_steps: Annotated[int, Field(ge=1)] = 10
     """Steps with a NaN/Inf loss or gradient are skipped and counted; this many in a row fails the job."""
+
+    def prefetch_for(self, device_type: str) -> int:
+        """The prefetch depth in effect on this device type."""
+        if self.prefetch_buffer is not None:
+            return self.prefetch_buffer
+        return GPU_PREFETCH_BUFFER if device_type == "cuda" else 0
 
     @field_validator("data", "eval_data")
     @classmethod

@@ -155,6 +155,7 @@ def train(
             reporter.checkpoint(path, position.step)
 
     prefetch = trainer.prefetch_for(context.device.type)
+    found_non_finite = torch.zeros(1, device=context.device)
     last_checkpoint_time = time.monotonic()
     agreed_stop = False
     model.train()
@@ -178,10 +179,11 @@ def train(
 
                 scaler.unscale_(optimizer)
                 if trainer.gradient_clip_norm is not None:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, trainer.gradient_clip_norm)
+                    norm = torch.nn.utils.clip_grad_norm_(parameters, trainer.gradient_clip_norm)
+                    finite = bool(torch.isfinite(norm))
                 else:
-                    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
-                if torch.isfinite(grad_norm) and math.isfinite(loss_sum):
+                    finite = _all_finite([p.grad for p in parameters if p.grad is not None], found_non_finite)
+                if finite and math.isfinite(loss_sum):
                     scaler.step(optimizer)
                     position.consecutive_bad_steps = 0
                 elif trainer.mixed_precision != "fp16":  # fp16: the gradient scaler skips such steps itself
@@ -284,6 +286,14 @@ def _wrap(model: torch.nn.Module, spec: ParallelTrainingJobSpec, context: RankCo
     )
     ddp.register_comm_hook(state, threshold_hook)
     return ddp, state
+
+
+def _all_finite(grads: list[torch.Tensor], found: torch.Tensor) -> bool:
+    """Whether every gradient entry is finite, in one fused pass: the kernel torch's GradScaler uses, with a
+    scale of 1. A gradient norm answers the same question at twice the cost (6% of a small model's step)."""
+    found.zero_()
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(1, device=found.device))
+    return not found.item()
 
 
 def _autocast(precision: str, device: torch.device):

@@ -171,7 +171,9 @@ def train(
                     last = index == len(micro_batches) - 1
                     no_sync = isinstance(wrapped, DistributedDataParallel) and not last
                     with wrapped.no_sync() if no_sync else nullcontext(), autocast:
-                        loss = _loss(wrapped(inputs), targets) / len(micro_batches)
+                        loss = _loss(wrapped(inputs), targets)
+                        if len(micro_batches) > 1:  # the mean over the step's examples; skipped when there is one
+                            loss = loss / len(micro_batches)
                     scaler.scale(loss).backward()
                     loss_sum += loss.detach().item()
                     position.samples += len(inputs) * context.world_size

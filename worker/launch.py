@@ -37,14 +37,17 @@ class PreflightError(ValueError):
     """The job cannot start: caught before any rank is launched."""
 
 
-def preflight(job: ParallelTrainingJob) -> None:
-    """Everything that would make every rank fail at once, checked here and reported once."""
+def preflight(job: ParallelTrainingJob) -> Path | None:
+    """Everything that would make every rank fail at once, checked here and reported once. Returns the
+    checkpoint the ranks resume from (verified to load into the model), if any."""
     spec = job.spec
+    checkpoint_dir = Path(spec.checkpoint.directory).resolve()
+    resume_from = checkpoint.latest(checkpoint_dir) if spec.checkpoint.resume else None
     if spec.training_mode == "custom":
         program = spec.custom.command[0]
         if shutil.which(program) is None:
             raise PreflightError(f"spec.custom.command: {program!r} is not an executable on PATH")
-        return
+        return resume_from
     trainer = spec.trainer
     if trainer.require_gpu and not torch.cuda.is_available():
         raise PreflightError(
@@ -52,7 +55,7 @@ def preflight(job: ParallelTrainingJob) -> None:
             "set requireGPU: false to train on CPU"
         )
     try:
-        build_model(trainer.model, trainer.model_args)
+        model = build_model(trainer.model, trainer.model_args)
         for field, ref in (("data", trainer.data), ("evalData", trainer.eval_data)):
             if ref is None:
                 continue
@@ -63,15 +66,14 @@ def preflight(job: ParallelTrainingJob) -> None:
                 import_reference(ref)
     except BadReference as error:
         raise PreflightError(f"spec.trainer: {error}") from error
-    resume_from = checkpoint.latest(Path(spec.checkpoint.directory)) if spec.checkpoint.resume else None
     if resume_from is not None:
         try:
-            state = checkpoint.load(resume_from)
-            checkpoint.restore_model(build_model(trainer.model, trainer.model_args), state["model"], resume_from)
+            checkpoint.restore_model(model, checkpoint.load(resume_from)["model"], resume_from)
         except checkpoint.CheckpointError as error:
             raise PreflightError(
                 f"cannot resume: {error}. Remove it, or set spec.checkpoint.resume: false to start afresh"
             ) from error
+    return resume_from
 
 
 def _die_with_parent() -> None:
@@ -81,8 +83,11 @@ def _die_with_parent() -> None:
 
 
 class Launcher:
-    def __init__(self, job: ParallelTrainingJob, *, run_dir: Path, grace_seconds: float = 30.0):
+    def __init__(
+        self, job: ParallelTrainingJob, *, run_dir: Path, resume_from: Path | None, grace_seconds: float = 30.0
+    ):
         self.job = job
+        self.resume_from = resume_from
         self.run_dir = run_dir
         self.grace_seconds = grace_seconds
         self.status_file = run_dir / "status.json"
@@ -93,15 +98,13 @@ class Launcher:
 
     def environment(self, rank: int, port: int, spec_path: Path) -> dict[str, str]:
         spec = self.job.spec
-        checkpoint_dir = Path(spec.checkpoint.directory).resolve()
-        resume_from = checkpoint.latest(checkpoint_dir) if spec.checkpoint.resume else None
         contract = {
             "RANK": str(rank), "WORLD_SIZE": str(spec.workers),
             "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(spec.workers),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "TANDEM_JOB": self.job.metadata.name, "TANDEM_SPEC": str(spec_path),
-            "TANDEM_CHECKPOINT_DIR": str(checkpoint_dir),
-            "TANDEM_RESUME_FROM": str(resume_from) if resume_from else "",
+            "TANDEM_CHECKPOINT_DIR": str(Path(spec.checkpoint.directory).resolve()),
+            "TANDEM_RESUME_FROM": str(self.resume_from or ""),
             "TANDEM_STATUS_FILE": str(self.status_file),
         }
         return {**os.environ, **{e.name: e.value or "" for e in spec.env}, **contract}
@@ -187,13 +190,13 @@ def run(path: str, *, workers: int | None = None, status_out: str | None = None)
             if workers < 1:
                 raise PreflightError(f"--workers {workers}: needs at least 1 rank")
             job.spec.workers = workers
-        preflight(job)
+        resume_from = preflight(job)
     except (ManifestError, PreflightError) as error:
         print(f"tandem run: {error}", file=sys.stderr)
         return 2
 
     run_dir = Path(tempfile.mkdtemp(prefix=f"tandem-{job.metadata.name}-"))
-    launcher = Launcher(job, run_dir=run_dir)
+    launcher = Launcher(job, run_dir=run_dir, resume_from=resume_from)
     previous = {sig: signal.signal(sig, launcher.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     sink = ConsoleSink(job.metadata.name)
     try:

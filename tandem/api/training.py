@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -87,8 +88,6 @@ class TrainerSpec(ApiModel):
     @field_validator("data", "eval_data")
     @classmethod
     def _data_ref(cls, value: str | None) -> str | None:
-        import re
-
         if value is None or value.endswith(".npz") or re.match(CALLABLE_REF, value):
             return value
         raise ValueError(

@@ -147,7 +147,8 @@ def test_replicas_are_identical_after_every_synchronisation(tmp_path, monkeypatc
 
 
 def test_resume_is_exact(tmp_path):
-    exact = {"deterministic": True, "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}}
+    # The warm-up spans the stop: a resumed run must carry on with the schedule where it was.
+    exact = {"deterministic": True, "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "lrWarmupSteps": 20}
     straight = manifest(tmp_path, "straight", trainer={**exact, "maxSteps": 30})
     assert tandem_run(straight).returncode == 0
     first_half = manifest(tmp_path, "halves", trainer={**exact, "maxSteps": 15})

@@ -7,8 +7,8 @@ plain values (no pickled classes):
     manifest      tandem/torch/python versions, spec hash, model reference + args, input shape/dtype,
                   step, epoch, world size, training mode, time
     model         the model's state_dict
-    ...           whatever else the trainer saves (optimizer, lr schedule, RNG states, data position,
-                  compression residuals)
+    ...           whatever else the trainer saves (optimizer, the lr schedule's settings and current rate,
+                  RNG states, data position, compression residuals)
 
 The file appears under its final name only once complete (temp file, fsync, rename, fsync of the
 directory), so any `step-*.pt` is a finished checkpoint; a damaged one is still refused on load.

@@ -6,7 +6,6 @@ import math
 from collections.abc import Iterable
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
 
 from tandem.api.training import Optimizer, TrainerSpec
 
@@ -19,16 +18,39 @@ def build_optimizer(parameters: Iterable[torch.nn.Parameter], spec: Optimizer) -
     return torch.optim.AdamW(parameters, lr=spec.lr, weight_decay=spec.weight_decay)
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, trainer: TrainerSpec, total_steps: int) -> LambdaLR:
-    """Linear warm-up over lrWarmupSteps, then constant or cosine decay to 0 at total_steps."""
-    warmup = trainer.lr_warmup_steps
+class LearningRateSchedule:
+    """Linear warm-up over lrWarmupSteps, then constant or cosine decay to 0 at total_steps.
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if trainer.lr_schedule == "cosine":
-            progress = (step - warmup) / max(1, total_steps - warmup)
+    The rate is a function of the step alone, so a checkpoint needs no schedule state and a resumed run (even
+    one whose schedule was changed) continues from its step. A constant rate costs nothing per step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, trainer: TrainerSpec, total_steps: int):
+        self.optimizer = optimizer
+        self.base_lr = trainer.optimizer.lr
+        self.warmup = trainer.lr_warmup_steps
+        self.cosine = trainer.lr_schedule == "cosine"
+        self.total_steps = total_steps
+        self.constant = self.warmup == 0 and not self.cosine
+
+    def factor(self, step: int) -> float:
+        """The multiplier of optimizer.lr for the optimizer step that follows `step` finished steps."""
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.cosine:
+            progress = (step - self.warmup) / max(1, self.total_steps - self.warmup)
             return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
 
-    return LambdaLR(optimizer, factor)
+    def describe(self, step: int) -> dict[str, float | int | str]:
+        """For the checkpoint, to read: a resumed run recomputes the rate from its step and its own spec."""
+        return {"kind": "cosine" if self.cosine else "constant", "warmup_steps": self.warmup,
+                "total_steps": self.total_steps, "base_lr": self.base_lr, "lr": self.base_lr * self.factor(step)}
+
+    def apply(self, step: int) -> None:
+        """Set the rate for the optimizer step that follows `step` finished steps."""
+        if self.constant:
+            return
+        lr = self.base_lr * self.factor(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr

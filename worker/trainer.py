@@ -13,7 +13,6 @@ import math
 import random
 import signal
 import threading
-import time
 from collections.abc import Callable
 from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
@@ -29,14 +28,14 @@ from torch.utils.data import DataLoader, Dataset
 
 from tandem.api import ParallelTrainingJobSpec, ParallelTrainingJobStatus
 from tandem.worker import checkpoint
+from tandem.worker.agreement import Agreement, Outcome
 from tandem.worker.averaging import average_replicas
 from tandem.worker.data import accumulation_groups, epoch_batches, evaluation_shard, to_device, training_loader
-from tandem.worker.optim import build_optimizer, build_schedule
+from tandem.worker.optim import LearningRateSchedule, build_optimizer
 from tandem.worker.reporting import Reporter, Sink
 from tandem.worker.signals import STOP_SIGNALS, block_stop_signals
 
-STOP_CHECK_STEPS = 10
-"""How often ranks exchange stop requests: a stop lands within 2 x this many steps of the signal."""
+NOTHING_AGREED = Outcome()
 
 
 class TrainingError(RuntimeError):
@@ -80,6 +79,22 @@ class Position:
 def spec_hash(spec: ParallelTrainingJobSpec) -> str:
     payload = json.dumps(spec.to_dict(), sort_keys=True).encode()
     return hashlib.sha256(payload).hexdigest()[:16]
+
+
+class FiniteCheck:
+    """Whether every gradient entry is finite, in one fused pass: the kernel torch's GradScaler uses, with a
+    scale of 1. A gradient norm answers the same question at twice the cost (6% of a small model's step)."""
+
+    def __init__(self, parameters: list[torch.nn.Parameter], device: torch.device):
+        self.parameters = parameters
+        self.found = torch.zeros(1, device=device)
+        self.scale = torch.ones(1, device=device)
+
+    def __call__(self) -> bool:
+        self.found.zero_()
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found, self.scale)
+        return not self.found.item()
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -130,7 +145,7 @@ def train(
     total_steps = trainer.epochs * steps_per_epoch
     if trainer.max_steps is not None:
         total_steps = min(total_steps, trainer.max_steps)
-    schedule = build_schedule(optimizer, trainer, total_steps)
+    schedule = LearningRateSchedule(optimizer, trainer, total_steps)
     scaler = torch.amp.GradScaler(context.device.type, enabled=trainer.mixed_precision == "fp16")
     autocast = _autocast(trainer.mixed_precision, context.device)
 
@@ -139,34 +154,38 @@ def train(
     if context.is_master:
         reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps)
     if context.resume_from is not None:
-        position = _resume(context, model, optimizer, schedule, scaler, compression, reporter)
+        position = _resume(context, model, optimizer, scaler, compression, reporter)
     torch.manual_seed(trainer.seed + 1_000_003 * context.rank + position.step)  # per-rank dropout noise
 
     input_shape: list[int] | None = None
     bytes_sent = dense_bytes = 0
     parameters = list(model.parameters())
     parameter_bytes = sum(p.numel() * p.element_size() for p in parameters)
-    stop_flag, stop_pending = torch.zeros(1), None
+    gradients_finite = FiniteCheck(parameters, context.device)
     running_loss: float | None = None
+    every_minutes = spec.checkpoint.every_minutes
+    agreement = Agreement(is_master=context.is_master, first_step=position.step + 1,
+                          checkpoint_every_seconds=every_minutes * 60 if every_minutes is not None else None)
+    on_cpu = context.device.type == "cpu"  # the loader's batches are already there
 
     def save() -> None:
         path = _save_checkpoint(context, spec, model, optimizer, schedule, scaler, compression, position, input_shape)
+        agreement.checkpoint_written()
         if reporter is not None and path is not None:
             reporter.checkpoint(path, position.step)
 
     prefetch = trainer.prefetch_for(context.device.type)
-    found_non_finite = torch.zeros(1, device=context.device)
-    last_checkpoint_time = time.monotonic()
-    agreed_stop = False
+    every_steps = spec.checkpoint.every_steps
+    outcome = NOTHING_AGREED
     model.train()
-    while position.step < total_steps and position.epoch < trainer.epochs and not agreed_stop:
+    while position.step < total_steps and position.epoch < trainer.epochs and not outcome.stop:
         batches = epoch_batches(loader, position.epoch, skip=position.batches_done, prefetch=prefetch)
         with closing(batches):
             for micro_batches in accumulation_groups(batches, trainer.gradient_accumulation_steps):
                 # One optimizer step over the accumulated micro-batches; DDP exchanges gradients on the last.
                 loss_sum = 0.0
                 for index, micro_batch in enumerate(micro_batches):
-                    inputs, targets = to_device(micro_batch, context.device)
+                    inputs, targets = micro_batch if on_cpu else to_device(micro_batch, context.device)
                     input_shape = input_shape or list(inputs.shape[1:])
                     last = index == len(micro_batches) - 1
                     no_sync = isinstance(wrapped, DistributedDataParallel) and not last
@@ -176,18 +195,20 @@ def train(
                             loss = loss / len(micro_batches)
                     scaler.scale(loss).backward()
                     loss_sum += loss.detach().item()
-                    position.samples += len(inputs) * context.world_size
+                    position.samples += inputs.shape[0] * context.world_size
                 position.batches_done += len(micro_batches)
 
                 scaler.unscale_(optimizer)
+                schedule.apply(position.step)
                 if trainer.gradient_clip_norm is not None:
                     norm = torch.nn.utils.clip_grad_norm_(parameters, trainer.gradient_clip_norm)
                     finite = bool(torch.isfinite(norm))
                 else:
-                    finite = _all_finite([p.grad for p in parameters if p.grad is not None], found_non_finite)
+                    finite = gradients_finite()
                 if finite and math.isfinite(loss_sum):
                     scaler.step(optimizer)
                     position.consecutive_bad_steps = 0
+                    running_loss = loss_sum if running_loss is None else 0.9 * running_loss + 0.1 * loss_sum
                 elif trainer.mixed_precision != "fp16":  # fp16: the gradient scaler skips such steps itself
                     # After the gradient exchange every rank holds the same gradients, so all skip together.
                     position.bad_steps += 1
@@ -199,9 +220,7 @@ def train(
                         )
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
-                schedule.step()
                 position.step += 1
-                running_loss = loss_sum if running_loss is None else 0.9 * running_loss + 0.1 * loss_sum
 
                 synchronised = True
                 if spec.training_mode == "averaging":
@@ -220,26 +239,18 @@ def train(
                         epoch=position.epoch + 1, step=position.step, loss=running_loss, samples=position.samples
                     )
 
-                # A stop request (signal) is local; every STOP_CHECK_STEPS steps the ranks share their flags
-                # (overlapped with the next steps' compute) and act on them together, after the same step.
-                if position.step % STOP_CHECK_STEPS == 0:
-                    if stop_pending is not None:
-                        stop_pending.wait()
-                        agreed_stop = stop_flag.item() > 0
-                    stop_flag.fill_(1.0 if context.stop_requested else 0.0)
-                    stop_pending = dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX, async_op=True)
-
-                if position.step >= total_steps or agreed_stop:
+                outcome = NOTHING_AGREED
+                if position.step == agreement.next_step:
+                    outcome = agreement.exchange(position.step, stop_requested=context.stop_requested)
+                if position.step >= total_steps or outcome.stop:
                     break
-                if _checkpoint_due(spec, position.step, last_checkpoint_time):
+                if outcome.checkpoint or (every_steps is not None and position.step % every_steps == 0):
                     _synchronise_for_checkpoint(spec, model, optimizer, context)
                     save()
-                    last_checkpoint_time = time.monotonic()
         if position.batches_done >= len(loader):
             position.epoch, position.batches_done = position.epoch + 1, 0
 
-    if stop_pending is not None:
-        stop_pending.wait()
+    agreement.close()
     _synchronise_for_checkpoint(spec, model, optimizer, context)
     save()
 
@@ -257,7 +268,7 @@ def train(
     status.communication.bytes_sent, status.communication.dense_bytes = int(totals[0]), int(totals[1])
     if position.bad_steps:
         status.metrics["skippedSteps"] = float(position.bad_steps)
-    stopped = agreed_stop and position.step < total_steps
+    stopped = outcome.stop and position.step < total_steps
     return reporter.finish(
         "Suspended" if stopped else "Succeeded",
         f"stopped at step {position.step} on request; checkpoint written" if stopped else "training complete",
@@ -272,7 +283,7 @@ def _wrap(model: torch.nn.Module, spec: ParallelTrainingJobSpec, context: RankCo
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0)
         return model, None
-    ddp = DistributedDataParallel(model, device_ids=device_ids)
+    ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
     if spec.training_mode != "sharedGradients":
         return ddp, None
     from tandem.worker.compression import ThresholdCompression, threshold_hook
@@ -288,14 +299,6 @@ def _wrap(model: torch.nn.Module, spec: ParallelTrainingJobSpec, context: RankCo
     )
     ddp.register_comm_hook(state, threshold_hook)
     return ddp, state
-
-
-def _all_finite(grads: list[torch.Tensor], found: torch.Tensor) -> bool:
-    """Whether every gradient entry is finite, in one fused pass: the kernel torch's GradScaler uses, with a
-    scale of 1. A gradient norm answers the same question at twice the cost (6% of a small model's step)."""
-    found.zero_()
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(1, device=found.device))
-    return not found.item()
 
 
 def _autocast(precision: str, device: torch.device):
@@ -316,17 +319,6 @@ def _mean_over_ranks(value: float, context: RankContext) -> float:
     tensor = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(tensor)
     return float(tensor.item()) / context.world_size
-
-
-def _checkpoint_due(spec: ParallelTrainingJobSpec, step: int, last_time: float) -> bool:
-    """Same answer on every rank: steps are shared; the time rule is decided by rank 0 and broadcast."""
-    policy = spec.checkpoint
-    due = policy.every_steps is not None and step % policy.every_steps == 0
-    if policy.every_minutes is not None:
-        flag = torch.tensor([1.0 if time.monotonic() - last_time >= policy.every_minutes * 60 else 0.0])
-        dist.broadcast(flag, src=0)
-        due = due or bool(flag.item())
-    return due
 
 
 def _average(spec: ParallelTrainingJobSpec, model, optimizer, context: RankContext) -> int:
@@ -364,7 +356,7 @@ def _save_checkpoint(context, spec, model, optimizer, schedule, scaler, compress
         "manifest": manifest,
         "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "optimizer": optimizer.state_dict(),
-        "schedule": schedule.state_dict(),
+        "lr_schedule": schedule.describe(position.step),
         "scaler": scaler.state_dict(),
         "position": position.__dict__.copy(),
         "per_rank": [_to_cpu(s) for s in per_rank],
@@ -390,16 +382,15 @@ def _numpy_rng_state() -> dict[str, Any]:
             "has_gauss": int(has_gauss), "cached": float(cached)}
 
 
-def _resume(context, model, optimizer, schedule, scaler, compression, reporter) -> Position:
+def _resume(context, model, optimizer, scaler, compression, reporter) -> Position:
     state = checkpoint.load(context.resume_from, map_location="cpu")
     checkpoint.restore_model(model, state["model"], context.resume_from)
     try:
         optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
         scaler.load_state_dict(state["scaler"])
     except (KeyError, ValueError, RuntimeError) as error:
         raise checkpoint.CheckpointError(
-            f"{context.resume_from}: optimizer/schedule state does not fit this job ({error})"
+            f"{context.resume_from}: optimizer state does not fit this job ({error})"
         ) from error
     position = Position(**state["position"])
     per_rank = state.get("per_rank", [])

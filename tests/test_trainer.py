@@ -4,6 +4,7 @@ loop run directly on spawned ranks (tests/distributed.py)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -227,7 +228,9 @@ def test_nan_steps_are_skipped_then_fail_after_the_limit(tmp_path):
                                                    "evalData": None, "batchSizePerWorker": 1, "maxSteps": 40})
     result = tandem_run(some)
     assert result.returncode == 0, result.stderr
-    assert final_status(result)["metrics"]["skippedSteps"] >= 1
+    status = final_status(result)
+    assert status["metrics"]["skippedSteps"] >= 1
+    assert math.isfinite(status["progress"]["loss"]), "a skipped step's NaN loss leaked into the reported loss"
     every = manifest(tmp_path, "allnan", trainer={"data": "userland:nan_data", "dataArgs": {"bad_every": 1},
                                                    "evalData": None, "maxConsecutiveBadSteps": 3})
     result = tandem_run(every)

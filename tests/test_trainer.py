@@ -294,6 +294,24 @@ def test_parallel_wrapper_trains_the_callers_model(tmp_path):
         wrapper.fit(train_data())
 
 
+def test_parallel_wrapper_ranks_update_their_own_replicas():
+    """2 workers x batch 16 give the weights of 1 worker x batch 32, as with `tandem run`: ranks that shared the
+    caller's parameters in memory would each apply the update to the same tensors."""
+    from tandem import ParallelWrapper
+    from tandem.examples.digits import mlp, train_data
+
+    trained = []
+    for workers, batch_size in ((2, 16), (1, 32)):
+        torch.manual_seed(0)
+        model = mlp(hidden=32)
+        with ParallelWrapper(model, workers=workers, batch_size=batch_size, max_steps=20, lr=0.1,
+                             show_progress=False) as wrapper:
+            wrapper.fit(train_data())
+        trained.append(model.state_dict())
+    for name in trained[0]:
+        torch.testing.assert_close(trained[0][name], trained[1][name], rtol=1e-4, atol=1e-5)
+
+
 def test_the_readme_parallel_wrapper_example_runs(tmp_path):
     readme = (ROOT / "README.md").read_text()
     example = next(block.split("```", 1)[0] for block in readme.split("```python\n")[1:] if "ParallelWrapper(" in block)

@@ -11,11 +11,15 @@ from tandem.api.training import Optimizer, TrainerSpec
 
 
 def build_optimizer(parameters: Iterable[torch.nn.Parameter], spec: Optimizer) -> torch.optim.Optimizer:
+    """torch's fused implementation (one kernel per parameter for the whole update, on CPU and CUDA): on the
+    digits MLP a step takes about 0.65x the default's time for SGD with momentum and 0.2-0.3x for Adam and
+    AdamW (bench/bench_optimizer.py)."""
     if spec.name == "sgd":
-        return torch.optim.SGD(parameters, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+        return torch.optim.SGD(parameters, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay,
+                               fused=True)
     if spec.name == "adam":
-        return torch.optim.Adam(parameters, lr=spec.lr, weight_decay=spec.weight_decay)
-    return torch.optim.AdamW(parameters, lr=spec.lr, weight_decay=spec.weight_decay)
+        return torch.optim.Adam(parameters, lr=spec.lr, weight_decay=spec.weight_decay, fused=True)
+    return torch.optim.AdamW(parameters, lr=spec.lr, weight_decay=spec.weight_decay, fused=True)
 
 
 class LearningRateSchedule:

@@ -11,6 +11,7 @@ the same training loop as `tandem run` and the operator's pods.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -122,6 +123,9 @@ class ParallelWrapper:
 
 
 def _rank_main(rank, spec_json, port, model, data, eval_data, results: Path, show_progress: bool) -> None:
+    # torch's spawn pickler hands every rank the same shared-memory tensors: without a copy the ranks would all
+    # update one set of parameters. The datasets stay shared (read only, and one copy in memory).
+    model = copy.deepcopy(model)
     spec = ParallelTrainingJobSpec.model_validate_json(spec_json)
     env = WorkerEnv.from_environ({
         "RANK": str(rank), "WORLD_SIZE": str(spec.workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),

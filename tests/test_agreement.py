@@ -82,3 +82,12 @@ def test_checkpoint_every_minutes_writes_checkpoints_during_training(tmp_path, m
     steps, _ = run_on_ranks(_train_with_checkpoints_by_time, world_size=2)
     assert steps[-1] == 150, "the final checkpoint"
     assert len(steps) >= 3, f"everyMinutes 0.001 wrote only {steps} in 150 steps"
+
+
+def test_cuda_ranks_get_a_cpu_backend_for_the_agreement_and_the_totals():
+    """The exchanges above use CPU tensors; under NCCL alone a GPU job would fail at its first one. (NCCL is not
+    built into this machine's torch, so a GPU group cannot be started here: this checks the backend string.)"""
+    from tandem.worker.distributed import backend_for
+
+    assert backend_for(torch.device("cpu")) == "gloo"
+    assert set(backend_for(torch.device("cuda", 0)).split(",")) == {"cpu:gloo", "cuda:nccl"}

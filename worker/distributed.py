@@ -111,13 +111,18 @@ def wait_for_master(addr: str, port: int, timeout: float) -> None:
     raise ContractError(f"master {addr}:{port} did not accept connections within {timeout:.0f}s ({last_error})")
 
 
+def backend_for(device: torch.device) -> str:
+    """gloo on CPU. On CUDA, NCCL for the model's tensors and gloo for the small CPU tensors the ranks exchange
+    besides (stop requests, byte counts, evaluation totals), which NCCL alone would refuse."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def init_process_group(env: WorkerEnv, device: torch.device, *, timeout: float = 300.0) -> None:
-    """NCCL on CUDA, gloo on CPU. Rank 0 hosts the TCP store; the others wait for its port first."""
+    """Join the job's group (see backend_for). Rank 0 hosts the TCP store; the others wait for its port first."""
     if not env.is_master:
         wait_for_master(env.master_addr, env.master_port, timeout)
-    backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
-        backend=backend,
+        backend=backend_for(device),
         init_method=f"tcp://{env.master_addr}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,

@@ -15,8 +15,15 @@ def build_optimizer(parameters: Iterable[torch.nn.Parameter], spec: Optimizer) -
     digits MLP a step takes about 0.65x the default's time for SGD with momentum and 0.2-0.3x for Adam and
     AdamW (bench/bench_optimizer.py)."""
     if spec.name == "sgd":
-        return torch.optim.SGD(parameters, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay,
-                               fused=True)
+        sgd = torch.optim.SGD(parameters, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay,
+                              fused=True)
+        if spec.momentum:
+            # torch makes the buffers on the first step, uninitialised, and fills them in the kernel: a first step
+            # skipped by the NaN/Inf guard's flag would leave them so. Zeros give the same first update.
+            for group in sgd.param_groups:
+                for parameter in group["params"]:
+                    sgd.state[parameter]["momentum_buffer"] = torch.zeros_like(parameter)
+        return sgd
     if spec.name == "adam":
         return torch.optim.Adam(parameters, lr=spec.lr, weight_decay=spec.weight_decay, fused=True)
     return torch.optim.AdamW(parameters, lr=spec.lr, weight_decay=spec.weight_decay, fused=True)

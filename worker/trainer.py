@@ -31,15 +31,12 @@ from tandem.worker import checkpoint
 from tandem.worker.agreement import Agreement, Outcome
 from tandem.worker.averaging import average_replicas
 from tandem.worker.data import accumulation_groups, epoch_batches, evaluation_shard, to_device, training_loader
+from tandem.worker.guard import NonFiniteGuard, StepRecord
 from tandem.worker.optim import LearningRateSchedule, build_optimizer
 from tandem.worker.reporting import Reporter, Sink
 from tandem.worker.signals import STOP_SIGNALS, block_stop_signals
 
 NOTHING_AGREED = Outcome()
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (too many bad steps, a checkpoint that does not fit, ...)."""
 
 
 @dataclass
@@ -79,22 +76,6 @@ class Position:
 def spec_hash(spec: ParallelTrainingJobSpec) -> str:
     payload = json.dumps(spec.to_dict(), sort_keys=True).encode()
     return hashlib.sha256(payload).hexdigest()[:16]
-
-
-class FiniteCheck:
-    """Whether every gradient entry is finite, in one fused pass: the kernel torch's GradScaler uses, with a
-    scale of 1. A gradient norm answers the same question at twice the cost (6% of a small model's step)."""
-
-    def __init__(self, parameters: list[torch.nn.Parameter], device: torch.device):
-        self.parameters = parameters
-        self.found = torch.zeros(1, device=device)
-        self.scale = torch.ones(1, device=device)
-
-    def __call__(self) -> bool:
-        self.found.zero_()
-        grads = [p.grad for p in self.parameters if p.grad is not None]
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found, self.scale)
-        return not self.found.item()
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -161,14 +142,19 @@ def train(
     bytes_sent = dense_bytes = 0
     parameters = list(model.parameters())
     parameter_bytes = sum(p.numel() * p.element_size() for p in parameters)
-    gradients_finite = FiniteCheck(parameters, context.device)
-    running_loss: float | None = None
+    guard = NonFiniteGuard(parameters, context.device)
+    fp16 = trainer.mixed_precision == "fp16"
+    record = StepRecord(max_consecutive_bad_steps=trainer.max_consecutive_bad_steps,
+                        counts_bad_steps=not fp16)
+    record.bad_steps, record.consecutive_bad_steps = position.bad_steps, position.consecutive_bad_steps
     every_minutes = spec.checkpoint.every_minutes
     agreement = Agreement(is_master=context.is_master, first_step=position.step + 1,
                           checkpoint_every_seconds=every_minutes * 60 if every_minutes is not None else None)
     on_cpu = context.device.type == "cpu"  # the loader's batches are already there
 
     def save() -> None:
+        record.flush()
+        position.bad_steps, position.consecutive_bad_steps = record.bad_steps, record.consecutive_bad_steps
         path = _save_checkpoint(context, spec, model, optimizer, schedule, scaler, compression, position, input_shape)
         agreement.checkpoint_written()
         if reporter is not None and path is not None:
@@ -183,7 +169,7 @@ def train(
         with closing(batches):
             for micro_batches in accumulation_groups(batches, trainer.gradient_accumulation_steps):
                 # One optimizer step over the accumulated micro-batches; DDP exchanges gradients on the last.
-                loss_sum = 0.0
+                losses = []
                 for index, micro_batch in enumerate(micro_batches):
                     inputs, targets = micro_batch if on_cpu else to_device(micro_batch, context.device)
                     input_shape = input_shape or list(inputs.shape[1:])
@@ -194,33 +180,26 @@ def train(
                         if len(micro_batches) > 1:  # the mean over the step's examples; skipped when there is one
                             loss = loss / len(micro_batches)
                     scaler.scale(loss).backward()
-                    loss_sum += loss.detach().item()
+                    losses.append(loss.detach())
                     position.samples += inputs.shape[0] * context.world_size
                 position.batches_done += len(micro_batches)
+                step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
+                # A step whose loss or gradients are not all finite is skipped on the device (worker/guard.py).
+                # After the gradient exchange every rank holds the same gradients, so all skip together.
                 scaler.unscale_(optimizer)
                 schedule.apply(position.step)
+                norm = None
                 if trainer.gradient_clip_norm is not None:
                     norm = torch.nn.utils.clip_grad_norm_(parameters, trainer.gradient_clip_norm)
-                    finite = bool(torch.isfinite(norm))
-                else:
-                    finite = gradients_finite()
-                if finite and math.isfinite(loss_sum):
-                    scaler.step(optimizer)
-                    position.consecutive_bad_steps = 0
-                    running_loss = loss_sum if running_loss is None else 0.9 * running_loss + 0.1 * loss_sum
-                elif trainer.mixed_precision != "fp16":  # fp16: the gradient scaler skips such steps itself
-                    # After the gradient exchange every rank holds the same gradients, so all skip together.
-                    position.bad_steps += 1
-                    position.consecutive_bad_steps += 1
-                    if position.consecutive_bad_steps >= trainer.max_consecutive_bad_steps:
-                        raise TrainingError(
-                            f"{position.consecutive_bad_steps} consecutive steps with a NaN/Inf loss or gradient "
-                            f"(step {position.step}); lower optimizer.lr, set gradientClipNorm, or check the data"
-                        )
+                found = guard.check(step_loss, norm)
+                if not fp16:  # fp16: the gradient scaler hands the optimizer its own flag, for overflows
+                    optimizer.found_inf = found  # the fused optimizer skips its update, on the device, when set
+                scaler.step(optimizer)
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 position.step += 1
+                record.add(position.step, step_loss, found)
 
                 synchronised = True
                 if spec.training_mode == "averaging":
@@ -228,7 +207,8 @@ def train(
                     if synchronised:
                         bytes_sent += _average(spec, model, optimizer, context)
                         if spec.averaging.report_score_after_averaging:
-                            running_loss = _mean_over_ranks(loss_sum, context)
+                            record.flush()
+                            record.running_loss = _mean_over_ranks(step_loss, context)
                 elif spec.training_mode == "allReduce":
                     bytes_sent += parameter_bytes
                 dense_bytes += parameter_bytes
@@ -236,11 +216,13 @@ def train(
                     listener(position.step, model, synchronised)
                 if reporter is not None:
                     reporter.progress(
-                        epoch=position.epoch + 1, step=position.step, loss=running_loss, samples=position.samples
+                        epoch=position.epoch + 1, step=position.step, loss=record.running_loss,
+                        samples=position.samples,
                     )
 
                 outcome = NOTHING_AGREED
                 if position.step == agreement.next_step:
+                    record.flush()
                     outcome = agreement.exchange(position.step, stop_requested=context.stop_requested)
                 if position.step >= total_steps or outcome.stop:
                     break
@@ -263,6 +245,8 @@ def train(
         return None
     reporter.refresh()
     status = reporter.status
+    if record.running_loss is not None:
+        status.progress.loss = record.running_loss
     status.progress.epoch = min(trainer.epochs, position.epoch + (1 if position.batches_done else 0))
     status.metrics.update(metrics)
     status.communication.bytes_sent, status.communication.dense_bytes = int(totals[0]), int(totals[1])
@@ -315,10 +299,10 @@ def _loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(outputs.float(), targets)
 
 
-def _mean_over_ranks(value: float, context: RankContext) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor)
-    return float(tensor.item()) / context.world_size
+def _mean_over_ranks(value: torch.Tensor, context: RankContext) -> float:
+    total = value.detach().reshape(1).to("cpu", torch.float64)
+    dist.all_reduce(total)
+    return total.item() / context.world_size
 
 
 def _average(spec: ParallelTrainingJobSpec, model, optimizer, context: RankContext) -> int:

@@ -4,6 +4,7 @@
 (c) Tandem's samples/s with 1 and 2 ranks.
 
     .venv/bin/python bench/bench_trainer.py [--steps 300] [--hidden 512] [--batch 64] [--rounds 24] [--prefetch N]
+                                            [--device cuda]
 
 The loops are timed by the same clock on rank 0 from the end of the warm-up steps to the last step, so
 start-up, evaluation and the final checkpoint are outside the measurement. They run in the same rank
@@ -52,48 +53,65 @@ def _spec(args, workers: int) -> ParallelTrainingJobSpec:
     })
 
 
-def _tandem(rank: int, args, workers: int) -> float:
+class Clock:
+    """Times the steps after WARMUP_STEPS up to the last; on a GPU it waits for the device at those two marks
+    only, so the loops run as they would unobserved."""
+
+    def __init__(self, args, workers: int, device: torch.device):
+        self.steps, self.samples_per_step, self.device = args.steps, args.batch * workers, device
+        self.times: dict[int, float] = {}
+
+    def mark(self, step: int) -> None:
+        if step in (WARMUP_STEPS, self.steps):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.times[step] = time.perf_counter()
+
+    def samples_per_second(self) -> float:
+        return (self.steps - WARMUP_STEPS) * self.samples_per_step / (self.times[self.steps] - self.times[WARMUP_STEPS])
+
+
+def _tandem(rank: int, args, workers: int, device: torch.device) -> float:
     """Tandem's training loop (trainer.train, what `tandem run` runs); samples/s."""
     spec = _spec(args, workers)
-    marks: dict[int, float] = {}
-    context = RankContext(rank=rank, world_size=workers, device=torch.device("cpu"), job="bench",
+    clock = Clock(args, workers, device)
+    context = RankContext(rank=rank, world_size=workers, device=device, job="bench",
                           checkpoint_dir=Path(spec.checkpoint.directory),
-                          listeners=[lambda step, model, synced: marks.__setitem__(step, time.perf_counter())])
+                          listeners=[lambda step, model, synced: clock.mark(step)])
     train(spec, context, mlp(hidden=args.hidden), train_data(), None)
-    return _rate(marks, args, workers)
+    return clock.samples_per_second()
 
 
-def _plain_ddp(rank: int, args, workers: int, tuned: bool = False) -> float:
+def _plain_ddp(rank: int, args, workers: int, device: torch.device, tuned: bool = False) -> float:
     """The loop a person writes from the DDP tutorial; samples/s. `tuned`: with the torch settings Tandem picks
     (DDP's gradient_as_bucket_view, the fused optimizer), which leaves Tandem's own per-step work as the
     difference."""
     torch.manual_seed(0)
-    model = DistributedDataParallel(mlp(hidden=args.hidden), gradient_as_bucket_view=tuned)
+    device_ids = [device.index] if device.type == "cuda" else None
+    model = DistributedDataParallel(mlp(hidden=args.hidden).to(device), device_ids=device_ids,
+                                    gradient_as_bucket_view=tuned)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=tuned)
     loader = training_loader(train_data(), rank=rank, world_size=workers, batch_size=args.batch, seed=0)
-    marks: dict[int, float] = {}
+    clock = Clock(args, workers, device)
     step, epoch = 0, 0
     while step < args.steps:
         loader.sampler.set_epoch(epoch)
         for inputs, targets in loader:
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             loss = F.cross_entropy(model(inputs), targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             step += 1
-            marks[step] = time.perf_counter()
+            clock.mark(step)
             if step == args.steps:
                 break
         epoch += 1
-    return _rate(marks, args, workers)
+    return clock.samples_per_second()
 
 
-def _rate(marks: dict[int, float], args, workers: int) -> float:
-    return (args.steps - WARMUP_STEPS) * args.batch * workers / (marks[args.steps] - marks[WARMUP_STEPS])
-
-
-def _plain_ddp_tuned(rank: int, args, workers: int) -> float:
-    return _plain_ddp(rank, args, workers, tuned=True)
+def _plain_ddp_tuned(rank: int, args, workers: int, device: torch.device) -> float:
+    return _plain_ddp(rank, args, workers, device, tuned=True)
 
 
 LOOPS = {"tandem": _tandem, "plain": _plain_ddp, "tuned": _plain_ddp_tuned}
@@ -104,13 +122,17 @@ def _rank(rank: int, args, workers: int, port: int, names: list[str], out: Path)
     the same process placement, memory and machine load; rank 0 keeps the figures."""
     env = WorkerEnv.from_environ({"RANK": str(rank), "WORLD_SIZE": str(workers), "MASTER_PORT": str(port),
                                   "TANDEM_SPEC": "(bench)"})
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
     share_cpu_threads(env)
-    init_process_group(env, torch.device("cpu"))
+    init_process_group(env, device)
     figures: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(args.rounds):
         first = round_index % len(names)
         for name in names[first:] + names[:first]:
-            figures[name].append(LOOPS[name](rank, args, workers))
+            figures[name].append(LOOPS[name](rank, args, workers, device))
     if env.is_master:
         out.write_text(json.dumps(figures))
     shutdown_process_group()
@@ -139,12 +161,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--prefetch", type=int, help="trainer.prefetchBuffer (default: the API's default)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: one rank per GPU with NCCL (2 ranks when 2 GPUs are visible, else 1)")
     args = parser.parse_args()
+    rank_counts = (2, 1) if args.device == "cpu" or torch.cuda.device_count() >= 2 else (1,)
 
     print(f"digits MLP hidden={args.hidden}, batch {args.batch}/rank, {args.steps} steps, "
-          f"{args.rounds} rounds (medians), {os.cpu_count()} CPUs, gloo")
+          f"{args.rounds} rounds (medians), {os.cpu_count()} CPUs, "
+          f"{torch.cuda.get_device_name() + ', NCCL' if args.device == 'cuda' else 'gloo'}")
     rates = {}
-    for workers in (2, 1):
+    for workers in rank_counts:
         figures = measure(["tandem", "plain", "tuned"], args, workers)
         rates[workers] = statistics.median(figures["tandem"])
         plain, tuned = statistics.median(figures["plain"]), statistics.median(figures["tuned"])
@@ -153,8 +179,9 @@ def main() -> None:
               f"(target >= 0.97)")
         print(f"    against the plain loop with Tandem's torch settings ({tuned:,.0f} samples/s): "
               f"ratio {paired_ratio(figures['tandem'], figures['tuned'])}")
-    print(f"(c) tandem allReduce: 1 rank {rates[1]:,.0f} samples/s | 2 ranks {rates[2]:,.0f} samples/s | "
-          f"scaling {rates[2] / rates[1]:.2f}x")
+    if 2 in rates:
+        print(f"(c) tandem allReduce: 1 rank {rates[1]:,.0f} samples/s | 2 ranks {rates[2]:,.0f} samples/s | "
+              f"scaling {rates[2] / rates[1]:.2f}x")
 
 
 if __name__ == "__main__":

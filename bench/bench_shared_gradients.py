@@ -2,64 +2,85 @@
 
     .venv/bin/python bench/bench_shared_gradients.py [--epochs 30] [--seeds 0 1 2]
 
-For each seed, 2 gloo ranks train the digits MLP (SGD lr 0.05, momentum 0.9, batch 32 per rank,
-DistributedSampler) three times from the same start: with DDP's own all-reduce; with the sharedGradients hook
-(tandem.worker.compression, default settings); and with the hook under DL4J's threshold rule exactly
-(max_threshold_growth = 1 / threshold_decay), for reference. It prints the bytes sent, summed over ranks, as a
-fraction of what a dense fp32 all-reduce of the same buckets would send, each run's eval accuracy, and the
+For each seed, 2 gloo ranks run Tandem's trainer (what `tandem run` runs) on examples/digits-train-shared.yaml
+three times from the same initial weights: with trainingMode allReduce (DDP's own all-reduce); with
+sharedGradients as the example sets it; and with the hook under DL4J's threshold rule exactly
+(max_threshold_growth = 1 / threshold_decay, a setting of the hook that the API does not expose), for
+reference. It prints the bytes sent, summed over ranks, as a fraction of what a dense fp32 all-reduce of the same
+buckets would send (the status's communication.bytesSent / denseBytes), each run's eval accuracy, and the
 difference to allReduce. Target: <= 1% of the dense bytes within 1 accuracy point of allReduce.
 """
 
+from __future__ import annotations
+
 import argparse
+import functools
 import statistics
-import sys
-from dataclasses import dataclass
+import tempfile
 from pathlib import Path
 
-# The training loop and the rank launcher are the tests' own (tests/test_compression.py, tests/distributed.py).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from distributed import run_on_ranks  # noqa: E402
-from test_compression import DIGITS_EPOCHS, train_digits  # noqa: E402
+import torch
+import yaml
+from ranks import run_ranks
 
-from tandem.api.training import DL4J_THRESHOLD_DECAY  # noqa: E402
+from tandem.api import ParallelTrainingJobSpec
+from tandem.api.training import DL4J_THRESHOLD_DECAY
+from tandem.examples.digits import eval_data, mlp, train_data
+from tandem.worker import compression
+from tandem.worker.trainer import RankContext, train
 
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits-train-shared.yaml"
 TARGET_FRACTION = 0.01
 TARGET_POINTS = 1.0
 
 
-@dataclass
-class Outcome:
-    accuracy: float
-    dense_fraction: float | None
+def _train(rank: int, device: torch.device, mode: str, epochs: int, seed: int, dl4j_rule: bool) -> dict:
+    """One run of the example in `mode`; rank 0 returns the eval accuracy and the byte counts."""
+    document = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    document["trainingMode"] = mode
+    document["trainer"].update(epochs=epochs, seed=seed)
+    document["checkpoint"] = {"directory": tempfile.mkdtemp(prefix="tandem-bench-"), "resume": False}
+    spec = ParallelTrainingJobSpec.model_validate(document)
+    if dl4j_rule:
+        compression.ThresholdCompression = functools.partial(
+            compression.ThresholdCompression, max_threshold_growth=1 / DL4J_THRESHOLD_DECAY
+        )
+    torch.manual_seed(seed)
+    model = mlp()
+    context = RankContext(rank=rank, world_size=spec.workers, device=device, job="bench",
+                          checkpoint_dir=Path(spec.checkpoint.directory))
+    status = train(spec, context, model, train_data(), eval_data())
+    if status is None:
+        return {}
+    return {"accuracy": status.metrics["accuracy"], "bytesSent": status.communication.bytes_sent,
+            "denseBytes": status.communication.dense_bytes}
 
 
-def train(mode: str, epochs: int, seed: int, compression_options: dict | None = None) -> Outcome:
-    runs = run_on_ranks(train_digits, mode, epochs, seed, compression_options, world_size=2)
-    fraction = None
-    if mode == "sharedGradients":
-        fraction = sum(run.bytes_sent for run in runs) / sum(run.dense_bytes for run in runs)
-    return Outcome(runs[0].accuracy, fraction)
+def run(mode: str, epochs: int, seed: int, dl4j_rule: bool = False) -> dict:
+    return run_ranks(_train, mode, epochs, seed, dl4j_rule, workers=2)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=DIGITS_EPOCHS)
+    parser.add_argument("--epochs", type=int, default=yaml.safe_load(EXAMPLE.read_text())["spec"]["trainer"]["epochs"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
 
-    dl4j_rule = {"max_threshold_growth": 1 / DL4J_THRESHOLD_DECAY}
-    print(f"digits MLP, 2 gloo ranks, {args.epochs} epochs, SGD lr 0.05 momentum 0.9, batch 32/rank")
+    print(f"examples/{EXAMPLE.name} (digits MLP, SGD lr 0.05 momentum 0.9, batch 32/rank), 2 gloo ranks, "
+          f"{args.epochs} epochs")
     fractions, differences = [], []
     for seed in args.seeds:
-        dense = train("allReduce", args.epochs, seed)
-        shared = train("sharedGradients", args.epochs, seed)
-        reference = train("sharedGradients", args.epochs, seed, dl4j_rule)
-        difference = 100 * (shared.accuracy - dense.accuracy)
-        fractions.append(shared.dense_fraction)
+        dense = run("allReduce", args.epochs, seed)
+        shared = run("sharedGradients", args.epochs, seed)
+        reference = run("sharedGradients", args.epochs, seed, dl4j_rule=True)
+        fraction = shared["bytesSent"] / shared["denseBytes"]
+        difference = 100 * (shared["accuracy"] - dense["accuracy"])
+        fractions.append(fraction)
         differences.append(difference)
-        print(f"seed {seed}: allReduce accuracy {dense.accuracy:.4f} | sharedGradients accuracy {shared.accuracy:.4f} "
-              f"at {shared.dense_fraction:.3%} of dense bytes, {difference:+.2f} points | "
-              f"DL4J threshold rule: {reference.accuracy:.4f} at {reference.dense_fraction:.3%}")
+        print(f"seed {seed}: allReduce accuracy {dense['accuracy']:.4f} | sharedGradients accuracy "
+              f"{shared['accuracy']:.4f} at {fraction:.3%} of dense bytes, {difference:+.2f} points | "
+              f"DL4J threshold rule: {reference['accuracy']:.4f} at "
+              f"{reference['bytesSent'] / reference['denseBytes']:.3%}")
     fraction, difference = statistics.mean(fractions), statistics.mean(differences)
     met = fraction <= TARGET_FRACTION and difference >= -TARGET_POINTS
     print(f"mean over {len(args.seeds)} seeds: sharedGradients sends {fraction:.3%} of dense bytes, "

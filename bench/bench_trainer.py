@@ -15,7 +15,6 @@ which cancels the machine's drift between rounds (whole runs move 10-20% on a sh
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -23,20 +22,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ranks import run_ranks
 from torch.nn.parallel import DistributedDataParallel
 
 from tandem.api import ParallelTrainingJobSpec
 from tandem.examples.digits import mlp, train_data
 from tandem.worker.data import training_loader
-from tandem.worker.distributed import (
-    WorkerEnv,
-    free_port,
-    init_process_group,
-    share_cpu_threads,
-    shutdown_process_group,
-)
 from tandem.worker.trainer import RankContext, train
 
 WARMUP_STEPS = 20
@@ -117,34 +109,20 @@ def _plain_ddp_tuned(rank: int, args, workers: int, device: torch.device) -> flo
 LOOPS = {"tandem": _tandem, "plain": _plain_ddp, "tuned": _plain_ddp_tuned}
 
 
-def _rank(rank: int, args, workers: int, port: int, names: list[str], out: Path) -> None:
+def _rounds(rank: int, device: torch.device, names: list[str], args, workers: int) -> dict[str, list[float]]:
     """Every round runs each loop once in these same processes (rotating which goes first), so the loops see
-    the same process placement, memory and machine load; rank 0 keeps the figures."""
-    env = WorkerEnv.from_environ({"RANK": str(rank), "WORLD_SIZE": str(workers), "MASTER_PORT": str(port),
-                                  "TANDEM_SPEC": "(bench)"})
-    device = torch.device("cpu")
-    if args.device == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    share_cpu_threads(env)
-    init_process_group(env, device)
+    the same process placement, memory and machine load."""
     figures: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(args.rounds):
         first = round_index % len(names)
         for name in names[first:] + names[:first]:
             figures[name].append(LOOPS[name](rank, args, workers, device))
-    if env.is_master:
-        out.write_text(json.dumps(figures))
-    shutdown_process_group()
+    return figures
 
 
 def measure(names: list[str], args, workers: int) -> dict[str, list[float]]:
     """Samples/s of each named loop on `workers` ranks, one figure per round."""
-    out = Path(tempfile.mkstemp(suffix=".json")[1])
-    mp.start_processes(_rank, args=(args, workers, free_port(), names, out), nprocs=workers, start_method="spawn")
-    figures = json.loads(out.read_text())
-    os.unlink(out)
-    return figures
+    return run_ranks(_rounds, names, args, workers, workers=workers, device_type=args.device)
 
 
 def paired_ratio(numerators: list[float], denominators: list[float]) -> str:

@@ -1,7 +1,4 @@
-"""sharedGradients (tandem.worker.compression): the encode/decode pieces alone, then the hook on 2 real gloo ranks.
-
-`train_digits` is also what bench/bench_shared_gradients.py runs.
-"""
+"""sharedGradients (tandem.worker.compression): the encode/decode pieces alone, then the hook on 2 real gloo ranks."""
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as objects.
 import io

@@ -91,3 +91,4 @@ def test_cuda_ranks_get_a_cpu_backend_for_the_agreement_and_the_totals():
 
     assert backend_for(torch.device("cpu")) == "gloo"
     assert set(backend_for(torch.device("cuda", 0)).split(",")) == {"cpu:gloo", "cuda:nccl"}
+

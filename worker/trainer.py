@@ -152,12 +152,18 @@ def train(
                           checkpoint_every_seconds=every_minutes * 60 if every_minutes is not None else None)
     on_cpu = context.device.type == "cpu"  # the loader's batches are already there
 
+    def report_progress() -> None:
+        if reporter is not None:
+            reporter.progress(epoch=position.epoch + 1, step=position.step, loss=record.running_loss,
+                              samples=position.samples)
+
     def save() -> None:
         record.flush()
         position.bad_steps, position.consecutive_bad_steps = record.bad_steps, record.consecutive_bad_steps
         path = _save_checkpoint(context, spec, model, optimizer, schedule, scaler, compression, position, input_shape)
         agreement.checkpoint_written()
         if reporter is not None and path is not None:
+            report_progress()  # with the loss just read
             reporter.checkpoint(path, position.step)
 
     prefetch = trainer.prefetch_for(context.device.type)
@@ -214,11 +220,7 @@ def train(
                 dense_bytes += parameter_bytes
                 for listener in context.listeners:
                     listener(position.step, model, synchronised)
-                if reporter is not None:
-                    reporter.progress(
-                        epoch=position.epoch + 1, step=position.step, loss=record.running_loss,
-                        samples=position.samples,
-                    )
+                report_progress()
 
                 outcome = NOTHING_AGREED
                 if position.step == agreement.next_step:
@@ -245,8 +247,6 @@ def train(
         return None
     reporter.refresh()
     status = reporter.status
-    if record.running_loss is not None:
-        status.progress.loss = record.running_loss
     status.progress.epoch = min(trainer.epochs, position.epoch + (1 if position.batches_done else 0))
     status.metrics.update(metrics)
     status.communication.bytes_sent, status.communication.dense_bytes = int(totals[0]), int(totals[1])

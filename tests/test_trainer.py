@@ -238,6 +238,18 @@ def test_nan_steps_are_skipped_then_fail_after_the_limit(tmp_path):
     assert "3 consecutive steps with a NaN/Inf loss or gradient" in result.stderr
 
 
+def test_averaging_reports_a_finite_loss_when_a_rank_skips_a_nan_step(tmp_path):
+    """In averaging mode each rank judges its own gradients; the loss reported after an averaging is the mean over
+    ranks, which must leave out a rank's skipped NaN step as the record does. Rank 1's last step is NaN here."""
+    path = manifest(tmp_path, "avgnan", trainingMode="averaging", averaging={"frequency": 1},
+                    trainer={"model": "userland:nan_on_rank_one", "modelArgs": {"at": 12}, "evalData": None,
+                             "maxSteps": 12})
+    result = tandem_run(path)
+    assert result.returncode == 0, result.stderr
+    status = final_status(result)
+    assert math.isfinite(status["progress"]["loss"]), status["progress"]
+
+
 def test_custom_mode_runs_the_users_command_with_the_contract_env(tmp_path):
     script = ("import os, pathlib; e = os.environ; pathlib.Path(e['OUT'], e['RANK'])"
               ".write_text(e['WORLD_SIZE'] + ' ' + e['TANDEM_JOB'] + ' ' + e['MASTER_PORT'])")

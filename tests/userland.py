@@ -32,6 +32,28 @@ def crash_on_rank_one() -> nn.Module:
     return CrashOnRankOne()
 
 
+class NanOnRankOne(nn.Module):
+    """The digits MLP, except that rank 1's output is NaN on its `at`-th training forward pass."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.net = mlp(hidden=16)
+        self.at = at
+        self.calls = 0
+
+    def forward(self, x):
+        out = self.net(x)
+        if self.training:
+            self.calls += 1
+            if os.environ.get("RANK") == "1" and self.calls == self.at:
+                return out * float("nan")
+        return out
+
+
+def nan_on_rank_one(at: int) -> nn.Module:
+    return NanOnRankOne(at)
+
+
 def nan_data(bad_every: int = 0, size: int = 256) -> TensorDataset:
     """Random 64-feature, 10-class data; every example NaN when bad_every == 1, every bad_every-th otherwise."""
     generator = torch.Generator().manual_seed(0)

@@ -127,7 +127,8 @@ def train(
     if trainer.max_steps is not None:
         total_steps = min(total_steps, trainer.max_steps)
     schedule = LearningRateSchedule(optimizer, trainer, total_steps)
-    scaler = torch.amp.GradScaler(context.device.type, enabled=trainer.mixed_precision == "fp16")
+    fp16 = trainer.mixed_precision == "fp16"
+    scaler = torch.amp.GradScaler(context.device.type, enabled=fp16)
     autocast = _autocast(trainer.mixed_precision, context.device)
 
     position = Position()
@@ -143,7 +144,6 @@ def train(
     parameters = list(model.parameters())
     parameter_bytes = sum(p.numel() * p.element_size() for p in parameters)
     guard = NonFiniteGuard(parameters, context.device)
-    fp16 = trainer.mixed_precision == "fp16"
     record = StepRecord(max_consecutive_bad_steps=trainer.max_consecutive_bad_steps,
                         counts_bad_steps=not fp16)
     record.bad_steps, record.consecutive_bad_steps = position.bad_steps, position.consecutive_bad_steps
@@ -214,7 +214,9 @@ def train(
                         bytes_sent += _average(spec, model, optimizer, context)
                         if spec.averaging.report_score_after_averaging:
                             record.flush()
-                            record.running_loss = _mean_over_ranks(step_loss, context)
+                            mean_loss = _mean_over_ranks(step_loss, context)
+                            if math.isfinite(mean_loss):  # a skipped step's loss stays out, as in the record
+                                record.running_loss = mean_loss
                 elif spec.training_mode == "allReduce":
                     bytes_sent += parameter_bytes
                 dense_bytes += parameter_bytes

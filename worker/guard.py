@@ -7,9 +7,10 @@ the step, and then the device waits for the CPU to queue the next one: on a GPU,
   optimizer as `found_inf`, the flag torch's GradScaler uses: a bad step changes no parameter and no optimizer
   state, decided on the device;
 - each step's loss and verdict are kept, as device tensors, until the host reads them all at once (`flush`):
-  at the ranks' agreements (about once a second), before checkpoints, at the end, or after CAPACITY steps. Reading them
-  in step order gives the running loss over good steps, the skipped-step counts and the consecutive-bad-steps
-  limit exactly as if each had been read at once; only the error for that limit comes up to a second late.
+  at the ranks' agreements (about once a second), before checkpoints, at the end, or after CAPACITY steps.
+  Reading them in step order gives the running loss over good steps, the skipped-step counts and the
+  consecutive-bad-steps limit exactly as if each had been read at once; only the error for that limit comes up
+  to a second late.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ CAPACITY = 256
 
 
 class TrainingError(RuntimeError):
-    """Training cannot go on (too many bad steps, a checkpoint that does not fit, ...)."""
+    """Training cannot go on: too many consecutive steps with a NaN/Inf loss or gradient."""
 
 
 class NonFiniteGuard:

@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup crds bench clean
+.PHONY: run test lint setup crds bench clean device-wheels
 
 setup: $(STAMP)
 
@@ -28,6 +28,14 @@ test: $(STAMP)
 
 crds: $(STAMP)
 	$(BIN)/tandem crds --out crds
+
+# For bench/device_check.sh: what the device machine's image lacks, for its Python 3.12, from constraints.txt.
+DEVICE_WHEELS := pydantic pydantic_core annotated-types typing-inspection orjson httptools
+device-wheels: $(STAMP)
+	rm -rf .device-wheels
+	$(BIN)/python -m pip download -q --only-binary=:all: --no-deps --implementation cp --python-version 3.12 \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		-c constraints.txt -d .device-wheels $(DEVICE_WHEELS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

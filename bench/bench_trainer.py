@@ -128,6 +128,8 @@ def measure(names: list[str], args, workers: int) -> dict[str, list[float]]:
 def paired_ratio(numerators: list[float], denominators: list[float]) -> str:
     """Median of the per-round ratios, with their quartiles: the machine's drift between rounds cancels."""
     ratios = [a / b for a, b in zip(numerators, denominators, strict=True)]
+    if len(ratios) < 2:
+        return f"{ratios[0]:.3f} (one round)"
     low, _, high = statistics.quantiles(ratios, n=4)
     return f"{statistics.median(ratios):.3f} (quartiles {low:.3f}-{high:.3f})"
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The trainer's GPU checks (issue 3), as one prepared script for a session that is lent a device machine.
+#
+#   here:   make device-wheels          # the packages the device image lacks, as cp312 wheels (3.4 MB)
+#   device: run(command="bash bench/device_check.sh", carry=[".device-wheels"], timeout_s=540)
+#
+# The device image brings python3 with torch (and numpy, rich, pyyaml, scikit-learn, uvloop); the wheels add
+# pydantic and the rest. It runs `tandem run` on one GPU, then benchmark (a) there: Tandem's loop against the
+# plain DDP loop, one rank over NCCL, on the bench's small MLP (where per-step overheads and host syncs show
+# most) and on a wider one. Figures land in $OUT. Locally, as a dry run:
+#   PYTHON=.venv/bin/python DEVICE=cpu ROUNDS=1 STEPS=30 SHAPES="--hidden 64 --batch 16" bash bench/device_check.sh
+set -euo pipefail
+PYTHON=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+OUT=${OUT:-$(mktemp -d)}
+ROUNDS=${ROUNDS:-8}
+STEPS=${STEPS:-300}
+SHAPES=${SHAPES:-"--hidden 512 --batch 64;--hidden 4096 --batch 512"}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+
+if [ "$DEVICE" = cuda ]; then
+    "$PYTHON" -m pip install -q --no-index --no-deps .device-wheels/*.whl
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+fi
+"$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+
+WORK=$(mktemp -d)  # checkpoints stay out of $OUT, which brings back 8 files at most
+"$PYTHON" - "$WORK" <<'PY'
+import sys, yaml
+document = yaml.safe_load(open("examples/digits-train.yaml"))
+document["spec"]["checkpoint"]["directory"] = sys.argv[1] + "/checkpoints"
+yaml.safe_dump(document, open(sys.argv[1] + "/digits-train.yaml", "w"))
+PY
+timeout 180 "$PYTHON" -m tandem.cli run "$WORK/digits-train.yaml" --workers 1 \
+    --status-out "$OUT/digits-train-status.json" > /dev/null 2> "$OUT/digits-train-stderr.txt"
+"$PYTHON" -c "import json, sys; s = json.load(open(sys.argv[1])); print('tandem run:', s['phase'], s['metrics'])" \
+    "$OUT/digits-train-status.json"
+
+IFS=';' read -ra shapes <<< "$SHAPES"
+for shape in "${shapes[@]}"; do
+    # shellcheck disable=SC2086
+    timeout 200 "$PYTHON" bench/bench_trainer.py --device "$DEVICE" --rounds "$ROUNDS" --steps "$STEPS" $shape 2>&1 \
+        | grep -v "terminate called" | tee -a "$OUT/bench_trainer_$DEVICE.txt"
+done

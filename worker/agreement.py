@@ -28,11 +28,15 @@ MAX_INTERVAL = 10_000
 
 @dataclass(frozen=True)
 class Outcome:
+    """What every rank does after the step of an exchange."""
+
     stop: bool = False
     checkpoint: bool = False
 
 
 class Agreement:
+    """One rank's side of the exchanges; every rank calls `exchange` after the same steps (`next_step`)."""
+
     def __init__(
         self, *, is_master: bool, first_step: int, checkpoint_every_seconds: float | None,
         target_seconds: float | None = None,

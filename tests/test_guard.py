@@ -14,6 +14,7 @@ from tandem.api import ParallelTrainingJobSpec
 from tandem.api.training import Optimizer
 from tandem.worker.guard import CAPACITY, NonFiniteGuard, StepRecord, TrainingError
 from tandem.worker.optim import build_optimizer
+from tandem.worker.trainer import Position
 
 
 def model_with_gradients(*gradients: float) -> torch.nn.Linear:
@@ -71,17 +72,18 @@ def test_a_flagged_step_changes_nothing_and_the_next_step_is_a_normal_first_step
 
 
 def test_the_record_reads_steps_in_order():
-    record = StepRecord(max_consecutive_bad_steps=3, counts_bad_steps=True)
+    position = Position()
+    record = StepRecord(position, max_consecutive_bad_steps=3, counts_bad_steps=True)
     for step, (loss, bad) in enumerate([(2.0, 0), (float("nan"), 1), (1.0, 0), (5.0, 1)], start=1):
         record.add(step, torch.tensor(loss), torch.tensor(float(bad)))
     assert record.running_loss is None, "nothing is read before a flush"
     record.flush()
     assert record.running_loss == pytest.approx(0.9 * 2.0 + 0.1 * 1.0), "bad steps stay out of the running loss"
-    assert (record.bad_steps, record.consecutive_bad_steps) == (2, 1)
+    assert (position.bad_steps, position.consecutive_bad_steps) == (2, 1)
 
 
 def test_the_limit_names_the_step_that_reached_it():
-    record = StepRecord(max_consecutive_bad_steps=3, counts_bad_steps=True)
+    record = StepRecord(Position(), max_consecutive_bad_steps=3, counts_bad_steps=True)
     flags = [0, 1, 1, 0, 1, 1, 1, 1]
     for step, bad in enumerate(flags, start=11):
         record.add(step, torch.tensor(1.0), torch.tensor(float(bad)))
@@ -90,11 +92,12 @@ def test_the_limit_names_the_step_that_reached_it():
 
 
 def test_a_full_record_is_read_at_once_and_fp16_skips_are_not_counted():
-    record = StepRecord(max_consecutive_bad_steps=2, counts_bad_steps=False)
+    position = Position()
+    record = StepRecord(position, max_consecutive_bad_steps=2, counts_bad_steps=False)
     for step in range(1, CAPACITY + 1):
         record.add(step, torch.tensor(1.0), torch.tensor(1.0 if step % 2 else 0.0))
     assert record.running_loss == pytest.approx(1.0), "the full buffer was read"
-    assert record.bad_steps == 0
+    assert position.bad_steps == 0
 
 
 class _Published:

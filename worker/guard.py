@@ -15,6 +15,8 @@ the step, and then the device waits for the CPU to queue the next one: on a GPU,
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 CAPACITY = 256
@@ -50,7 +52,10 @@ class NonFiniteGuard:
 class StepRecord:
     """Each step's loss and verdict, on the device until `flush` reads them in step order."""
 
-    def __init__(self, *, max_consecutive_bad_steps: int, counts_bad_steps: bool):
+    def __init__(self, counts: Any, *, max_consecutive_bad_steps: int, counts_bad_steps: bool):
+        self.counts = counts
+        """Where the bad-step counts live (`bad_steps`, `consecutive_bad_steps`): the trainer's Position, which
+        checkpoints save and resumes restore; updated at each flush."""
         self.max_consecutive_bad_steps = max_consecutive_bad_steps
         self.counts_bad_steps = counts_bad_steps
         """False under fp16, where the gradient scaler skips overflowing steps as a matter of course."""
@@ -58,8 +63,6 @@ class StepRecord:
         self._bad: list[torch.Tensor] = []
         self._first_step = 0
         self.running_loss: float | None = None
-        self.bad_steps = 0
-        self.consecutive_bad_steps = 0
 
     def add(self, step: int, loss: torch.Tensor, found: torch.Tensor) -> None:
         """Record the step numbered `step` (1-based) without waiting for the device: `loss` and `found` are this
@@ -78,15 +81,16 @@ class StepRecord:
             return
         recorded = torch.stack([torch.stack(self._losses).float(), torch.stack(self._bad)]).tolist()
         first, self._losses, self._bad = self._first_step, [], []
+        counts = self.counts
         for offset, (loss, found) in enumerate(zip(*recorded, strict=True)):
             if not found:
-                self.consecutive_bad_steps = 0
+                counts.consecutive_bad_steps = 0
                 self.running_loss = loss if self.running_loss is None else 0.9 * self.running_loss + 0.1 * loss
             elif self.counts_bad_steps:
-                self.bad_steps += 1
-                self.consecutive_bad_steps += 1
-                if self.consecutive_bad_steps >= self.max_consecutive_bad_steps:
+                counts.bad_steps += 1
+                counts.consecutive_bad_steps += 1
+                if counts.consecutive_bad_steps >= self.max_consecutive_bad_steps:
                     raise TrainingError(
-                        f"{self.consecutive_bad_steps} consecutive steps with a NaN/Inf loss or gradient "
+                        f"{counts.consecutive_bad_steps} consecutive steps with a NaN/Inf loss or gradient "
                         f"(step {first + offset}); lower optimizer.lr, set gradientClipNorm, or check the data"
                     )

@@ -53,15 +53,19 @@ class LearningRateSchedule:
             return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
 
+    def rate(self, step: int) -> float:
+        """The learning rate of the optimizer step that follows `step` finished steps."""
+        return self.base_lr * self.factor(step)
+
     def describe(self, step: int) -> dict[str, float | int | str]:
         """For the checkpoint, to read: a resumed run recomputes the rate from its step and its own spec."""
         return {"kind": "cosine" if self.cosine else "constant", "warmup_steps": self.warmup,
-                "total_steps": self.total_steps, "base_lr": self.base_lr, "lr": self.base_lr * self.factor(step)}
+                "total_steps": self.total_steps, "base_lr": self.base_lr, "lr": self.rate(step)}
 
     def apply(self, step: int) -> None:
         """Set the rate for the optimizer step that follows `step` finished steps."""
         if self.constant:
             return
-        lr = self.base_lr * self.factor(step)
+        lr = self.rate(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -144,9 +144,8 @@ def train(
     parameters = list(model.parameters())
     parameter_bytes = sum(p.numel() * p.element_size() for p in parameters)
     guard = NonFiniteGuard(parameters, context.device)
-    record = StepRecord(max_consecutive_bad_steps=trainer.max_consecutive_bad_steps,
+    record = StepRecord(position, max_consecutive_bad_steps=trainer.max_consecutive_bad_steps,
                         counts_bad_steps=not fp16)
-    record.bad_steps, record.consecutive_bad_steps = position.bad_steps, position.consecutive_bad_steps
     every_minutes = spec.checkpoint.every_minutes
     agreement = Agreement(is_master=context.is_master, first_step=position.step + 1,
                           checkpoint_every_seconds=every_minutes * 60 if every_minutes is not None else None)
@@ -158,8 +157,7 @@ def train(
                               samples=position.samples)
 
     def save() -> None:
-        record.flush()
-        position.bad_steps, position.consecutive_bad_steps = record.bad_steps, record.consecutive_bad_steps
+        record.flush()  # brings position's bad-step counts up to date
         path = _save_checkpoint(context, spec, model, optimizer, schedule, scaler, compression, position, input_shape)
         agreement.checkpoint_written()
         if reporter is not None and path is not None:

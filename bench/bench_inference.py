@@ -44,6 +44,7 @@ HIDDEN = 3072
 BATCH_LIMIT = 32
 SATURATED = 256  # concurrency at which the batched server's throughput stops growing: its capacity
 HOST = "127.0.0.1"
+DEVICE = "cpu"
 EXAMPLE = np.random.default_rng(0).random(64, dtype=np.float32)
 
 
@@ -97,7 +98,8 @@ def tandem_server(mode: str, workers: int, directory: Path) -> Server:
     manifest.write_text(json.dumps({
         "apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool", "metadata": {"name": "mlp"},
         "spec": {"model": {"callable": "tandem.examples.digits:mlp", "args": {"hidden": HIDDEN}, "inputShape": [64]},
-                 "inferenceMode": mode, "workersPerReplica": workers, "batchLimit": BATCH_LIMIT, "queueLimit": 256}}))
+                 "inferenceMode": mode, "workersPerReplica": workers, "batchLimit": BATCH_LIMIT, "queueLimit": 256,
+                 "gpusPerReplica": 1 if DEVICE == "cuda" else 0}}))
     port = free_port()
     return Server([sys.executable, "-m", "tandem.cli", "serve", str(manifest), "--port", str(port)], port,
                   "/v2/health/ready")
@@ -151,15 +153,17 @@ def _forward_rate(seconds: float, replicas: int, threads: int) -> float:
     from tandem.examples.digits import mlp
 
     torch.set_num_threads(threads)
-    models = [mlp(HIDDEN).eval() for _ in range(replicas)]
-    x = torch.from_numpy(np.tile(EXAMPLE, (BATCH_LIMIT, 1)))
+    devices = [torch.device("cuda", i % torch.cuda.device_count()) if DEVICE == "cuda" else torch.device("cpu")
+               for i in range(replicas)]
+    models = [mlp(HIDDEN).eval().to(device) for device in devices]
+    example = torch.from_numpy(np.tile(EXAMPLE, (BATCH_LIMIT, 1)))
     counts = [0] * replicas
     stop = threading.Event()
 
     def run(index: int) -> None:
         with torch.no_grad():
-            while not stop.is_set():
-                models[index](x)
+            while not stop.is_set():  # as the server does: the batch to the device, the answer back to the host
+                models[index](example.to(devices[index])).cpu()
                 counts[index] += 1
 
     runners = [threading.Thread(target=run, args=(i,)) for i in range(replicas)]
@@ -217,16 +221,19 @@ def bench_litserve(seconds: float, workers: int, tandem: dict[tuple[str, int], L
 
 
 def main() -> None:
-    global HIDDEN  # the model size every part below uses
+    global HIDDEN, DEVICE  # the model size and device every part below uses
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per point (after 0.5 s warm-up)")
     parser.add_argument("--workers", type=int, default=cores(), help="model replicas (default: one per core)")
     parser.add_argument("--only", choices=("modes", "ceiling", "litserve"), action="append")
     parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"the MLP's hidden units (default {HIDDEN})")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: one replica per GPU in the server (gpusPerReplica 1) and in the ceiling")
     args = parser.parse_args()
-    HIDDEN = args.hidden
+    HIDDEN, DEVICE = args.hidden, args.device
     parts = args.only or ["modes", "ceiling", "litserve"]
-    print(f"model: digits MLP, hidden {HIDDEN}; {cores()} cores; {args.workers} worker(s); batchLimit {BATCH_LIMIT}",
+    print(f"model: digits MLP, hidden {HIDDEN}; {cores()} cores; {args.workers} worker(s) on {DEVICE}; "
+          f"batchLimit {BATCH_LIMIT}",
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         tandem = bench_modes(args.seconds, args.workers, Path(tmp)) if "modes" in parts else None

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The trainer's GPU checks (issue 3), as one prepared script for a session that is lent a device machine.
+# The GPU checks of the trainer and the inference server, as one prepared script for a session lent a device.
 #
 #   here:   make device-wheels          # the packages the device image lacks, as cp312 wheels (3.4 MB)
-#   device: run(command="bash bench/device_check.sh", carry=[".device-wheels"], timeout_s=540)
+#   device: run(command="bash bench/device_check.sh", carry=[".device-wheels"], timeout_s=560)
 #
 # The device image brings python3 with torch (and numpy, rich, pyyaml, scikit-learn, uvloop); the wheels add
 # pydantic and the rest. It runs `tandem run` on one GPU, then benchmark (a) there: Tandem's loop against the
 # plain DDP loop, one rank over NCCL, on the bench's small MLP (where per-step overheads and host syncs show
-# most) and on a wider one. Figures land in $OUT. Locally, as a dry run:
-#   PYTHON=.venv/bin/python DEVICE=cpu ROUNDS=1 STEPS=30 SHAPES="--hidden 64 --batch 16" bash bench/device_check.sh
+# most) and on a wider one; then the inference server's batched vs sequential and ceiling figures on the GPU.
+# Figures land in $OUT. Locally, as a dry run:
+#   PYTHON=.venv/bin/python DEVICE=cpu ROUNDS=1 STEPS=30 SHAPES="--hidden 64 --batch 16" SERVE_SECONDS=0.5 \
+#       bash bench/device_check.sh
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
@@ -42,3 +44,8 @@ for shape in "${shapes[@]}"; do
     timeout 200 "$PYTHON" bench/bench_trainer.py --device "$DEVICE" --rounds "$ROUNDS" --steps "$STEPS" $shape 2>&1 \
         | grep -v "terminate called" | tee -a "$OUT/bench_trainer_$DEVICE.txt"
 done
+
+# The inference server benchmark on the GPU: one replica (gpusPerReplica 1), batched vs sequential and the
+# in-process ceiling (the LitServe comparison stays a CPU figure: its GPU set-up is a study of its own).
+timeout ${SERVE_TIMEOUT:-150} "$PYTHON" bench/bench_inference.py --device "$DEVICE" --workers 1 \
+    --only modes --only ceiling --seconds "${SERVE_SECONDS:-3}" 2>&1 | tee -a "$OUT/bench_inference_$DEVICE.txt"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of the trainer and the inference server, as one prepared script for a session lent a device.
 #
-#   here:   make device-wheels          # the packages the device image lacks, as cp312 wheels (3.4 MB)
+#   here:   make device-wheels          # the packages the device image lacks, as cp312 wheels (4 MB)
 #   device: run(command="bash bench/device_check.sh", carry=[".device-wheels"], timeout_s=560)
 #
 # The device image brings python3 with torch (and numpy, rich, pyyaml, scikit-learn, uvloop); the wheels add
@@ -33,7 +33,7 @@ document = yaml.safe_load(open("examples/digits-train.yaml"))
 document["spec"]["checkpoint"]["directory"] = sys.argv[1] + "/checkpoints"
 yaml.safe_dump(document, open(sys.argv[1] + "/digits-train.yaml", "w"))
 PY
-timeout 180 "$PYTHON" -m tandem.cli run "$WORK/digits-train.yaml" --workers 1 \
+timeout 120 "$PYTHON" -m tandem.cli run "$WORK/digits-train.yaml" --workers 1 \
     --status-out "$OUT/digits-train-status.json" > /dev/null 2> "$OUT/digits-train-stderr.txt"
 "$PYTHON" -c "import json, sys; s = json.load(open(sys.argv[1])); print('tandem run:', s['phase'], s['metrics'])" \
     "$OUT/digits-train-status.json"

@@ -2,8 +2,8 @@
 on PYTHONPATH for `tandem serve` subprocesses).
 
 Tests hold requests at a known point with a Gate instead of sleeping: a gated model's forward waits while its
-gate is closed, and records every batch size it ran. Replicas are deep copies, so the gate is shared state
-that deepcopy leaves alone.
+gate is closed, and records every batch size it ran (a Recorder also records which requests shared each forward,
+with their shape and dtype). Replicas are deep copies, so the gate is shared state that deepcopy leaves alone.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ class Gate:
         self.open.set()
         self.lock = threading.Lock()
         self.batches: list[int] = []
+        self.forwards: list[Forward] = []
         self.threads: list[str] = []
         self.entered = 0
 
@@ -41,6 +43,7 @@ class Gate:
         with self.lock:
             self.entered = 0
             self.batches.clear()
+            self.forwards.clear()
 
     def wait_entered(self, count: int, timeout: float = 60.0) -> None:
         """Until `count` forwards have started (and are waiting at the closed gate)."""
@@ -114,8 +117,36 @@ def file_gated_mlp(gate: str, seed: int = 0) -> nn.Module:
     return FileGated(seeded_mlp(seed), gate)
 
 
-class Echo(nn.Module):
-    """Sums each example's features: accepts any per-example shape (for batching by shape)."""
+class Forward(NamedTuple):
+    """One forward a Recorder ran: the request id of each row, the per-example shape, the dtype."""
+
+    ids: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class Recorder(nn.Module):
+    """Gated like Gated, for batching by shape and dtype: every value of a request's input is its request id.
+    Each forward is recorded as a Forward (the row ids tell which requests shared it), and each row is answered
+    with its id, in the input's dtype (so a request merged into a batch of another dtype comes back in that
+    dtype). Accepts any per-example shape and dtype."""
+
+    def __init__(self, gate: Gate):
+        super().__init__()
+        self.gate = gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(x.shape[0], -1).sum(dim=1, keepdim=True)
+        rows = x.reshape(x.shape[0], -1)
+        gate = self.gate
+        with gate.lock:
+            gate.entered += 1
+            gate.batches.append(x.shape[0])
+            gate.forwards.append(Forward(tuple(int(i) for i in rows[:, 0].tolist()), tuple(x.shape[1:]), x.dtype))
+        if not gate.open.wait(WAIT_LIMIT_S):
+            raise RuntimeError("test gate never opened")
+        return rows[:, :1].clone()
+
+
+def recorder(name: str) -> nn.Module:
+    """A Recorder behind the gate GATES[name] (created on first use)."""
+    return Recorder(GATES.setdefault(name, Gate()))

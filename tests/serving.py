@@ -62,20 +62,20 @@ def infer(client: triton.InferenceServerClient, x: np.ndarray, binary: bool = Tr
     return client.infer(model, [tensor], outputs=[output], **kwargs).as_numpy("output")
 
 
-def infer_in_thread(url: str, x: np.ndarray, model: str) -> np.ndarray:
+def infer_in_thread(url: str, x: np.ndarray, model: str, binary: bool = True) -> np.ndarray:
     """A blocking tritonclient call with its own client, for a worker thread: tritonclient's async_infer runs on
     gevent and makes progress only while the calling thread waits in gevent, so requests that must be in flight
     while the test does something else are sent from threads."""
     client = triton.InferenceServerClient(url)
     try:
-        return infer(client, x, model=model)
+        return infer(client, x, binary=binary, model=model)
     finally:
         client.close()
 
 
 def request(port: int, method: str, path: str, body: bytes | None = None,
-            headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+            headers: dict[str, str] | None = None, timeout: float = WAIT_S) -> tuple[int, dict[str, str], bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         connection.request(method, path, body=body, headers=headers or {})
         response = connection.getresponse()

@@ -23,9 +23,9 @@ forward failed (only the request that breaks it fails: a failing batch is retrie
 HTTP is tandem.worker.httpserver (an asyncio protocol over httptools, on uvloop); the event loop only parses,
 validates and encodes, with numpy and orjson, and never calls torch. Forwards run on ParallelInference's worker
 threads, whose results come back to the loop in bursts (one wake-up for a whole batch); request timeouts are
-one sweep every 20 ms, not a timer each. Readiness turns on after the model is loaded and
-warmed up at every batch size in use; SIGTERM turns it off, lets queued and running requests finish within a
-grace period, and exits 0.
+one sweep every 20 ms, not a timer each. Readiness turns on after the model is loaded and warmed up at every
+batch size in use; SIGTERM turns it off, lets queued and running requests finish within a grace period, answers
+503 to those still unanswered when it ends (a forward still running is not waited for), and exits 0.
 """
 
 from __future__ import annotations
@@ -164,7 +164,18 @@ class _Pending:
         """Past the deadline (the timeout sweep): answer 504 unless answered already."""
         if not self.finished:
             self.ticket.cancel()
-            self.done(None, InferenceTimeout(f"no output within the request's timeout of {self.timeout * 1000:.0f} ms"))
+            milliseconds = f"{self.timeout * 1000:.0f} ms"
+            if self.timeout == self.server.spec.request_timeout_ms / 1000:
+                why = f"the pool's requestTimeoutMs of {milliseconds}"
+            else:
+                why = f"the request's timeout of {milliseconds} (parameters.timeout)"
+            self.done(None, InferenceTimeout(f"no output within {why}"))
+
+    def cut_off(self, why: str) -> None:
+        """The server stops: answer 503 unless answered already (a forward still running is left to finish)."""
+        if not self.finished:
+            self.ticket.cancel()
+            self.done(None, ShutDownError(f"the server stopped before this request was answered ({why})"))
 
     def abort(self) -> None:
         """The client went away: withdraw the request if it is still queued."""
@@ -369,23 +380,30 @@ class InferenceServer:
 
     async def drain(self, grace_seconds: float | None = None) -> bool:
         """Turn not-ready, refuse new inference requests, wait up to the grace period for the ones received to
-        be answered, then stop. True when everything was answered in time."""
+        be answered, then stop: requests still unanswered then get 503, and forwards still running are not
+        waited for past the grace period. True when everything was answered in time."""
         self.ready = False
         self.draining = True
         grace = self.grace_seconds if grace_seconds is None else grace_seconds
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         drained = True
         if self.in_flight:
             self._idle.clear()
-            log.info("draining %d requests (grace period %.0f s)", self.in_flight, grace)
+            log.info("draining %d requests (grace period %g s)", self.in_flight, grace)
             try:
                 await asyncio.wait_for(self._idle.wait(), grace)
             except TimeoutError:
                 drained = False
-                log.warning("grace period over with %d requests unanswered", self.in_flight)
-        await self.stop()
+                log.warning("grace period over with %d requests unanswered: answering them 503", self.in_flight)
+        await self.stop(worker_timeout=max(0.0, deadline - loop.time()),
+                        why=f"grace period of {grace:g} s over")
         return drained
 
-    async def stop(self) -> None:
+    async def stop(self, worker_timeout: float = 10.0, why: str = "shutting down") -> None:
+        """Stop now: refuse new requests, answer every inference request not answered yet with 503 (`why` says
+        why), wait up to `worker_timeout` seconds for forwards still running (a forward cannot be interrupted;
+        the workers are daemon threads), close every connection."""
         self.ready = False
         self.draining = True
         for task in [*self._tasks, self.loading]:
@@ -393,8 +411,16 @@ class InferenceServer:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        if self.inference is not None:
-            self.inference.shutdown(drain=False, timeout=10)
+        inference = self.inference
+        if inference is not None:
+            inference.shutdown(drain=False, timeout=0)  # refuses new requests, fails the queued ones
+        unanswered = [*self._deadlines, *(entry[2] for entry in self._early)]
+        self._deadlines.clear()
+        self._early.clear()
+        for pending in unanswered:  # their answers are written before the connections close below
+            pending.cut_off(why)
+        if inference is not None and worker_timeout > 0:
+            await asyncio.to_thread(inference.shutdown, drain=False, timeout=worker_timeout)
         if self._http is not None:
             await self._http.close()
             self._http = None

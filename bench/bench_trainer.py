@@ -69,7 +69,7 @@ def _tandem(rank: int, args, workers: int, device: torch.device) -> float:
     clock = Clock(args, workers, device)
     context = RankContext(rank=rank, world_size=workers, device=device, job="bench",
                           checkpoint_dir=Path(spec.checkpoint.directory),
-                          listeners=[lambda step, model, synced: clock.mark(step)])
+                          listeners=[lambda step, model, optimizer, synced: clock.mark(step)])
     train(spec, context, mlp(hidden=args.hidden), train_data(), None)
     return clock.samples_per_second()
 

@@ -250,6 +250,13 @@ def test_crds_command_prints_both_crds(capsys):
     assert {d["spec"]["names"]["kind"] for d in documents} == {"ParallelTrainingJob", "InferencePool"}
 
 
+def test_crds_command_writes_one_file_per_crd_with_out(tmp_path, capsys):
+    assert main(["crds", "--out", str(tmp_path / "crds")]) == 0
+    written = {path.name: path.read_text() for path in (tmp_path / "crds").iterdir()}
+    assert written == crd_files()
+    assert capsys.readouterr().out.count("wrote ") == len(written) == 2
+
+
 def test_import_operator_at_repo_root_is_the_standard_library():
     result = subprocess.run(
         [sys.executable, "-c", "import operator; print(operator.__file__); import tandem.operator"],

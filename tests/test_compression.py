@@ -291,9 +291,10 @@ def train_digits(
     )
 
 
-def test_digits_trains_to_90_percent_sending_at_most_5_percent_of_the_dense_bytes() -> None:
+def test_digits_trains_to_96_percent_sending_under_half_a_percent_of_the_dense_bytes() -> None:
     runs = run_on_ranks(train_digits, "sharedGradients", DIGITS_EPOCHS, world_size=2)
     assert torch.equal(runs[0].parameters, runs[1].parameters)
     fraction = sum(run.bytes_sent for run in runs) / sum(run.dense_bytes for run in runs)
-    assert runs[0].accuracy >= 0.90, f"eval accuracy {runs[0].accuracy:.3f}"
-    assert fraction <= 0.05, f"sent {fraction:.2%} of the dense bytes"
+    # Measured (seed 0, 30 epochs): accuracy 0.9805 at 0.296% of the dense bytes.
+    assert runs[0].accuracy >= 0.96, f"eval accuracy {runs[0].accuracy:.3f}"
+    assert fraction <= 0.004, f"sent {fraction:.3%} of the dense bytes"

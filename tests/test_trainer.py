@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,24 +79,13 @@ def leftover_processes(job_name: str) -> list[int]:
     return found
 
 
-def test_two_ranks_of_batch_b_match_one_rank_of_batch_2b(tmp_path):
-    plain = {"optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "maxSteps": 20}
-    two = manifest(tmp_path, "two", trainer={**plain, "batchSizePerWorker": 16}, workers=2)
-    one = manifest(tmp_path, "one", trainer={**plain, "batchSizePerWorker": 32}, workers=1)
-    for path in (two, one):
-        result = tandem_run(path)
-        assert result.returncode == 0, result.stderr
-    a, b = final_weights(tmp_path, "two"), final_weights(tmp_path, "one")
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
-
-
-EXAMPLES = ["digits-train.yaml", "digits-train-shared.yaml", "digits-train-averaging.yaml"]
+# Each example's eval accuracy as measured (the runs are seeded, so they repeat), and the floor asked of it.
+EXAMPLES = {"digits-train.yaml": 0.95, "digits-train-shared.yaml": 0.96, "digits-train-averaging.yaml": 0.97}
+MEASURED = {"digits-train.yaml": 0.969, "digits-train-shared.yaml": 0.981, "digits-train-averaging.yaml": 0.992}
 
 
 @pytest.mark.parametrize("example", EXAMPLES)
-def test_each_mode_reaches_090_on_digits_with_its_example(tmp_path, example):
+def test_each_mode_trains_digits_to_near_its_measured_accuracy_with_its_example(tmp_path, example):
     document = yaml.safe_load((ROOT / "examples" / example).read_text())
     document["spec"]["checkpoint"]["directory"] = str(tmp_path / "checkpoints")
     path = tmp_path / example
@@ -106,29 +96,34 @@ def test_each_mode_reaches_090_on_digits_with_its_example(tmp_path, example):
     assert json.loads((tmp_path / "status.json").read_text()) == status
     assert status["phase"] == "Succeeded"
     assert status["progress"]["step"] == status["progress"]["totalSteps"] > 0
-    assert status["metrics"]["accuracy"] >= 0.90, status["metrics"]
+    assert status["metrics"]["accuracy"] >= EXAMPLES[example], f"measured {MEASURED[example]}: {status['metrics']}"
     assert status["checkpoint"]["latest"] == str(checkpoint.latest(tmp_path / "checkpoints"))
     communication = status["communication"]
     assert communication["denseBytes"] > 0
     if document["spec"]["trainingMode"] == "sharedGradients":
-        assert communication["bytesSent"] <= 0.05 * communication["denseBytes"], communication
+        # Measured: 0.296% of the dense bytes.
+        assert communication["bytesSent"] <= 0.004 * communication["denseBytes"], communication
 
 
-def _train_recording_synchronised_replicas(rank: int, mode: str) -> list[torch.Tensor]:
+def _train_recording_synchronised_replicas(rank: int, mode: str, average_optimizer_state: bool):
     from tandem.examples.digits import eval_data, mlp, train_data
     from tandem.worker.trainer import RankContext, train
 
     spec = ParallelTrainingJobSpec.model_validate({
         "workers": 2, "trainingMode": mode,
-        "averaging": {"frequency": 3},
-        "trainer": {**DIGITS, "maxSteps": 12, "batchSizePerWorker": 16, "modelArgs": {"hidden": 16}},
+        "averaging": {"frequency": 3, "averageOptimizerState": average_optimizer_state},
+        "trainer": {**DIGITS, "maxSteps": 12, "batchSizePerWorker": 16, "modelArgs": {"hidden": 16},
+                    "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
         "checkpoint": {"directory": os.environ["CHECKPOINTS"]},
     })
-    snapshots: list[torch.Tensor] = []
+    snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def record(step: int, model: torch.nn.Module, synchronised: bool) -> None:
+    def record(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, synchronised: bool) -> None:
         if synchronised:
-            snapshots.append(torch.cat([p.detach().flatten() for p in model.parameters()]).clone())
+            parameters = list(model.parameters())
+            momentum = [optimizer.state[p]["momentum_buffer"] for p in parameters]
+            snapshots.append((torch.cat([p.detach().flatten() for p in parameters]).clone(),
+                              torch.cat([m.flatten() for m in momentum]).clone()))
 
     context = RankContext(rank=rank, world_size=2, device=torch.device("cpu"), job="replicas",
                           checkpoint_dir=Path(os.environ["CHECKPOINTS"]), listeners=[record])
@@ -136,55 +131,102 @@ def _train_recording_synchronised_replicas(rank: int, mode: str) -> list[torch.T
     return snapshots
 
 
-@pytest.mark.parametrize("mode", ["allReduce", "sharedGradients", "averaging"])
-def test_replicas_are_identical_after_every_synchronisation(tmp_path, monkeypatch, mode):
+@pytest.mark.parametrize(("mode", "average_optimizer_state"), [
+    ("allReduce", True), ("sharedGradients", True), ("averaging", True), ("averaging", False),
+], ids=["allReduce", "sharedGradients", "averaging", "averaging-parameters-only"])
+def test_replicas_are_identical_after_every_synchronisation(tmp_path, monkeypatch, mode, average_optimizer_state):
+    """Parameters are identical on every rank after each synchronisation; so is the optimizer state (momentum),
+    except in averaging with averageOptimizerState off, where each rank keeps its own."""
     monkeypatch.setenv("CHECKPOINTS", str(tmp_path))
-    rank0, rank1 = run_on_ranks(_train_recording_synchronised_replicas, mode, world_size=2)
+    rank0, rank1 = run_on_ranks(_train_recording_synchronised_replicas, mode, average_optimizer_state, world_size=2)
     expected = 12 if mode != "averaging" else 4
     assert len(rank0) == len(rank1) == expected
-    for step, (a, b) in enumerate(zip(rank0, rank1, strict=True)):
-        assert torch.equal(a, b), f"{mode}: replicas differ after synchronisation {step}"
-    assert not torch.equal(rank0[0], rank0[-1]), "training changed nothing"
+    for step, ((parameters0, momentum0), (parameters1, momentum1)) in enumerate(zip(rank0, rank1, strict=True)):
+        assert torch.equal(parameters0, parameters1), f"{mode}: parameters differ after synchronisation {step}"
+        if average_optimizer_state:
+            assert torch.equal(momentum0, momentum1), f"{mode}: optimizer state differs after synchronisation {step}"
+        else:
+            assert not torch.equal(momentum0, momentum1), f"synchronisation {step} averaged the optimizer state"
+    assert not torch.equal(rank0[0][0], rank0[-1][0]), "training changed nothing"
 
 
-def test_resume_is_exact(tmp_path):
-    # The warm-up spans the stop: a resumed run must carry on with the schedule where it was.
-    exact = {"deterministic": True, "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "lrWarmupSteps": 20}
-    straight = manifest(tmp_path, "straight", trainer={**exact, "maxSteps": 30})
-    assert tandem_run(straight).returncode == 0
-    first_half = manifest(tmp_path, "halves", trainer={**exact, "maxSteps": 15})
-    result = tandem_run(first_half)
-    assert result.returncode == 0, result.stderr
-    assert checkpoint.load(checkpoint.latest(tmp_path / "halves" / "checkpoints"))["manifest"]["step"] == 15
-    second_half = manifest(tmp_path, "halves", trainer={**exact, "maxSteps": 30})
-    result = tandem_run(second_half)
-    assert result.returncode == 0, result.stderr
-    assert final_status(result)["progress"]["step"] == 30
-    a, b = final_weights(tmp_path, "straight"), final_weights(tmp_path, "halves")
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
-
-
-def test_sigterm_stops_every_rank_with_a_final_checkpoint(tmp_path):
-    path = manifest(tmp_path, "stoppable", trainer={"epochs": 500})
-    stderr = tmp_path / "stderr.txt"
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+def start_training(path: Path) -> tuple[subprocess.Popen, Path]:
+    """`tandem run` started, returned once rank 0 has reported progress; with the file its stderr goes to."""
+    stderr = path.parent / f"{path.stem}-stderr.txt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     with open(stderr, "w") as err:
-        launcher = subprocess.Popen([sys.executable, "-m", "tandem.cli", "run", str(path)],
+        launcher = subprocess.Popen([sys.executable, "-m", "tandem.cli", "run", str(path)], cwd=path.parent,
                                     stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        deadline = time.monotonic() + 120
-        while "step" not in stderr.read_text() and time.monotonic() < deadline:
-            assert launcher.poll() is None, stderr.read_text()
-            time.sleep(0.2)
-        launcher.send_signal(signal.SIGTERM)
-        stdout, _ = launcher.communicate(timeout=60)
+    deadline = time.monotonic() + 120
+    while max(map(int, re.findall(r"step (\d+)/", stderr.read_text())), default=0) < 1:
+        assert launcher.poll() is None, stderr.read_text()
+        assert time.monotonic() < deadline, stderr.read_text()
+        time.sleep(0.1)
+    return launcher, stderr
+
+
+def run_until_signal(path: Path, signum: int) -> dict:
+    """`tandem run` stopped by `signum` once training has made progress; returns the final status."""
+    launcher, stderr = start_training(path)
+    launcher.send_signal(signum)
+    stdout, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == 130, stderr.read_text()
-    status = json.loads(stdout)
+    return json.loads(stdout)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_stops_every_rank_with_a_final_checkpoint(tmp_path, signum):
+    status = run_until_signal(manifest(tmp_path, "stoppable", trainer={"epochs": 500}), signum)
     assert status["phase"] == "Suspended"
     latest = checkpoint.latest(tmp_path / "stoppable" / "checkpoints")
     assert latest is not None and status["checkpoint"]["latest"] == str(latest)
     assert 0 < status["progress"]["step"] < status["progress"]["totalSteps"]
+    assert checkpoint.load(latest)["manifest"]["step"] == status["progress"]["step"]
     assert leftover_processes("stoppable") == []
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    launcher, _ = start_training(manifest(tmp_path, "orphans", trainer={"epochs": 500}))
+    assert leftover_processes("orphans"), "the ranks should be running"
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while leftover_processes("orphans") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leftover_processes("orphans") == [], "ranks outlived their launcher"
+
+
+def test_keep_last_prunes_the_trainers_older_checkpoints(tmp_path):
+    path = manifest(tmp_path, "pruned", trainer={"maxSteps": 20, "evalData": None},
+                    checkpoint={"directory": str(tmp_path / "pruned" / "checkpoints"), "everySteps": 5, "keepLast": 2})
+    result = tandem_run(path)
+    assert result.returncode == 0, result.stderr
+    names = sorted(p.name for p in (tmp_path / "pruned" / "checkpoints").iterdir())
+    assert names == ["step-00000015.pt", "step-00000020.pt"]
+
+
+def test_float_targets_train_with_mean_squared_error(tmp_path):
+    path = manifest(tmp_path, "regression", trainer={
+        "model": "userland:regressor", "modelArgs": {}, "data": "userland:regression_data",
+        "evalData": "userland:regression_data", "dataArgs": {}, "epochs": 20,
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}})
+    result = tandem_run(path)
+    assert result.returncode == 0, result.stderr
+    metrics = final_status(result)["metrics"]
+    assert "accuracy" not in metrics, "accuracy is for class labels"
+    # Predicting the targets' mean would score their variance, 1.2e-3; measured after 20 epochs: 7.9e-6.
+    assert metrics["evalLoss"] < 2e-5, metrics
+
+
+def test_workers_flag_overrides_the_manifests_workers(tmp_path):
+    path = manifest(tmp_path, "flag", trainer={"maxSteps": 5, "evalData": None}, workers=2)
+    result = tandem_run(path, "--workers", "1")
+    assert result.returncode == 0, result.stderr
+    status = final_status(result)
+    assert status["workers"]["total"] == 1
+    # One rank of batch 16 takes 90 steps an epoch where two take 45; maxSteps caps both at 5.
+    assert status["progress"]["step"] == 5
+    assert checkpoint.load(checkpoint.latest(tmp_path / "flag" / "checkpoints"))["manifest"]["world_size"] == 1
 
 
 def test_a_crashing_rank_fails_the_run_with_its_error_and_no_orphans(tmp_path):
@@ -278,6 +320,7 @@ def _train_with_every_knob(rank: int, precision: str) -> float:
     })
     context = RankContext(rank=rank, world_size=2, device=torch.device("cpu"), job="knobs",
                           checkpoint_dir=Path(os.environ["CHECKPOINTS"]))
+    torch.manual_seed(0)  # the same initial weights in every run: a fresh process's generator is seeded at random
     status = train(spec, context, mlp(hidden=32), train_data(), eval_data())
     return status.metrics["accuracy"] if status else -1.0
 
@@ -286,7 +329,8 @@ def _train_with_every_knob(rank: int, precision: str) -> float:
 def test_accumulation_clipping_warmup_and_mixed_precision_train(tmp_path, monkeypatch, precision):
     monkeypatch.setenv("CHECKPOINTS", str(tmp_path))
     accuracy, _ = run_on_ranks(_train_with_every_knob, precision, world_size=2)
-    assert accuracy >= 0.3, f"{precision}: accuracy {accuracy} after 30 steps (chance is 0.1)"
+    # Measured after 30 steps: 0.563 (none), 0.560 (bf16), 0.563 (fp16); chance is 0.1.
+    assert accuracy >= 0.5, f"{precision}: accuracy {accuracy} after 30 steps"
 
 
 def test_parallel_wrapper_trains_the_callers_model(tmp_path):
@@ -300,7 +344,7 @@ def test_parallel_wrapper_trains_the_callers_model(tmp_path):
                          show_progress=False) as wrapper:
         status = wrapper.fit(train_data(), eval_data=eval_data())
     assert status.phase == "Succeeded"
-    assert status.metrics["accuracy"] >= 0.9
+    assert status.metrics["accuracy"] >= 0.93  # measured: 0.955
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     with pytest.raises(RuntimeError, match="closed"):
         wrapper.fit(train_data())
@@ -331,4 +375,6 @@ def test_the_readme_parallel_wrapper_example_runs(tmp_path):
     script.write_text(example)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert float(result.stdout.strip().splitlines()[-1]) >= 0.9
+    # The README's model is not seeded; sharedGradients for 30 epochs measured 0.978-0.981 over seeds 0-2
+    # (bench/RESULTS.md).
+    assert float(result.stdout.strip().splitlines()[-1]) >= 0.95

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from torch import nn
@@ -66,3 +67,36 @@ def nan_data(bad_every: int = 0, size: int = 256) -> TensorDataset:
 
 def not_a_module() -> str:
     return "a string"
+
+
+class DropoutMLP(nn.Module):
+    """The digits MLP with dropout after each hidden layer (so training draws random numbers every step), and an
+    optional pause in each training forward, which makes a run long enough to be stopped midway by a signal."""
+
+    def __init__(self, hidden: int, p: float, step_seconds: float):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(p),
+            nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(p),
+            nn.Linear(hidden, 10),
+        )
+        self.step_seconds = step_seconds
+
+    def forward(self, x):
+        if self.training and self.step_seconds:
+            time.sleep(self.step_seconds)
+        return self.net(x)
+
+
+def dropout_mlp(hidden: int = 32, p: float = 0.3, step_seconds: float = 0.0) -> nn.Module:
+    return DropoutMLP(hidden, p, step_seconds)
+
+
+def regression_data(size: int = 512) -> TensorDataset:
+    """64 features in [0, 1); a float target, their mean: a regression that a linear layer fits exactly."""
+    x = torch.rand(size, 64, generator=torch.Generator().manual_seed(0))
+    return TensorDataset(x, x.mean(dim=1, keepdim=True))
+
+
+def regressor() -> nn.Module:
+    return nn.Linear(64, 1)

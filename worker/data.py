@@ -19,7 +19,11 @@ def training_loader(dataset: Dataset, *, rank: int, world_size: int, batch_size:
     same gradient mean.
     """
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False)
+    # Every iter() of a DataLoader draws a number from its generator. From torch's global one, that draw would
+    # shift every random number the model takes after it (dropout), and a resumed run starts its epoch's
+    # iterator again: the run would no longer continue the random sequence the checkpoint saved.
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 def evaluation_shard(dataset: Dataset, *, rank: int, world_size: int) -> Subset:

@@ -50,8 +50,8 @@ class RankContext:
     checkpoint_dir: Path
     resume_from: Path | None = None
     sinks: list[Sink] = field(default_factory=list)
-    listeners: list[Callable[[int, torch.nn.Module, bool], None]] = field(default_factory=list)
-    """Called after every optimizer step with (step, model, synchronised): DL4J's TrainingListener.
+    listeners: list[Callable[[int, torch.nn.Module, torch.optim.Optimizer, bool], None]] = field(default_factory=list)
+    """Called after every optimizer step with (step, model, optimizer, synchronised): DL4J's TrainingListener.
     `synchronised` is true when all replicas now hold the same parameters."""
     stop_requested: bool = False
 
@@ -135,9 +135,9 @@ def train(
     reporter = None
     if context.is_master:
         reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps)
+    torch.manual_seed(trainer.seed + 1_000_003 * context.rank)  # per-rank dropout noise; a resume restores it
     if context.resume_from is not None:
         position = _resume(context, model, optimizer, scaler, compression, reporter)
-    torch.manual_seed(trainer.seed + 1_000_003 * context.rank + position.step)  # per-rank dropout noise
 
     input_shape: list[int] | None = None
     bytes_sent = dense_bytes = 0
@@ -156,9 +156,10 @@ def train(
             reporter.progress(epoch=position.epoch + 1, step=position.step, loss=record.running_loss,
                               samples=position.samples)
 
-    def save() -> None:
+    def save(final: bool = False) -> None:
         record.flush()  # brings position's bad-step counts up to date
-        path = _save_checkpoint(context, spec, model, optimizer, schedule, scaler, compression, position, input_shape)
+        path = _save_checkpoint(context, spec, model, optimizer, schedule, scaler, compression, position,
+                                input_shape, final=final)
         agreement.checkpoint_written()
         if reporter is not None and path is not None:
             report_progress()  # with the loss just read
@@ -219,7 +220,7 @@ def train(
                     bytes_sent += parameter_bytes
                 dense_bytes += parameter_bytes
                 for listener in context.listeners:
-                    listener(position.step, model, synchronised)
+                    listener(position.step, model, optimizer, synchronised)
                 report_progress()
 
                 outcome = NOTHING_AGREED
@@ -229,14 +230,12 @@ def train(
                 if position.step >= total_steps or outcome.stop:
                     break
                 if outcome.checkpoint or (every_steps is not None and position.step % every_steps == 0):
-                    _synchronise_for_checkpoint(spec, model, optimizer, context)
                     save()
         if position.batches_done >= len(loader):
             position.epoch, position.batches_done = position.epoch + 1, 0
 
     agreement.close()
-    _synchronise_for_checkpoint(spec, model, optimizer, context)
-    save()
+    save(final=True)
 
     metrics = evaluate(model, eval_set, context, trainer.batch_size_per_worker) if eval_set is not None else {}
     if compression is not None:
@@ -309,25 +308,48 @@ def _average(spec: ParallelTrainingJobSpec, model, optimizer, context: RankConte
     return average_replicas(model, optimizer if spec.averaging.average_optimizer_state else None, context.world_size)
 
 
-def _synchronise_for_checkpoint(spec, model, optimizer, context: RankContext) -> None:
-    """In averaging mode replicas drift between averagings: average before saving so rank 0's copy is the model."""
-    if spec.training_mode == "averaging":
-        _average(spec, model, optimizer, context)
+def _replicas_differ(spec: ParallelTrainingJobSpec, step: int) -> bool:
+    """In averaging mode each rank's replica drifts from the others between averagings, and its optimizer state
+    always does when `averageOptimizerState` is off."""
+    averaging = spec.averaging
+    return spec.training_mode == "averaging" and (
+        step % averaging.frequency != 0 or not averaging.average_optimizer_state
+    )
 
 
-def _rank_state(compression) -> dict[str, Any]:
+def _rank_state(compression, replica: dict[str, Any] | None) -> dict[str, Any]:
+    """This rank's own part of a checkpoint, on the host."""
     state: dict[str, Any] = {"torch_rng": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda_rng"] = torch.cuda.get_rng_state()
     if compression is not None:
-        state["compression"] = compression.state_dict()
+        state["compression"] = _host_copy(compression.state_dict())
+    if replica is not None:
+        state["replica"] = replica
     return state
 
 
-def _save_checkpoint(context, spec, model, optimizer, schedule, scaler, compression, position, input_shape):
-    """Gather every rank's own state (RNG, residuals) to rank 0, which alone writes."""
+def _save_checkpoint(context, spec, model, optimizer, schedule, scaler, compression, position, input_shape, *,
+                     final: bool):
+    """Gather every rank's own state (RNG, residuals, and its replica while replicas differ) to rank 0, which
+    alone writes. Where replicas differ, the checkpoint's model is their average (what serving and a resume at
+    another world size take); each rank then carries on from its own replica, so a checkpoint never changes the
+    course of training, and at the end the average stays."""
+    replica = None
+    if _replicas_differ(spec, position.step):
+        replica = _host_copy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        _average(spec, model, optimizer, context)
     per_rank = [None] * context.world_size if context.is_master else None
-    dist.gather_object(_rank_state(compression), per_rank, dst=0)
+    dist.gather_object(_rank_state(compression, replica), per_rank, dst=0)
+    try:
+        return _write_checkpoint(context, spec, model, optimizer, schedule, scaler, position, input_shape, per_rank)
+    finally:
+        if replica is not None and not final:
+            model.load_state_dict(replica["model"])
+            optimizer.load_state_dict(replica["optimizer"])
+
+
+def _write_checkpoint(context, spec, model, optimizer, schedule, scaler, position, input_shape, per_rank):
     if not context.is_master:
         return None
     trainer = spec.trainer
@@ -343,20 +365,21 @@ def _save_checkpoint(context, spec, model, optimizer, schedule, scaler, compress
         "lr_schedule": schedule.describe(position.step),
         "scaler": scaler.state_dict(),
         "position": position.__dict__.copy(),
-        "per_rank": [_to_cpu(s) for s in per_rank],
+        "per_rank": per_rank,
         "python_rng": random.getstate(),
         "numpy_rng": _numpy_rng_state(),
     }
     return checkpoint.save(context.checkpoint_dir, state, step=position.step, keep_last=spec.checkpoint.keep_last)
 
 
-def _to_cpu(value: Any) -> Any:
+def _host_copy(value: Any) -> Any:
+    """`value` with every tensor in it copied to the host: a snapshot that later updates in place leave alone."""
     if torch.is_tensor(value):
-        return value.detach().cpu()
+        return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
+        return {k: _host_copy(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_to_cpu(v) for v in value)
+        return type(value)(_host_copy(v) for v in value)
     return value
 
 
@@ -385,6 +408,9 @@ def _resume(context, model, optimizer, scaler, compression, reporter) -> Positio
             torch.cuda.set_rng_state(mine["cuda_rng"])
         if compression is not None and "compression" in mine:
             compression.load_state_dict(mine["compression"])
+        if "replica" in mine:  # averaging, stopped between averagings: this rank's own replica carries on
+            model.load_state_dict(mine["replica"]["model"])
+            optimizer.load_state_dict(mine["replica"]["optimizer"])
     random.setstate(_tuples(state["python_rng"]))
     numpy_state = state["numpy_rng"]
     np.random.set_state((numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],

@@ -1,0 +1,114 @@
+"""Does the suite bite? Each deliberate bug below is planted in a scratch copy of the repository (never in the
+working tree), the test meant to catch it runs there, and the bug counts as caught when that test fails.
+
+    .venv/bin/python tests/mutations.py            # every bug, about 3 minutes on 2 cores
+    .venv/bin/python tests/mutations.py loss       # only the bugs whose name contains "loss"
+
+Not part of `make test`: each bug costs a test run. A bug whose code has moved (its `old` text is gone) is
+reported as such: update the table in tests/README.md and here together.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Bug:
+    name: str
+    path: str
+    old: str
+    new: str
+    test: str
+
+
+BUGS = [
+    Bug("averaging ignores optimizer state", "worker/trainer.py",
+        "optimizer if spec.averaging.average_optimizer_state else None", "None",
+        "tests/test_trainer.py::test_replicas_are_identical_after_every_synchronisation[averaging]"),
+    Bug("sharedGradients residuals and threshold not restored on resume", "worker/trainer.py",
+        'if compression is not None and "compression" in mine:', "if False:",
+        "tests/test_resume.py::test_a_max_steps_stop_resumes_exactly[sharedGradients]"),
+    Bug("accumulated loss not divided by the number of micro-batches", "worker/trainer.py",
+        "loss = loss / len(micro_batches)", "loss = loss",
+        "tests/test_equivalences.py::test_two_micro_batches_of_16_match_one_batch_of_32"),
+    Bug("batching ignores the shape/dtype key", "worker/inference.py",
+        "if request.key == key and rows + request.rows <= limit:", "if rows + request.rows <= limit:",
+        "tests/test_inference.py::test_batched_mode_merges_requests_of_one_shape_and_dtype_and_never_mixes_shapes_or_dtypes"),
+    Bug("the pool's requestTimeoutMs never swept", "worker/server.py",
+        "while deadlines and (deadlines[0].finished or deadlines[0].deadline <= now):",
+        "while deadlines and deadlines[0].finished:",
+        "tests/test_server.py::test_the_pools_request_timeout_alone_answers_504_to_running_and_queued_requests"),
+    Bug("dropout generator reseeded after a resume restored it", "worker/trainer.py",
+        "        position = _resume(context, model, optimizer, scaler, compression, reporter)\n",
+        "        position = _resume(context, model, optimizer, scaler, compression, reporter)\n"
+        "        torch.manual_seed(trainer.seed + 1_000_003 * context.rank + position.step)\n",
+        "tests/test_resume.py::test_a_max_steps_stop_resumes_exactly[allReduce]"),
+    Bug("data loader draws from the global generator", "worker/data.py",
+        "drop_last=False,\n                      generator=torch.Generator().manual_seed(seed))", "drop_last=False)",
+        "tests/test_resume.py::test_a_max_steps_stop_resumes_exactly[allReduce]"),
+    Bug("averaging resumes every rank from the averaged replica", "worker/trainer.py",
+        'if "replica" in mine:', "if False:",
+        "tests/test_resume.py::test_a_max_steps_stop_resumes_exactly[averaging]"),
+    Bug("clipping at half the configured limit", "worker/trainer.py",
+        "clip_grad_norm_(parameters, trainer.gradient_clip_norm)",
+        "clip_grad_norm_(parameters, trainer.gradient_clip_norm / 2)",
+        "tests/test_equivalences.py::test_clipping_changes_an_update_exactly_when_the_norm_exceeds_the_limit"),
+    Bug("keepLast never prunes", "worker/checkpoint.py",
+        "for old in list_checkpoints(directory)[:-keep_last]:", "for old in []:",
+        "tests/test_trainer.py::test_keep_last_prunes_the_trainers_older_checkpoints"),
+]
+
+
+def scratch_copy() -> Path:
+    """The committed tree plus the working tree's changes, without .venv or caches."""
+    target = Path(tempfile.mkdtemp(prefix="tandem-mutant-"))
+    ignore = shutil.ignore_patterns(".venv", ".git", "__pycache__", "runs", "*.egg-info", ".pytest_cache")
+    shutil.copytree(ROOT, target, dirs_exist_ok=True, ignore=ignore)
+    return target
+
+
+def check(bug: Bug) -> str:
+    copy = scratch_copy()
+    try:
+        path = copy / bug.path
+        text = path.read_text()
+        if text.count(bug.old) != 1:
+            return "NOT APPLIED (the code moved)"
+        path.write_text(text.replace(bug.old, bug.new))
+        # The copy's tandem and tests come first on the path, ahead of the editable install of this checkout.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy), str(copy / "tests")])}
+        probe = subprocess.run([sys.executable, "-c", "import tandem.worker, sys; print(tandem.worker.__file__)"],
+                               env=env, cwd=copy, capture_output=True, text=True)
+        if not probe.stdout.startswith(str(copy)):
+            return f"NOT RUN (tandem.worker came from {probe.stdout.strip() or probe.stderr})"
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", bug.test],
+                                env=env, cwd=copy, capture_output=True, text=True)
+        if result.returncode == 0:
+            return "MISSED (the test passed)"
+        failure = next((line for line in result.stdout.splitlines() if line.startswith("E ")), "").strip()
+        return f"caught: {failure[:150]}"
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+def main(selector: str = "") -> int:
+    missed = 0
+    for bug in BUGS:
+        if selector in bug.name:
+            verdict = check(bug)
+            missed += not verdict.startswith("caught")
+            print(f"{bug.name}: {verdict}", flush=True)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:2]))

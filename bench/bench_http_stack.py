@@ -1,6 +1,6 @@
 """Which HTTP stack should carry the inference server? The same tiny Open-Inference-shaped handler (parse a
 JSON body with orjson, turn 64 numbers into a numpy array, answer 10 numbers) on aiohttp (asyncio loop),
-aiohttp on uvloop, starlette on uvicorn (httptools + uvloop), and tandem.worker.httpserver (an asyncio
+aiohttp on uvloop, starlette on uvicorn (httptools + uvloop), and tandem.worker.serve.http (an asyncio
 protocol over httptools, on uvloop: what the server uses), each in its own process, driven by the same load
 generator at concurrency 8 and 64. No model: this isolates the stack's own per-request cost. Prints each
 stack's requests/s and the server process's CPU time per request, and the ratios to aiohttp.
@@ -43,7 +43,7 @@ def serve(stack: str, port: int) -> None:
     if stack == "tandem httpserver":
         import uvloop
 
-        from tandem.worker.httpserver import HttpServer
+        from tandem.worker.serve.http import HttpServer
 
         def handle(request) -> None:
             if request.path == "/v2/health/ready":

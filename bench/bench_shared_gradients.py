@@ -26,8 +26,8 @@ from ranks import run_ranks
 from tandem.api import ParallelTrainingJobSpec
 from tandem.api.training import DL4J_THRESHOLD_DECAY
 from tandem.examples.digits import eval_data, mlp, train_data
-from tandem.worker import compression
-from tandem.worker.trainer import RankContext, train
+from tandem.worker.train import compression
+from tandem.worker.train.trainer import RankContext, train
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits-train-shared.yaml"
 TARGET_FRACTION = 0.01

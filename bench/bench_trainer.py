@@ -28,8 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tandem.api import ParallelTrainingJobSpec
 from tandem.examples.digits import mlp, train_data
-from tandem.worker.data import training_loader
-from tandem.worker.trainer import RankContext, train
+from tandem.worker.train.data import training_loader
+from tandem.worker.train.trainer import RankContext, train
 
 WARMUP_STEPS = 20
 

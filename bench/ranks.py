@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from tandem.worker.distributed import (
+from tandem.worker.train.process_group import (
     WorkerEnv,
     free_port,
     init_process_group,

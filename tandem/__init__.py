@@ -18,8 +18,8 @@ if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "operator").is_dir(
     __path__.append(str(_CHECKOUT))
 
 _LAZY_EXPORTS = {
-    "ParallelWrapper": "tandem.worker.wrapper",
-    "ParallelInference": "tandem.worker.inference",
+    "ParallelWrapper": "tandem.worker.train.wrapper",
+    "ParallelInference": "tandem.worker.serve.inference",
 }
 
 

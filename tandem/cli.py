@@ -36,16 +36,16 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tandem.worker.launch import run
+    from tandem.backends.local import run
 
     return run(args.file, workers=args.workers, status_out=args.status_out)
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from tandem.worker.signals import block_stop_signals
+    from tandem.worker.train.signals import block_stop_signals
 
     block_stop_signals()  # before torch starts any thread
-    from tandem.worker.entrypoint import cli
+    from tandem.worker.train.entrypoint import cli
 
     return cli()
 
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--checkpoint", metavar="PATH", help="serve this trainer checkpoint instead of spec.model")
     serve.add_argument("--grace-period", type=float, default=25.0, metavar="SECONDS",
                        help="on SIGTERM: how long queued and running requests may take to finish (default 25)")
-    serve.set_defaults(handler=lambda args: import_module("tandem.worker.server").serve_cli(args))
+    serve.set_defaults(handler=lambda args: import_module("tandem.worker.serve.app").serve_cli(args))
 
     operator = commands.add_parser("operator", help="run the Kubernetes operator")
     operator.set_defaults(handler=_not_available("operator", "the operator is a later issue"))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.worker.distributed import shutdown_process_group
+from tandem.worker.train.process_group import shutdown_process_group
 
 LOOPBACK = "127.0.0.1"
 _POLL_SECONDS = 0.2

@@ -15,7 +15,7 @@ from inference_models import GATES, seeded_mlp
 
 from tandem.api.inference import InferencePool
 from tandem.worker import checkpoint
-from tandem.worker.server import InferenceServer
+from tandem.worker.serve.app import InferenceServer
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Decisions the ranks take together while training (worker/agreement.py), on 2 real gloo ranks."""
+"""Decisions the ranks take together while training (worker/train/rank_agreement.py), on 2 real gloo ranks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from distributed import run_on_ranks
 
 from tandem.api import ParallelTrainingJobSpec
-from tandem.worker.agreement import Agreement
+from tandem.worker.train.rank_agreement import Agreement
 
 STEP_SECONDS = 0.002
 
@@ -58,12 +58,12 @@ def test_the_time_rule_for_checkpoints_is_decided_once_for_every_rank():
 
 
 def _train_with_checkpoints_by_time(rank: int) -> list[int]:
-    import tandem.worker.agreement
+    import tandem.worker.train.rank_agreement
     from tandem.examples.digits import mlp, train_data
     from tandem.worker import checkpoint
-    from tandem.worker.trainer import RankContext, train
+    from tandem.worker.train.trainer import RankContext, train
 
-    tandem.worker.agreement.TARGET_SECONDS = 0.01
+    tandem.worker.train.rank_agreement.TARGET_SECONDS = 0.01
     directory = Path(os.environ["CHECKPOINTS"])
     spec = ParallelTrainingJobSpec.model_validate({
         "workers": 2,
@@ -87,7 +87,7 @@ def test_checkpoint_every_minutes_writes_checkpoints_during_training(tmp_path, m
 def test_cuda_ranks_get_a_cpu_backend_for_the_agreement_and_the_totals():
     """The exchanges above use CPU tensors; under NCCL alone a GPU job would fail at its first one. (NCCL is not
     built into this machine's torch, so a GPU group cannot be started here: this checks the backend string.)"""
-    from tandem.worker.distributed import backend_for
+    from tandem.worker.train.process_group import backend_for
 
     assert backend_for(torch.device("cpu")) == "gloo"
     assert set(backend_for(torch.device("cuda", 0)).split(",")) == {"cpu:gloo", "cuda:nccl"}

@@ -10,8 +10,8 @@ import torch
 
 from tandem.examples.digits import mlp
 from tandem.worker import checkpoint
-from tandem.worker.distributed import ContractError, WorkerEnv, select_device
-from tandem.worker.references import BadReference, build_model, load_dataset
+from tandem.worker.train.process_group import ContractError, WorkerEnv, select_device
+from tandem.worker.user_code import BadReference, build_model, load_dataset
 
 
 def _save(directory: Path, step: int, model: torch.nn.Module | None = None, keep_last: int = 3) -> Path:

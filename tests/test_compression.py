@@ -1,4 +1,5 @@
-"""sharedGradients (tandem.worker.compression): the encode/decode pieces alone, then the hook on 2 real gloo ranks."""
+"""sharedGradients (tandem.worker.train.compression): the encode/decode pieces alone, then the hook on 2 real gloo
+ranks."""
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as objects.
 import io
@@ -14,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from tandem.examples.digits import eval_data, mlp, train_data
-from tandem.worker.compression import (
+from tandem.worker.train.compression import (
     ThresholdCompression,
     adapt_threshold,
     clip_residual_,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from tandem.worker.data import accumulation_groups, epoch_batches, evaluation_shard, training_loader
+from tandem.worker.train.data import accumulation_groups, epoch_batches, evaluation_shard, training_loader
 
 
 def _dataset(n: int = 100) -> TensorDataset:

@@ -36,8 +36,8 @@ def _first_step_under_clipping(rank: int, factors: list[float | None]) -> tuple[
     each clip limit (that norm times a factor; None: no clipping). Returns the norm, the initial weights and the
     weights after each step."""
     from tandem.examples.digits import mlp, train_data
-    from tandem.worker.data import epoch_batches, training_loader
-    from tandem.worker.trainer import RankContext, train
+    from tandem.worker.train.data import epoch_batches, training_loader
+    from tandem.worker.train.trainer import RankContext, train
 
     def initial_model() -> torch.nn.Module:
         torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The NaN/Inf guard (worker/guard.py): the verdict on the device, the fused optimizer skipping on it, and the
+"""The NaN/Inf guard (worker/train/nonfinite.py): the verdict on the device, the fused optimizer skipping on it, and the
 step record read in order."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from distributed import run_on_ranks
 
 from tandem.api import ParallelTrainingJobSpec
 from tandem.api.training import Optimizer
-from tandem.worker.guard import CAPACITY, NonFiniteGuard, StepRecord, TrainingError
-from tandem.worker.optim import build_optimizer
-from tandem.worker.trainer import Position
+from tandem.worker.train.nonfinite import CAPACITY, NonFiniteGuard, StepRecord, TrainingError
+from tandem.worker.train.optim import build_optimizer
+from tandem.worker.train.trainer import Position
 
 
 def model_with_gradients(*gradients: float) -> torch.nn.Linear:
@@ -115,7 +115,7 @@ class _Published:
 
 def _train_publishing(rank: int) -> list[tuple[int, float | None, int | None]]:
     from tandem.examples.digits import mlp, train_data
-    from tandem.worker.trainer import RankContext, train
+    from tandem.worker.train.trainer import RankContext, train
 
     directory = Path(os.environ["CHECKPOINTS"])
     spec = ParallelTrainingJobSpec.model_validate({

@@ -14,7 +14,7 @@ import pytest
 from inference_models import GATES
 from serving import WAIT_S, Servers, gated_pool, inputs, json_body, wait_until
 
-from tandem.worker.httpserver import HttpServer, Request
+from tandem.worker.serve.http import HttpServer, Request
 
 LIMIT = 1000
 

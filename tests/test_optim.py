@@ -1,4 +1,4 @@
-"""The learning-rate schedule (worker/optim.py): a function of the step, applied to the optimizer."""
+"""The learning-rate schedule (worker/train/optim.py): a function of the step, applied to the optimizer."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.api.training import TrainerSpec
-from tandem.worker.optim import LearningRateSchedule, build_optimizer
+from tandem.worker.train.optim import LearningRateSchedule, build_optimizer
 
 
 def schedule_for(total_steps: int, **trainer) -> LearningRateSchedule:

@@ -7,7 +7,7 @@ import orjson
 import pytest
 import torch
 
-from tandem.worker.protocol import (
+from tandem.worker.serve.protocol import (
     DATATYPES,
     InferRequest,
     ProtocolError,

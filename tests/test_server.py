@@ -37,8 +37,8 @@ from serving import (
 from tritonclient.utils import InferenceServerException
 
 from tandem.cli import main as cli_main
-from tandem.worker.model_source import ModelLoadError
-from tandem.worker.server import InferenceServer
+from tandem.worker.serve.app import InferenceServer
+from tandem.worker.serve.model_loading import ModelLoadError
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent

@@ -107,7 +107,7 @@ def test_each_mode_trains_digits_to_near_its_measured_accuracy_with_its_example(
 
 def _train_recording_synchronised_replicas(rank: int, mode: str, average_optimizer_state: bool):
     from tandem.examples.digits import eval_data, mlp, train_data
-    from tandem.worker.trainer import RankContext, train
+    from tandem.worker.train.trainer import RankContext, train
 
     spec = ParallelTrainingJobSpec.model_validate({
         "workers": 2, "trainingMode": mode,
@@ -308,7 +308,7 @@ def test_custom_mode_runs_the_users_command_with_the_contract_env(tmp_path):
 
 def _train_with_every_knob(rank: int, precision: str) -> float:
     from tandem.examples.digits import eval_data, mlp, train_data
-    from tandem.worker.trainer import RankContext, train
+    from tandem.worker.train.trainer import RankContext, train
 
     spec = ParallelTrainingJobSpec.model_validate({
         "workers": 2,

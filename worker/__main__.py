@@ -1,12 +1,12 @@
-"""`python -m tandem.worker train`: the worker entry point (see tandem.worker.entrypoint)."""
+"""`python -m tandem.worker train`: the worker entry point (see tandem.worker.train.entrypoint)."""
 
 import sys
 
-from tandem.worker.signals import block_stop_signals
+from tandem.worker.train.signals import block_stop_signals
 
 block_stop_signals()  # before torch starts any thread
 
-from tandem.worker.entrypoint import cli  # noqa: E402
+from tandem.worker.train.entrypoint import cli  # noqa: E402
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["train"]:

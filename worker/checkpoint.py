@@ -142,7 +142,7 @@ def restore_model(model: torch.nn.Module, state_dict: Mapping[str, Any], source:
 
 def load_for_inference(path: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The checkpoint's model, rebuilt from its manifest's reference, weights loaded, in eval mode."""
-    from tandem.worker.references import build_model
+    from tandem.worker.user_code import build_model
 
     state = load(path)
     manifest = state["manifest"]

@@ -15,8 +15,8 @@ import torch
 
 from tandem.api.inference import ModelSource
 from tandem.worker import checkpoint as checkpoints
-from tandem.worker.protocol import DATATYPES, TORCH_DATATYPE, Signature, TensorSpec
-from tandem.worker.references import build_model
+from tandem.worker.serve.protocol import DATATYPES, TORCH_DATATYPE, Signature, TensorSpec
+from tandem.worker.user_code import build_model
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "output"

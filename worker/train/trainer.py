@@ -28,13 +28,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from tandem.api import ParallelTrainingJobSpec, ParallelTrainingJobStatus
 from tandem.worker import checkpoint
-from tandem.worker.agreement import Agreement, Outcome
-from tandem.worker.averaging import average_replicas
-from tandem.worker.data import accumulation_groups, epoch_batches, evaluation_shard, to_device, training_loader
-from tandem.worker.guard import NonFiniteGuard, StepRecord
-from tandem.worker.optim import LearningRateSchedule, build_optimizer
-from tandem.worker.reporting import Reporter, Sink
-from tandem.worker.signals import STOP_SIGNALS, block_stop_signals
+from tandem.worker.train.averaging import average_replicas
+from tandem.worker.train.data import accumulation_groups, epoch_batches, evaluation_shard, to_device, training_loader
+from tandem.worker.train.nonfinite import NonFiniteGuard, StepRecord
+from tandem.worker.train.optim import LearningRateSchedule, build_optimizer
+from tandem.worker.train.rank_agreement import Agreement, Outcome
+from tandem.worker.train.reporting import Reporter, Sink
+from tandem.worker.train.signals import STOP_SIGNALS, block_stop_signals
 
 NOTHING_AGREED = Outcome()
 
@@ -190,7 +190,7 @@ def train(
                 position.batches_done += len(micro_batches)
                 step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
-                # A step whose loss or gradients are not all finite is skipped on the device (worker/guard.py).
+                # A step whose loss or gradients are not all finite is skipped on the device (train/nonfinite.py).
                 # After the gradient exchange every rank holds the same gradients, so all skip together.
                 scaler.unscale_(optimizer)
                 schedule.apply(position.step)
@@ -269,7 +269,7 @@ def _wrap(model: torch.nn.Module, spec: ParallelTrainingJobSpec, context: RankCo
     ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
     if spec.training_mode != "sharedGradients":
         return ddp, None
-    from tandem.worker.compression import ThresholdCompression, threshold_hook
+    from tandem.worker.train.compression import ThresholdCompression, threshold_hook
 
     shared = spec.shared_gradients
     state = ThresholdCompression(

@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import NoReturn
 
 from tandem.api import ParallelTrainingJob
-from tandem.worker.distributed import (
+from tandem.worker.train.process_group import (
     WorkerEnv,
     init_process_group,
     select_device,
     share_cpu_threads,
     shutdown_process_group,
 )
-from tandem.worker.references import build_model, load_dataset
-from tandem.worker.reporting import ConsoleSink, StatusFileSink, read_status_file
-from tandem.worker.trainer import RankContext, seed_everything, train, watch_stop_signals
+from tandem.worker.train.reporting import ConsoleSink, StatusFileSink, read_status_file
+from tandem.worker.train.trainer import RankContext, seed_everything, train, watch_stop_signals
+from tandem.worker.user_code import build_model, load_dataset
 
 
 def load_job(env: WorkerEnv) -> ParallelTrainingJob:

@@ -20,7 +20,7 @@ Errors are {"error": "..."} naming the problem: 400 bad request, 404 unknown mod
 too large, 429 queue full (with Retry-After), 503 loading or shutting down, 504 timed out, 500 the model's
 forward failed (only the request that breaks it fails: a failing batch is retried request by request).
 
-HTTP is tandem.worker.httpserver (an asyncio protocol over httptools, on uvloop); the event loop only parses,
+HTTP is tandem.worker.serve.http (an asyncio protocol over httptools, on uvloop); the event loop only parses,
 validates and encodes, with numpy and orjson, and never calls torch. Forwards run on ParallelInference's worker
 threads, whose results come back to the loop in bursts (one wake-up for a whole batch); request timeouts are
 one sweep every 20 ms, not a timer each. Readiness turns on after the model is loaded and warmed up at every
@@ -50,18 +50,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import tandem
 from tandem.api.inference import InferencePool
-from tandem.worker import model_source
-from tandem.worker.httpserver import HttpServer, Request
-from tandem.worker.inference import (
+from tandem.worker.serve import model_loading as model_source
+from tandem.worker.serve.http import HttpServer, Request
+from tandem.worker.serve.inference import (
     InferenceTimeout,
     ParallelInference,
     QueueFullError,
     ShutDownError,
     warmup_sizes,
 )
-from tandem.worker.metrics import OUTCOMES, registry_for
-from tandem.worker.model_source import LoadedModel, ModelLoadError
-from tandem.worker.protocol import HEADER_LENGTH, ProtocolError, decode_request, dumps, encode_response
+from tandem.worker.serve.metrics import OUTCOMES, registry_for
+from tandem.worker.serve.model_loading import LoadedModel, ModelLoadError
+from tandem.worker.serve.protocol import HEADER_LENGTH, ProtocolError, decode_request, dumps, encode_response
 
 log = logging.getLogger("tandem.serve")
 

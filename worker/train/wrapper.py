@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from torch.utils.data import Dataset
 
 from tandem.api import ParallelTrainingJobSpec, ParallelTrainingJobStatus
-from tandem.worker.distributed import (
+from tandem.worker.train.process_group import (
     WorkerEnv,
     free_port,
     init_process_group,
@@ -33,8 +33,8 @@ from tandem.worker.distributed import (
     share_cpu_threads,
     shutdown_process_group,
 )
-from tandem.worker.reporting import ConsoleSink
-from tandem.worker.trainer import RankContext, train
+from tandem.worker.train.reporting import ConsoleSink
+from tandem.worker.train.trainer import RankContext, train
 
 
 def _reference(obj: Any) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from tandem.worker.inference import LATENCY_BUCKETS
+from tandem.worker.serve.inference import LATENCY_BUCKETS
 
 OUTCOMES = ("success", "rejected", "failed", "invalid")
 

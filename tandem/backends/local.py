@@ -23,9 +23,9 @@ import torch
 from tandem.api import ParallelTrainingJob, ParallelTrainingJobStatus
 from tandem.manifest import ManifestError, load_one
 from tandem.worker import checkpoint
-from tandem.worker.distributed import free_port
-from tandem.worker.references import BadReference, build_model, import_reference
-from tandem.worker.reporting import ConsoleSink, now, read_status_file
+from tandem.worker.train.process_group import free_port
+from tandem.worker.train.reporting import ConsoleSink, now, read_status_file
+from tandem.worker.user_code import BadReference, build_model, import_reference
 
 POLL_SECONDS = 0.2
 INTERRUPTED_EXIT_CODE = 130  # stopped by Ctrl-C / SIGTERM after a final checkpoint, as shells report SIGINT

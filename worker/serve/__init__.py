@@ -1,0 +1,1 @@
+"""The serving half of the worker: the inference server an InferencePool runs (`tandem serve`)."""

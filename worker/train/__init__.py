@@ -1,0 +1,1 @@
+"""The training half of the worker: one rank of a ParallelTrainingJob (`tandem worker train`)."""

@@ -1,5 +1,5 @@
-"""Helpers for the inference server tests: pools, checkpoints, reference outputs, raw HTTP, and the `served`
-fixture (import it into a test module to use it)."""
+"""Helpers for the inference server tests: pools, checkpoints, reference outputs, raw HTTP, and the servers behind
+the `served` fixture (tests/conftest.py)."""
 
 from __future__ import annotations
 

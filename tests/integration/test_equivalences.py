@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from distributed import run_on_ranks
-from test_trainer import final_weights, manifest, tandem_run
+from jobs import final_weights, manifest, tandem_run
 
 from tandem.api import ParallelTrainingJobSpec
 

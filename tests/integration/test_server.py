@@ -21,8 +21,9 @@ import torch
 import tritonclient.http as triton
 from inference_models import GATES, POISON, Forward, Gate
 from serving import (
+    ROOT,
+    TESTS,
     WAIT_S,
-    Servers,
     gated_pool,
     infer,
     infer_in_thread,
@@ -39,15 +40,6 @@ from tritonclient.utils import InferenceServerException
 from tandem.cli import main as cli_main
 from tandem.worker.serve.app import InferenceServer
 from tandem.worker.serve.model_loading import ModelLoadError
-
-ROOT = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
-
-
-@pytest.fixture
-def served():
-    with Servers() as servers:
-        yield servers
 
 
 def test_tritonclient_health_metadata_config_and_infer_with_json_and_binary_tensors(served):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from copy import deepcopy
-from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
+from jobs import ROOT
 from openapi_schema_validator import OAS30Validator
 
 from tandem.api import InferencePool, ParallelTrainingJob
@@ -17,7 +17,6 @@ from tandem.cli import main
 from tandem.crd import RESOURCES, crd, crd_files
 from tandem.manifest import ManifestError, load_file, parse
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer import final_status, final_weights, manifest, run_until_signal, tandem_run
+from jobs import final_status, final_weights, manifest, run_until_signal, tandem_run
 
 from tandem.worker import checkpoint
 

@@ -1,0 +1,139 @@
+"""The worker contract: everything a worker process learns from its environment, whoever started it.
+
+A rank of a ParallelTrainingJob is configured by environment variables alone, so it runs the same way in a pod
+the operator creates, under `tandem run` (one process per rank on this machine), inside `ParallelWrapper`,
+and by hand. The names are torchrun's where torchrun has one:
+
+    RANK, WORLD_SIZE            this rank's number (0 is the master) and the group's size
+    LOCAL_RANK                  the rank's number on its machine: the GPU it takes (default RANK)
+    LOCAL_WORLD_SIZE            ranks on its machine: they split its CPU cores (default WORLD_SIZE)
+    MASTER_ADDR, MASTER_PORT    where rank 0 hosts the group's rendezvous (default 127.0.0.1:29500). On a cluster,
+                                rank 0's own DNS name, <pod hostname>.<headless service>: a Service name that
+                                selects every rank would round-robin
+    TANDEM_JOB                  the ParallelTrainingJob's name (default "tandem")
+    TANDEM_NAMESPACE            its namespace, on a cluster
+    TANDEM_SPEC                 path of the job as JSON (the whole resource, or its spec): required
+    TANDEM_CHECKPOINT_DIR       where rank 0 writes checkpoints (default: spec.checkpoint.directory)
+    TANDEM_RESUME_FROM          the latest complete checkpoint to resume from; empty or unset: start afresh
+    TANDEM_STATUS_FILE          `tandem run` only: where rank 0 publishes its status for the launcher to show
+
+Ranks other than 0 wait for the master's TCP port (not just its name) with a bounded timeout before joining;
+gloo on CPU, NCCL for CUDA tensors when CUDA devices are present, and `trainer.requireGPU: true` makes a CPU
+fallback an error before training, never a silent slowdown.
+
+The inference server takes TANDEM_SPEC too: `tandem serve` with no FILE serves the InferencePool at that path.
+
+This module imports neither torch nor tandem.worker: the operator builds pods from it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_RANK = "LOCAL_RANK"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+JOB = "TANDEM_JOB"
+NAMESPACE = "TANDEM_NAMESPACE"
+SPEC = "TANDEM_SPEC"
+CHECKPOINT_DIR = "TANDEM_CHECKPOINT_DIR"
+RESUME_FROM = "TANDEM_RESUME_FROM"
+STATUS_FILE = "TANDEM_STATUS_FILE"
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500  # torchrun's
+DEFAULT_JOB = "tandem"
+
+
+class ContractError(RuntimeError):
+    """The worker's environment does not satisfy the contract, or the group it describes cannot form."""
+
+
+@dataclass(frozen=True)
+class WorkerContract:
+    """One rank's view of the contract. `spec_path` is None only for ranks handed their spec in process
+    (ParallelWrapper, benchmarks); `from_environ` requires it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
+    job: str = DEFAULT_JOB
+    namespace: str | None = None
+    spec_path: Path | None = None
+    checkpoint_dir: Path | None = None
+    resume_from: Path | None = None
+    status_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ContractError(f"{RANK}={self.rank} must be in 0..{WORLD_SIZE}-1 ({WORLD_SIZE}={self.world_size})")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ContractError(f"{LOCAL_RANK}={self.local_rank} must be in 0..{LOCAL_WORLD_SIZE}-1 "
+                                f"({LOCAL_WORLD_SIZE}={self.local_world_size})")
+
+    @classmethod
+    def local(cls, rank: int, world_size: int, **fields) -> WorkerContract:
+        """A rank of a group on this one machine (every rank local to it)."""
+        return cls(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size, **fields)
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerContract:
+        env = os.environ if environ is None else environ
+
+        def required(name: str) -> str:
+            if not env.get(name):
+                raise ContractError(f"environment variable {name} is not set (the worker contract: tandem/contract.py)")
+            return env[name]
+
+        def integer(name: str, default: int | None = None) -> int:
+            text = env.get(name) or (str(default) if default is not None else required(name))
+            try:
+                return int(text)
+            except ValueError:
+                raise ContractError(f"environment variable {name}={text!r} is not an integer") from None
+
+        def path(name: str) -> Path | None:
+            return Path(env[name]) if env.get(name) else None
+
+        rank, world_size = integer(RANK), integer(WORLD_SIZE)
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            local_rank=integer(LOCAL_RANK, rank),
+            local_world_size=integer(LOCAL_WORLD_SIZE, world_size),
+            master_addr=env.get(MASTER_ADDR) or DEFAULT_MASTER_ADDR,
+            master_port=integer(MASTER_PORT, DEFAULT_MASTER_PORT),
+            job=env.get(JOB) or DEFAULT_JOB,
+            namespace=env.get(NAMESPACE) or None,
+            spec_path=Path(required(SPEC)),
+            checkpoint_dir=path(CHECKPOINT_DIR),
+            resume_from=path(RESUME_FROM),
+            status_file=path(STATUS_FILE),
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables that carry this contract (unset optional ones left out; TANDEM_RESUME_FROM is always
+        there, empty for a fresh start, so a pod's environment shows which it is)."""
+        environ = {
+            RANK: str(self.rank), WORLD_SIZE: str(self.world_size),
+            LOCAL_RANK: str(self.local_rank), LOCAL_WORLD_SIZE: str(self.local_world_size),
+            MASTER_ADDR: self.master_addr, MASTER_PORT: str(self.master_port),
+            JOB: self.job, RESUME_FROM: str(self.resume_from or ""),
+        }
+        optional = {NAMESPACE: self.namespace, SPEC: self.spec_path, CHECKPOINT_DIR: self.checkpoint_dir,
+                    STATUS_FILE: self.status_file}
+        environ.update({name: str(value) for name, value in optional.items() if value is not None})
+        return environ

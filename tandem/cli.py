@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from importlib import import_module
 from pathlib import Path
 
+from tandem import contract
 from tandem.manifest import ManifestError, load_file
 
 
@@ -50,6 +51,36 @@ def _worker(args: argparse.Namespace) -> int:
     return cli()
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """`tandem serve [FILE] [--port P] [--host H] [--checkpoint PATH] [--grace-period S]`: FILE, or else the
+    InferencePool at $TANDEM_SPEC (the worker contract: what an InferencePool's pods run)."""
+    import asyncio
+    import logging
+
+    from tandem.api.inference import InferencePool
+    from tandem.manifest import load_one
+
+    path = args.file or os.environ.get(contract.SPEC)
+    if not path:
+        print(f"tandem serve: no InferencePool to serve: give its manifest FILE, or set {contract.SPEC} to its path "
+              "(the worker contract, tandem/contract.py)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="tandem serve: %(message)s", stream=sys.stderr)
+    from tandem.worker.serve.app import InferenceServer  # imports torch
+    from tandem.worker.serve.http import new_event_loop
+    from tandem.worker.serve.model_loading import ModelLoadError
+
+    try:
+        pool = load_one(path, InferencePool)
+        server = InferenceServer(pool, args.checkpoint, grace_seconds=args.grace_period)
+    except (ManifestError, ModelLoadError) as error:
+        print(error, file=sys.stderr)
+        return 1
+    port = pool.spec.port if args.port is None else args.port
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(server.run(args.host, port))
+
+
 def _not_available(feature: str, issue: str):
     def run(args: argparse.Namespace) -> int:
         print(f"tandem {feature}: not available yet ({issue})", file=sys.stderr)
@@ -84,13 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(handler=_worker)
 
     serve = commands.add_parser("serve", help="serve an InferencePool's model on this machine")
-    serve.add_argument("file", metavar="FILE")
+    serve.add_argument("file", metavar="FILE", nargs="?",
+                       help=f"the InferencePool's manifest (default: the file at ${contract.SPEC})")
     serve.add_argument("--port", type=int, help="HTTP port (default: the manifest's spec.port)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--checkpoint", metavar="PATH", help="serve this trainer checkpoint instead of spec.model")
     serve.add_argument("--grace-period", type=float, default=25.0, metavar="SECONDS",
                        help="on SIGTERM: how long queued and running requests may take to finish (default 25)")
-    serve.set_defaults(handler=lambda args: import_module("tandem.worker.serve.app").serve_cli(args))
+    serve.set_defaults(handler=_serve)
 
     operator = commands.add_parser("operator", help="run the Kubernetes operator")
     operator.set_defaults(handler=_not_available("operator", "the operator is a later issue"))

@@ -204,7 +204,7 @@ def test_a_client_that_goes_away_withdraws_its_queued_request():
     name = "goes-away"
     with Servers() as servers:
         server = servers(gated_pool(name, workersPerReplica=1))
-        gate, inference = GATES[name], server.server.inference
+        gate, inference = GATES[name], server.server.model.inference
         gate.close()
         body = json_body(inputs(1))
         request = b"POST /v2/models/%s/infer HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (name.encode(), len(body))
@@ -220,7 +220,7 @@ def test_a_client_that_goes_away_withdraws_its_queued_request():
         status, _, _ = read_response(running, bytearray())
         assert status == 200
         running.close()
-        wait_until(lambda: server.server.in_flight == 0, what="nothing in flight")
+        wait_until(lambda: server.server.pending.count == 0, what="nothing in flight")
         again = connect(server.port)  # and the server still answers
         again.sendall(request + body)
         assert read_response(again, bytearray())[0] == 200

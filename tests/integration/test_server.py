@@ -128,7 +128,7 @@ def test_json_and_binary_requests_queued_together_share_one_forward_and_each_get
     server = served(make_pool(name, model={"callable": "inference_models:recorder", "args": {"name": name},
                                            "inputShape": [4]}, workersPerReplica=1))
     gate = GATES[name]
-    inference = server.server.inference
+    inference = server.server.model.inference
     sizes = {1: 1, 2: 1, 3: 2, 4: 1, 5: 3, 6: 1}  # request id: examples
     pool = ThreadPoolExecutor(len(sizes))
     gate.close()
@@ -170,7 +170,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_every_accepted_request_su
     name = "queue-full"
     server = served(gated_pool(name, workersPerReplica=1, batchLimit=1, queueLimit=4))
     gate = GATES[name]
-    inference = server.server.inference
+    inference = server.server.model.inference
     x = inputs(5)
     pool = ThreadPoolExecutor(5)
     gate.close()
@@ -231,7 +231,7 @@ def test_hot_swap_under_concurrent_load_fails_nothing_and_later_outputs_come_fro
     threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(len(x))]
     for thread in threads:
         thread.start()
-    inference = server.server.inference
+    inference = server.server.model.inference
     wait_until(lambda: inference.stats.snapshot()["success_count"] >= 30, what="load before the swap")
     admin = triton.InferenceServerClient(server.url)
     admin.load_model("digits", config=json.dumps({"checkpoint": str(second)}))  # tritonclient's own call
@@ -368,7 +368,7 @@ def test_an_exception_in_a_forward_fails_only_that_request(served):
     name = "poison"
     server = served(gated_pool(name, workersPerReplica=1))
     gate = GATES[name]
-    inference = server.server.inference
+    inference = server.server.model.inference
     x = inputs(4)
     x[2, 5] = POISON
     pool = ThreadPoolExecutor(4)
@@ -400,7 +400,7 @@ def test_a_request_timeout_answers_504_and_the_request_leaves_the_queue(served):
     with pytest.raises(InferenceServerException) as timed_out:
         infer(triton.InferenceServerClient(server.url), inputs(1), model=name, timeout=20_000)  # microseconds
     assert timed_out.value.status() == "504" and "timeout of 20 ms" in timed_out.value.message()
-    assert server.server.inference.queued == 0
+    assert server.server.model.inference.queued == 0
     gate.open.set()
     running.result(WAIT_S)
     pool.shutdown()
@@ -413,7 +413,7 @@ def test_the_pools_request_timeout_alone_answers_504_to_running_and_queued_reque
     name = "pool-timeout"
     server = served(gated_pool(name, workersPerReplica=1, batchLimit=1, requestTimeoutMs=200))
     gate = GATES[name]
-    inference = server.server.inference
+    inference = server.server.model.inference
     pool = ThreadPoolExecutor(2)
 
     def timed(x: np.ndarray) -> tuple[int, str, float]:
@@ -431,7 +431,7 @@ def test_the_pools_request_timeout_alone_answers_504_to_running_and_queued_reque
         assert (status, error) == (504, "no output within the pool's requestTimeoutMs of 200 ms")
         assert elapsed >= 0.2
     assert not gate.open.is_set() and gate.entered == 1  # answered while the first forward is still held
-    assert inference.queued == 0 and server.server.in_flight == 0
+    assert inference.queued == 0 and server.server.pending.count == 0
     gate.open.set()
     pool.shutdown()
     metrics = request(server.port, "GET", "/metrics")[2].decode()
@@ -491,7 +491,7 @@ def test_following_a_training_jobs_checkpoints_hot_swaps_each_new_one(served, tm
     x = inputs(2)
     np.testing.assert_allclose(infer(client, x), reference(x, seed=1), rtol=1e-5, atol=1e-6)
     newest = write_checkpoint(directory, seed=2, step=20)
-    wait_until(lambda: server.server.loaded.checkpoint == str(newest), what="the new checkpoint served")
+    wait_until(lambda: server.server.model.loaded.checkpoint == str(newest), what="the new checkpoint served")
     np.testing.assert_allclose(infer(client, x), reference(x, seed=2), rtol=1e-5, atol=1e-6)
     assert client.get_model_repository_index()[0]["reason"] == str(newest)
 
@@ -502,6 +502,17 @@ def test_a_pool_that_cannot_be_served_is_refused_with_the_reason(tmp_path, capsy
     manifest = tmp_path / "pool.yaml"
     manifest.write_text(json.dumps(make_pool(model={"callable": "inference_models:seeded_mlp"}).to_dict()))
     assert cli_main(["serve", str(manifest), "--port", "0"]) == 1
+    assert "model.inputShape is required with model.callable" in capsys.readouterr().err
+
+
+def test_tandem_serve_without_a_file_serves_the_pool_at_tandem_spec(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TANDEM_SPEC", raising=False)
+    assert cli_main(["serve", "--port", "0"]) == 2
+    assert "set TANDEM_SPEC" in capsys.readouterr().err
+    spec = tmp_path / "pool.json"  # the whole resource as JSON, as the worker contract has it
+    spec.write_text(json.dumps(make_pool(model={"callable": "inference_models:seeded_mlp"}).to_dict()))
+    monkeypatch.setenv("TANDEM_SPEC", str(spec))
+    assert cli_main(["serve", "--port", "0"]) == 1  # read from TANDEM_SPEC, and refused with the pool's problem
     assert "model.inputShape is required with model.callable" in capsys.readouterr().err
 
 

@@ -12,7 +12,8 @@ import torch
 from inference_models import GATES, POISON, Forward, gated_mlp, recorder, seeded_mlp
 
 from tandem import ParallelInference
-from tandem.worker.serve.inference import InferenceTimeout, ModelError, QueueFullError, ShutDownError, warmup_sizes
+from tandem.worker.serve.inference import InferenceTimeout, ModelError, QueueFullError, ShutDownError
+from tandem.worker.serve.replicas import warmup_sizes
 
 torch.set_num_threads(1)
 MODES = ("batched", "sequential", "inplace")

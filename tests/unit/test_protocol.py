@@ -1,12 +1,16 @@
-"""The Open Inference Protocol codec on its own: every datatype through JSON and binary tensors, both ways."""
+"""The Open Inference Protocol codec on its own: every datatype through JSON and binary tensors, both ways; and
+Triton's shapes (model configuration, load requests)."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import orjson
 import pytest
 import torch
 
+from tandem.worker.serve import triton
 from tandem.worker.serve.protocol import (
     DATATYPES,
     InferRequest,
@@ -81,7 +85,27 @@ def test_a_body_after_the_json_without_binary_inputs_is_refused():
 def test_metadata_and_config_shapes():
     sig = signature("FP32", (8, 8))
     assert sig.metadata("m", ["1"])["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 8, 8]}]
-    config = sig.config("m", instances=2, kind="KIND_CPU", max_queue_delay_us=500, preferred=[4], queue_limit=64,
-                        timeout_us=1000)
+    config = triton.model_config(sig, "m", instances=2, kind="KIND_CPU", max_queue_delay_us=500, preferred=[4],
+                                 queue_limit=64, timeout_us=1000)
     assert config["max_batch_size"] == 4 and config["input"][0]["dims"] == [8, 8]
     assert config["dynamic_batching"]["default_queue_policy"]["max_queue_size"] == 64
+
+
+@pytest.mark.parametrize(("body", "checkpoint"), [
+    (b"", None),
+    (b'{"parameters": {"checkpoint": "/c/step-1.pt"}}', "/c/step-1.pt"),
+    (b'{"parameters": {"config": "{\\"checkpoint\\": \\"/c\\"}"}}', "/c"),  # tritonclient's load_model(config=...)
+])
+def test_a_load_request_names_a_checkpoint_or_reloads(body, checkpoint):
+    assert triton.load_request_checkpoint(body) == checkpoint
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    (b"{nope", "malformed JSON in the load request"),
+    (b'{"parameters": {"files": {}}}', "unknown load parameter(s) files"),
+    (b'{"parameters": {"config": "[]"}}', "parameters.config must be a JSON object"),
+    (b'{"parameters": {"checkpoint": 3}}', "parameters.checkpoint must be a path"),
+])
+def test_a_bad_load_request_says_what_is_wrong(body, words):
+    with pytest.raises(ProtocolError, match=re.escape(words)):
+        triton.load_request_checkpoint(body)

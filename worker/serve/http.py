@@ -38,6 +38,16 @@ LINGER_BYTES = 64 << 20
 REASONS = {status.value: status.phrase for status in HTTPStatus}
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (a dependency on Linux and macOS; measured in
+    bench/RESULTS.md), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 def _status_line(status: int) -> bytes:
     return f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}\r\n".encode("latin-1")
 

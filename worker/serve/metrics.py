@@ -14,17 +14,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from tandem.worker.serve.inference import LATENCY_BUCKETS
+from tandem.worker.serve.stats import LATENCY_BUCKETS, batch_sizes
 
 OUTCOMES = ("success", "rejected", "failed", "invalid")
-
-
-def batch_buckets(batch_limit: int) -> list[int]:
-    buckets, size = [], 1
-    while size < batch_limit:
-        buckets.append(size)
-        size *= 2
-    return [*buckets, batch_limit]
 
 
 class ServerCollector:
@@ -60,7 +52,7 @@ class ServerCollector:
         yield _histogram("tandem_inference_compute_duration_seconds", "Time of the forward pass (with input "
                          "batching and output splitting) that answered each request", model, LATENCY_BUCKETS,
                          stats["compute_histogram"], compute_ns / 1e9)
-        bounds = batch_buckets(state["batch_limit"])
+        bounds = batch_sizes(state["batch_limit"])
         counts = [0] * (len(bounds) + 1)
         for size, (executions, *_) in stats["batches"].items():
             counts[next((i for i, bound in enumerate(bounds) if size <= bound), len(bounds))] += executions

@@ -1,6 +1,7 @@
-"""Where the served model comes from: a trainer checkpoint (read with weights_only), a `module:callable`, or
-the checkpoints of a ParallelTrainingJob; and what it takes and returns (its Signature), found by running it
-once on an example.
+"""Loading the model to serve: where it is (a ModelLocation: a trainer checkpoint read with weights_only, a
+checkpoint directory such as a ParallelTrainingJob's, or a `module:callable`), building it, and what it takes
+and returns (its Signature), found by running it once on an example. Synchronous and blocking: the server runs
+it on an executor thread (served_model.py).
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ from typing import Any
 
 import torch
 
+from tandem import contract
 from tandem.api.inference import ModelSource
 from tandem.worker import checkpoint as checkpoints
+from tandem.worker.serve.errors import ModelError
 from tandem.worker.serve.protocol import DATATYPES, TORCH_DATATYPE, Signature, TensorSpec
+from tandem.worker.serve.replicas import check_output
 from tandem.worker.user_code import build_model
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "output"
-CHECKPOINT_DIR_ENV = "TANDEM_CHECKPOINT_DIR"
 
 
 class ModelLoadError(ValueError):
@@ -28,9 +31,9 @@ class ModelLoadError(ValueError):
 
 
 @dataclass(frozen=True)
-class Origin:
-    """Where models are read from: a checkpoint file, a checkpoint directory (its latest checkpoint, followed
-    for new ones when `follow`), or a callable."""
+class ModelLocation:
+    """Where a server reads its models from (a pool's spec.model, resolved): a checkpoint file, a checkpoint
+    directory (its latest checkpoint, followed for new ones when `follow`), or a callable."""
 
     checkpoint: Path | None = None
     directory: Path | None = None
@@ -51,60 +54,74 @@ class LoadedModel:
     checkpoint: str | None
     loaded_at: datetime
 
+    @property
+    def loaded_from(self) -> str:
+        """Its checkpoint's path, else its source (`callable`, ...): for logs and the repository index."""
+        return self.checkpoint or self.source
 
-def resolve_origin(model: ModelSource, checkpoint: str | None = None) -> Origin:
-    """The origin of `model` (a pool's spec.model); `checkpoint` (tandem serve --checkpoint: a file, or a
-    directory whose latest checkpoint is served) overrides it."""
+
+def locate(model: ModelSource, checkpoint: str | None = None) -> ModelLocation:
+    """Where to read `model` (a pool's spec.model) from; `checkpoint` (tandem serve --checkpoint: a file, or a
+    directory whose latest checkpoint is served) overrides it. Raises ModelLoadError naming what is missing."""
     if checkpoint is not None:
         label = f"fromTrainingJob/{model.from_training_job.name}" if model.from_training_job else "checkpoint"
-        return _checkpoint_origin(Path(checkpoint), label, _follows(model))
+        return _checkpoint_location(Path(checkpoint), label, _follows(model))
     if model.checkpoint is not None:
-        return _checkpoint_origin(Path(model.checkpoint), "checkpoint", False)
+        return _checkpoint_location(Path(model.checkpoint), "checkpoint", False)
     if model.callable is not None:
         if model.input_shape is None:
             raise ModelLoadError(f"model.inputShape is required with model.callable ({model.callable}): the "
                                  "server validates requests and warms up with it")
-        return Origin(callable=model.callable, args=dict(model.args), label="callable")
+        return ModelLocation(callable=model.callable, args=dict(model.args), label="callable")
     job = model.from_training_job
-    directory = os.environ.get(CHECKPOINT_DIR_ENV)
+    directory = os.environ.get(contract.CHECKPOINT_DIR)
     if not directory:
         raise ModelLoadError(
             f"model.fromTrainingJob ({job.name}): pass --checkpoint with the job's checkpoint directory (its "
-            f"spec.checkpoint.directory) or one checkpoint file, or set {CHECKPOINT_DIR_ENV}")
-    return Origin(directory=Path(directory), follow=job.follow, label=f"fromTrainingJob/{job.name}")
+            f"spec.checkpoint.directory) or one checkpoint file, or set {contract.CHECKPOINT_DIR}")
+    return ModelLocation(directory=Path(directory), follow=job.follow, label=f"fromTrainingJob/{job.name}")
 
 
 def _follows(model: ModelSource) -> bool:
     return model.from_training_job is not None and model.from_training_job.follow
 
 
-def _checkpoint_origin(path: Path, label: str, follow: bool) -> Origin:
+def _checkpoint_location(path: Path, label: str, follow: bool) -> ModelLocation:
     if path.is_dir():
-        return Origin(directory=path, follow=follow, label=label)
-    return Origin(checkpoint=path, label=label)
+        return ModelLocation(directory=path, follow=follow, label=label)
+    return ModelLocation(checkpoint=path, label=label)
 
 
-def current_checkpoint(origin: Origin) -> Path | None:
+def current_checkpoint(location: ModelLocation) -> Path | None:
     """The checkpoint file to serve now (the latest in a directory); None while a directory has none yet."""
-    if origin.directory is not None:
-        return checkpoints.latest(origin.directory)
-    return origin.checkpoint
+    if location.directory is not None:
+        return checkpoints.latest(location.directory)
+    return location.checkpoint
 
 
-def load(origin: Origin, model: ModelSource, batch_limit: int, checkpoint: Path | None = None) -> LoadedModel:
-    """Build the model (from `checkpoint`, else the origin's current checkpoint or callable), find its signature
+def latest_in(directory: Path) -> Path:
+    """The latest checkpoint in `directory` (a load request may name a directory); ModelLoadError if none."""
+    latest = checkpoints.latest(directory)
+    if latest is None:
+        raise ModelLoadError(f"{directory}: no checkpoint in this directory")
+    return latest
+
+
+def load(location: ModelLocation, model: ModelSource, batch_limit: int,
+         checkpoint: Path | None = None) -> LoadedModel:
+    """Build the model (from `checkpoint`, else the location's current checkpoint or callable), find its signature
     by running it on a batch of two examples. Raises ModelLoadError naming the problem."""
     datatype = model.input_datatype
-    if origin.callable is not None and checkpoint is None:
+    if location.callable is not None and checkpoint is None:
         try:
-            module = build_model(origin.callable, origin.args)
+            module = build_model(location.callable, location.args)
         except ValueError as error:
             raise ModelLoadError(str(error)) from error
         shape, path = tuple(model.input_shape), None
     else:
-        path = checkpoint or current_checkpoint(origin)
+        path = checkpoint or current_checkpoint(location)
         if path is None:
-            raise ModelLoadError(f"no checkpoint in {origin.directory} yet")
+            raise ModelLoadError(f"no checkpoint in {location.directory} yet")
         try:
             module, manifest = checkpoints.load_for_inference(path)
         except ValueError as error:  # CheckpointError, or the manifest's model reference failing
@@ -116,7 +133,7 @@ def load(origin: Origin, model: ModelSource, batch_limit: int, checkpoint: Path 
     output = _probe(module, example, shape)
     signature = Signature(
         TensorSpec(INPUT_NAME, datatype, shape), TensorSpec(OUTPUT_NAME, output[0], output[1]), batch_limit)
-    return LoadedModel(module, signature, example, origin.label, None if path is None else str(path),
+    return LoadedModel(module, signature, example, location.label, None if path is None else str(path),
                        datetime.now(UTC))
 
 
@@ -152,10 +169,10 @@ def _probe(module: torch.nn.Module, example: torch.Tensor, shape: tuple[int, ...
     except Exception as error:
         raise ModelLoadError(f"the model fails on a batch of inputs of shape {[2, *shape]}: "
                              f"{type(error).__name__}: {error}") from error
-    if not isinstance(out, torch.Tensor):
-        raise ModelLoadError(f"the model returns a {type(out).__name__}; the server serves models returning one tensor")
-    if out.dim() == 0 or out.shape[0] != 2:
-        raise ModelLoadError(f"the model returns shape {list(out.shape)} for a batch of 2: it needs a row per example")
+    try:
+        check_output(out, 2)
+    except ModelError as error:
+        raise ModelLoadError(str(error)) from None
     if out.dtype not in TORCH_DATATYPE:
         raise ModelLoadError(f"the model returns {out.dtype}, which the protocol cannot carry")
     return TORCH_DATATYPE[out.dtype], tuple(out.shape[1:])

@@ -1,5 +1,5 @@
 """The Open Inference Protocol (KServe/Triton v2) on the wire: inference requests and responses as JSON tensors
-and with Triton's binary tensor extension, model metadata, and Triton's model configuration shape.
+and with Triton's binary tensor extension, and model metadata (Triton's other extensions: triton.py).
 
 Pure functions over bytes and dicts (no HTTP, no model): the server calls them, tests call them directly.
 Every problem with a request raises ProtocolError, whose message names the field and what was expected.
@@ -69,37 +69,9 @@ class Signature:
             "inputs": [_tensor_metadata(self.input)], "outputs": [_tensor_metadata(self.output)],
         }
 
-    def config(self, name: str, *, instances: int, kind: str, max_queue_delay_us: int, preferred: list[int],
-               queue_limit: int, timeout_us: int) -> dict[str, Any]:
-        """`GET /v2/models/{name}/config` in Triton's model configuration shape (what perf_analyzer reads)."""
-        return {
-            "name": name,
-            "platform": "pytorch",
-            "backend": "tandem",
-            "max_batch_size": self.max_batch_size,
-            "input": [_tensor_config(self.input)],
-            "output": [_tensor_config(self.output)],
-            "dynamic_batching": {
-                "preferred_batch_size": preferred,
-                "max_queue_delay_microseconds": max_queue_delay_us,
-                "default_queue_policy": {
-                    "max_queue_size": queue_limit,
-                    "default_timeout_microseconds": timeout_us,
-                    "timeout_action": "REJECT",
-                },
-            },
-            "instance_group": [{"name": name, "kind": kind, "count": instances}],
-            "version_policy": {"latest": {"num_versions": 1}},
-        }
-
 
 def _tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
     return {"name": spec.name, "datatype": spec.datatype, "shape": [-1, *spec.shape]}
-
-
-def _tensor_config(spec: TensorSpec) -> dict[str, Any]:
-    return {"name": spec.name, "data_type": f"TYPE_{'STRING' if spec.datatype == 'BYTES' else spec.datatype}",
-            "format": "FORMAT_NONE", "dims": list(spec.shape)}
 
 
 @dataclass

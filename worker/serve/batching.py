@@ -1,0 +1,129 @@
+"""How ParallelInference's requests become batches: a Ticket per call (its input, where its answer goes, its
+timing), taking the next batch from the queue, joining the batch's inputs into one and splitting the output
+back into each request's rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from tandem.worker.serve.inference import ParallelInference
+
+log = logging.getLogger("tandem.worker.serve.inference")
+
+Callback = Callable[[torch.Tensor | None, BaseException | None], None]
+
+
+class Ticket:
+    """One call: its input, where its answer goes (a callback, or a lock its caller waits on), and its timing.
+    ParallelInference.submit returns it; `cancel()` withdraws it while it is still queued."""
+
+    __slots__ = ("x", "rows", "key", "submitted", "deadline", "callback", "done", "output", "error", "owner")
+
+    def __init__(self, x: torch.Tensor | np.ndarray, callback: Callback | None, deadline: float | None,
+                 owner: ParallelInference):
+        self.x = x
+        self.rows = x.shape[0]
+        self.key = (x.shape[1:], x.dtype)
+        self.submitted = time.perf_counter_ns()
+        self.deadline = deadline  # time.monotonic() seconds, or None
+        self.callback = callback
+        self.done = None
+        self.output: torch.Tensor | None = None
+        self.error: BaseException | None = None
+        self.owner = owner
+
+    def finish(self, output: torch.Tensor | None, error: BaseException | None) -> None:
+        self.x = None  # let the input go as soon as it is answered
+        self.output, self.error = output, error
+        if self.callback is not None:
+            try:
+                self.callback(output, error)
+            except Exception:  # a caller's callback must not take down a worker
+                log.exception("inference callback failed")
+        else:
+            self.done.release()
+
+    def cancel(self) -> bool:
+        """Withdraw the request if it is still queued (its callback will then never run); False once running."""
+        return self.owner.withdraw(self)
+
+
+def as_input(x: Any) -> torch.Tensor | np.ndarray:
+    """A tensor, or a numpy array kept as one: numpy inputs are batched and turned into tensors on the worker
+    thread (torch calls release the GIL, which on the caller's thread, an event loop say, costs a thread switch)
+    and their outputs come back as numpy arrays."""
+    if not isinstance(x, torch.Tensor | np.ndarray):
+        x = torch.as_tensor(x)
+    if x.ndim == 0 or x.shape[0] == 0:
+        raise ValueError(f"input needs a batch dimension with at least one example; got shape {tuple(x.shape)}")
+    return x
+
+
+def pop_batch(queue: deque[Ticket], limit: int, batched: bool, scan_limit: int) -> tuple[list[Ticket], list[Ticket]]:
+    """Take the next batch from `queue`: the oldest request and, when `batched`, the queued requests of the same
+    per-example shape and dtype after it, up to `limit` examples (looking past at most `scan_limit` requests of
+    other shapes, which stay queued in order). Also returns the requests found past their deadline."""
+    now = time.monotonic()
+    expired: list[Ticket] = []
+    batch: list[Ticket] = []
+    rows = 0
+    key = None
+    kept: list[Ticket] | None = None  # requests skipped over (other shape), to put back in order
+    while queue:
+        request = queue.popleft()
+        if request.deadline is not None and now > request.deadline:
+            expired.append(request)
+            continue
+        if key is None:
+            key, rows = request.key, request.rows
+            batch.append(request)
+            if not batched or rows >= limit:
+                break
+            continue
+        if request.key == key and rows + request.rows <= limit:
+            batch.append(request)
+            rows += request.rows
+            if rows >= limit:
+                break
+            continue
+        if kept is None:
+            kept = []
+        kept.append(request)
+        if len(kept) >= scan_limit:  # scanned far enough
+            break
+    if kept:
+        queue.extendleft(reversed(kept))
+    return batch, expired
+
+
+def join_inputs(batch: list[Ticket]) -> tuple[torch.Tensor, bool]:
+    """The batch's inputs as one tensor (on the CPU), and whether they came as numpy arrays (then the outputs go
+    back as numpy arrays too)."""
+    first = batch[0].x
+    as_numpy = isinstance(first, np.ndarray)
+    if as_numpy:
+        x = first if len(batch) == 1 else np.concatenate([r.x for r in batch])
+        return torch.from_numpy(x if x.flags.writeable else x.copy()), True
+    return (first if len(batch) == 1 else torch.cat([r.x for r in batch])), False
+
+
+def split_output(out: torch.Tensor | np.ndarray, batch: list[Ticket]) -> list[torch.Tensor | np.ndarray]:
+    """Each request's rows of the batch's output."""
+    if len(batch) == 1:
+        return [out]
+    if isinstance(out, torch.Tensor):
+        return list(out.split([r.rows for r in batch]))
+    pieces, offset = [], 0
+    for request in batch:
+        pieces.append(out[offset:offset + request.rows])
+        offset += request.rows
+    return pieces

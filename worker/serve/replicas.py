@@ -1,0 +1,68 @@
+"""ParallelInference's model replicas: a deep copy of the model per worker on its device, warmed up at every batch
+size in use, and one forward on a replica, checked for what ParallelInference serves (one tensor with a row per
+example)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tandem.worker.serve.errors import ModelError
+from tandem.worker.serve.stats import batch_sizes
+
+
+def default_devices(workers: int) -> list[torch.device]:
+    """One replica per CUDA device (round robin when workers exceed devices), else all on the CPU."""
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        return [torch.device("cuda", i % count) for i in range(workers)]
+    return [torch.device("cpu")] * workers
+
+
+def warmup_sizes(mode: str, batch_limit: int, example_rows: int = 1) -> list[int]:
+    """Batch sizes a mode will run: batched mode any of 1..batch_limit (warmed at powers of two and the limit);
+    sequential and inplace the sizes callers send."""
+    if mode != "batched":
+        return sorted({1, example_rows})
+    return batch_sizes(batch_limit)
+
+
+def build_replicas(model: torch.nn.Module, devices: Sequence[torch.device], example: torch.Tensor | None,
+                   sizes: Sequence[int]) -> list[torch.nn.Module]:
+    """A frozen eval-mode copy of `model` per device; with an `example` (a batch), each is run at every batch
+    size in `sizes` first, so that a model that fails, and the first slow forwards, happen here."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    replicas = []
+    for device in devices:
+        replica = copy.deepcopy(model).to(device).eval()
+        replica.requires_grad_(False)
+        replicas.append(replica)
+    if example is not None:
+        one = example[:1]
+        for size in sizes:
+            batch = one.expand(size, *one.shape[1:]).contiguous()
+            for replica, device in zip(replicas, devices, strict=True):
+                forward(replica, batch.to(device), size)
+    return replicas
+
+
+def forward(replica: torch.nn.Module, x: torch.Tensor, rows: int) -> torch.Tensor:
+    with torch.no_grad():
+        out = replica(x)
+    check_output(out, rows)
+    return out
+
+
+def check_output(out: Any, rows: int) -> None:
+    """What ParallelInference serves: a model returning one tensor with a row per example (`rows` of them).
+    Raises ModelError saying what the model returned instead."""
+    if not isinstance(out, torch.Tensor):
+        raise ModelError(f"the model returned a {type(out).__name__}; ParallelInference serves models that return "
+                         "one tensor")
+    if out.dim() == 0 or out.shape[0] != rows:
+        raise ModelError(f"the model returned shape {tuple(out.shape)} for a batch of {rows}; the output needs one "
+                         "row per example")

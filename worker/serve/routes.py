@@ -1,0 +1,261 @@
+"""What each endpoint of the inference server answers (KServe/Triton v2, with Triton's binary tensor, model
+configuration, statistics and model repository extensions):
+
+    GET  /v2/health/live | /v2/health/ready            200 {"live": true} / {"ready": true}; not ready: 503
+    GET  /v2                                           server metadata
+    GET  /v2/models/{m}[/versions/{v}]                 inputs and outputs (shapes with -1 for the batch)
+    GET  /v2/models/{m}[/versions/{v}]/ready
+    POST /v2/models/{m}[/versions/{v}]/infer           JSON tensors or binary tensor data, both directions
+    GET  /v2/models/{m}[/versions/{v}]/config          Triton's model configuration (for perf_analyzer)
+    GET  /v2/models[/{m}[/versions/{v}]]/stats         Triton's statistics shape
+    POST /v2/repository/index
+    POST /v2/repository/models/{m}/load                {"parameters": {"checkpoint": PATH}}: hot swap
+    GET  /metrics                                      Prometheus
+
+Errors are {"error": "..."} naming the problem: 400 bad request, 404 unknown model/version/endpoint, 405 wrong
+method, 429 queue full (with Retry-After), 503 loading or shutting down, 504 timed out, 500 the model's forward
+failed (only the request that breaks it fails: a failing batch is retried request by request). 413 (body too
+large) is the HTTP layer's.
+
+Everything here runs on the event loop and never calls torch: requests are decoded and validated with numpy and
+orjson, inference requests are submitted to ParallelInference and answered when their output comes back.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import tandem
+from tandem.worker.serve import triton
+from tandem.worker.serve.errors import InferenceTimeout, QueueFullError, ShutDownError
+from tandem.worker.serve.http import Request
+from tandem.worker.serve.metrics import OUTCOMES, registry_for
+from tandem.worker.serve.model_loading import ModelLoadError
+from tandem.worker.serve.protocol import HEADER_LENGTH, ProtocolError, decode_request, dumps, encode_response
+from tandem.worker.serve.replicas import warmup_sizes
+
+if TYPE_CHECKING:
+    from tandem.worker.serve.app import InferenceServer
+
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics", "parameters"]
+RETRY_AFTER_SECONDS = "1"
+JSON = "application/json"
+_HEADER_LENGTH_KEY = HEADER_LENGTH.lower()
+_MODEL_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/(infer|ready|config|stats))?$")
+_REPOSITORY_PATH = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
+
+Reply = tuple[int, bytes, str, dict[str, str] | None]
+
+
+def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Reply:
+    return status, dumps(value), JSON, headers
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Reply:
+    return _json({"error": message}, status, headers)
+
+
+class Routes:
+    """The endpoints of one InferenceServer: `handle` is its HTTP handler, `answer` writes inference answers.
+    Reads the server's public state (ready, draining, model, pending); counts requests by outcome for /metrics."""
+
+    def __init__(self, server: InferenceServer):
+        self.server = server
+        self.name, self.version, self.spec = server.name, server.version, server.spec
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.registry = registry_for(self._metrics_state)
+        self._infer_paths = {  # the hot path, matched before any pattern
+            f"/v2/models/{self.name}/infer": (self.name, None),
+            f"/v2/models/{self.name}/versions/{self.version}/infer": (self.name, self.version),
+        }
+        self._fixed = {  # fixed paths; /v2/models/... and /v2/repository/models/... are matched by pattern
+            "/v2/health/live": ("GET", self._live),
+            "/v2/health/ready": ("GET", self._ready),
+            "/v2": ("GET", self._server_metadata),
+            "/v2/models/stats": ("GET", self._stats),
+            "/v2/repository/index": ("POST", self._index),
+            "/metrics": ("GET", self._metrics),
+        }
+
+    def handle(self, request: Request):
+        """Route a request; answer it now, or return a coroutine that will (loads), or let inference answer."""
+        method, path = request.method, request.path
+        fast = self._infer_paths.get(path)
+        if fast is not None and method == "POST":
+            return self._infer(request, *fast)
+        try:
+            match = _MODEL_PATH.match(path)
+            if match is not None:
+                name, version, action = match.groups()
+                if action == "infer":
+                    _allow(method, "POST", path)
+                    return self._infer(request, name, version)
+                _allow(method, "GET", path)
+                self._check_model(name, version)
+                if action is None:
+                    reply = self._model_metadata()
+                elif action == "ready":
+                    reply = self._model_ready()
+                elif action == "config":
+                    reply = self._config()
+                else:
+                    reply = self._stats()
+            elif path in self._fixed:
+                wanted, handler = self._fixed[path]
+                _allow(method, wanted, path)
+                reply = handler()
+            elif (match := _REPOSITORY_PATH.match(path)) is not None:
+                _allow(method, "POST", path)
+                self._check_model(match.group(1), None)
+                if match.group(2) == "unload":
+                    reply = self._unload()
+                else:
+                    return self._load(request)
+            else:
+                reply = _error(404, f"no endpoint {method} {path}; the inference protocol (v2) is under /v2")
+        except ProtocolError as error:
+            reply = _error(error.status, str(error), error.headers)
+        request.respond(*reply)
+        return None
+
+    # -- health and metadata --------------------------------------------------------------------------------
+
+    def _live(self) -> Reply:
+        return _json({"live": True})
+
+    def _ready(self) -> Reply:
+        ready = self.server.ready
+        return _json({"ready": ready}, 200 if ready else 503)
+
+    def _server_metadata(self) -> Reply:
+        return _json({"name": "tandem", "version": tandem.__version__, "extensions": EXTENSIONS})
+
+    def _check_model(self, name: str, version: str | None) -> None:
+        if name != self.name:
+            raise ProtocolError(f"unknown model {name!r}: this server serves {self.name!r}", 404)
+        if version is not None and version != self.version:
+            raise ProtocolError(f"model {name!r} has no version {version!r}; available: {self.version}", 404)
+
+    def _signature(self):
+        loaded = self.server.model.loaded
+        if loaded is None:
+            raise ProtocolError(f"model {self.name!r} is not loaded yet", 503)
+        return loaded.signature
+
+    def _model_metadata(self) -> Reply:
+        return _json(self._signature().metadata(self.name, [self.version]))
+
+    def _model_ready(self) -> Reply:
+        ready = self.server.ready
+        return _json({"name": self.name, "ready": ready}, 200 if ready else 503)
+
+    def _config(self) -> Reply:
+        signature = self._signature()
+        spec = self.spec
+        kind = "KIND_GPU" if any(d.type == "cuda" for d in self.server.model.inference.devices) else "KIND_CPU"
+        preferred = warmup_sizes(spec.inference_mode, spec.batch_limit) if spec.inference_mode == "batched" else []
+        return _json(triton.model_config(
+            signature, self.name, instances=spec.workers_per_replica, kind=kind,
+            max_queue_delay_us=spec.max_queue_delay_microseconds, preferred=preferred,
+            queue_limit=spec.queue_limit, timeout_us=spec.request_timeout_ms * 1000))
+
+    def _stats(self) -> Reply:
+        inference = self.server.model.inference
+        stats = inference.stats.snapshot() if inference is not None else None
+        return _json({"model_stats": [] if stats is None else [triton.model_stats(self.name, self.version, stats)]})
+
+    def _index(self) -> Reply:
+        server, loaded = self.server, self.server.model.loaded
+        state = "READY" if server.ready else ("UNAVAILABLE" if server.draining else "LOADING")
+        reason = loaded.loaded_from if loaded else ""
+        return _json([{"name": self.name, "version": self.version, "state": state, "reason": reason}])
+
+    def _metrics(self) -> Reply:
+        return 200, generate_latest(self.registry), CONTENT_TYPE_LATEST, None
+
+    def _metrics_state(self) -> dict[str, Any]:
+        server = self.server
+        inference = server.model.inference
+        return {
+            "model": self.name, "outcomes": dict(self.outcomes), "pending": server.pending.count,
+            "ready": server.ready, "stats": None if inference is None else inference.stats.snapshot(),
+            "batch_limit": self.spec.batch_limit,
+        }
+
+    # -- model repository -----------------------------------------------------------------------------------
+
+    async def _load(self, request: Request) -> None:
+        model = self.server.model
+        try:
+            checkpoint = triton.load_request_checkpoint(request.body)
+            loaded = await model.swap(None if checkpoint is None else Path(checkpoint))
+        except ProtocolError as error:
+            reply = _error(error.status, str(error))
+        except ModelLoadError as error:
+            serving = model.loaded.loaded_from if model.loaded else "nothing yet"
+            reply = _error(400, f"model {self.name!r} not loaded: {error} (still serving {serving})")
+        else:
+            reply = _json({"name": self.name, "version": self.version, "checkpoint": loaded.checkpoint,
+                           "source": loaded.source})
+        request.respond(*reply)
+
+    def _unload(self) -> Reply:
+        return _error(400, f"unloading is not supported: this server serves only {self.name!r}; stop the server "
+                      "(SIGTERM drains it) or load another checkpoint")
+
+    # -- inference --------------------------------------------------------------------------------------
+
+    def _infer(self, request: Request, name: str, version: str | None) -> None:
+        """Validate and submit an inference request; `answer` writes its answer when the output comes back (on
+        the event loop), when it times out, or never if the client goes away."""
+        outcomes, server = self.outcomes, self.server
+        try:
+            self._check_model(name, version)
+            signature = self._signature()
+            inference = server.model.inference
+            if server.draining or inference is None:
+                why = "shutting down" if server.draining else "loading its model"
+                raise ProtocolError(f"the server is {why}", 503, {"Retry-After": RETRY_AFTER_SECONDS})
+            decoded = decode_request(request.body, request.headers.get(_HEADER_LENGTH_KEY), signature)
+        except ProtocolError as error:
+            outcomes["invalid" if error.status < 500 else "failed"] += 1
+            request.respond(*_error(error.status, str(error), error.headers))
+            return
+        pending_requests = server.pending
+        timeout = pending_requests.default_timeout
+        if decoded.timeout_us is not None:
+            timeout = min(timeout, decoded.timeout_us / 1e6)
+        pending = pending_requests.new(request, (decoded, signature), timeout)
+        try:
+            pending.ticket = inference.submit(decoded.x, pending.post, timeout=timeout)
+        except QueueFullError as error:
+            outcomes["rejected"] += 1
+            request.respond(*_error(429, str(error), {"Retry-After": RETRY_AFTER_SECONDS}))
+            return
+        except ShutDownError as error:
+            outcomes["failed"] += 1
+            request.respond(*_error(503, str(error), {"Retry-After": RETRY_AFTER_SECONDS}))
+            return
+        pending_requests.track(pending)
+
+    def answer(self, request: Request, context, output: Any, error: BaseException | None) -> None:
+        """Write the answer to an inference request (PendingRequests calls it once per request)."""
+        if error is None:
+            decoded, signature = context
+            body, content_type, header_length = encode_response(output, decoded, self.name, self.version, signature)
+            self.outcomes["success"] += 1
+            headers = None if header_length is None else {HEADER_LENGTH: str(header_length)}
+            request.respond(200, body, content_type, headers)
+            return
+        self.outcomes["failed"] += 1
+        status = 504 if isinstance(error, InferenceTimeout) else 503 if isinstance(error, ShutDownError) else 500
+        request.respond(*_error(status, str(error)))
+
+
+def _allow(method: str, allowed: str, path: str) -> None:
+    if method != allowed:
+        raise ProtocolError(f"{method} is not allowed on {path}; use {allowed}", 405, {"Allow": allowed})

@@ -1,0 +1,115 @@
+"""The model a server serves and the ParallelInference that runs it: the first load, hot swaps (by hand through
+the repository load endpoint, or following a training job's new checkpoints), and stopping its workers.
+
+Loading and warm-up run on executor threads (model_loading.py does the loading); the event loop keeps answering
+requests, on the old model, until a new one is warmed up and switched to atomically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from tandem.api.inference import InferencePoolSpec
+from tandem.worker.serve import model_loading
+from tandem.worker.serve.inference import ParallelInference
+from tandem.worker.serve.model_loading import LoadedModel, ModelLoadError, ModelLocation
+from tandem.worker.serve.tasks import cancel_and_wait
+
+log = logging.getLogger("tandem.serve")
+
+
+class ServedModel:
+    """One pool's model: `loaded` (what is served now) and `inference` (the engine serving it), both None until
+    `load()` is done. `on_swap` runs on the event loop after each successful swap."""
+
+    def __init__(self, spec: InferencePoolSpec, location: ModelLocation, *, follow_interval: float = 2.0,
+                 on_swap: Callable[[], None] | None = None):
+        self.spec = spec
+        self.location = location
+        self.follow_interval = follow_interval
+        self.on_swap = on_swap
+        self.loaded: LoadedModel | None = None
+        self.inference: ParallelInference | None = None
+        self._swap_lock = asyncio.Lock()
+        self._follower: asyncio.Task | None = None
+
+    async def load(self) -> LoadedModel:
+        """The first load: wait for a followed directory's first checkpoint, load the model, start and warm up
+        ParallelInference on it; then follow the directory for new checkpoints when the pool says so."""
+        loop = asyncio.get_running_loop()
+        location = self.location
+        if location.directory is not None and location.follow \
+                and model_loading.current_checkpoint(location) is None:
+            log.info("waiting for the first checkpoint in %s", location.directory)
+            while model_loading.current_checkpoint(location) is None:
+                await asyncio.sleep(self.follow_interval)
+        loaded = await loop.run_in_executor(None, self._load, None)
+        self.inference = await loop.run_in_executor(None, self._start_inference, loaded)
+        self.loaded = loaded
+        if location.directory is not None and location.follow:
+            self._follower = asyncio.create_task(self._follow())
+        return loaded
+
+    async def swap(self, checkpoint: Path | None = None) -> LoadedModel:
+        """Load `checkpoint` (a file or a directory's latest; None: the location's current model), warm it up, and
+        switch to it atomically. Requests keep being served by the old model until the switch and none fails.
+        Raises ModelLoadError (the old model keeps serving)."""
+        if self.inference is None or self.loaded is None:
+            raise ModelLoadError("the server's first model is still loading")
+        if checkpoint is not None and checkpoint.is_dir():
+            checkpoint = model_loading.latest_in(checkpoint)
+        loop = asyncio.get_running_loop()
+        async with self._swap_lock:
+            loaded = await loop.run_in_executor(None, self._load, checkpoint)
+            model_loading.check_compatible(self.loaded.signature, loaded.signature, loaded.loaded_from)
+            try:
+                await loop.run_in_executor(None, self.inference.update_model, loaded.module)
+            except Exception as error:  # warm-up of the new replicas failed: the old ones still serve
+                raise ModelLoadError(f"the new model fails its warm-up: {type(error).__name__}: {error}") from error
+            self.loaded = loaded
+        if self.on_swap is not None:
+            self.on_swap()
+        log.info("now serving %s", loaded.loaded_from)
+        return loaded
+
+    async def stop_following(self) -> None:
+        follower, self._follower = self._follower, None
+        await cancel_and_wait(follower)
+
+    def refuse_requests(self) -> None:
+        """Stop ParallelInference taking requests and fail the queued ones (ShutDownError), without waiting."""
+        if self.inference is not None:
+            self.inference.shutdown(drain=False, timeout=0)
+
+    async def wait_for_workers(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for forwards still running (a forward cannot be interrupted)."""
+        if self.inference is not None and timeout > 0:
+            await asyncio.to_thread(self.inference.shutdown, drain=False, timeout=timeout)
+
+    async def _follow(self) -> None:
+        """Hot-swap each new checkpoint the training job writes (fromTrainingJob with follow). Only a checkpoint
+        not seen before is loaded: one that fails is not retried, and a checkpoint loaded by hand through
+        the repository API stays until the job writes a newer one."""
+        seen = self.loaded.checkpoint
+        while True:
+            await asyncio.sleep(self.follow_interval)
+            latest = model_loading.current_checkpoint(self.location)
+            if latest is None or str(latest) == seen:
+                continue
+            seen = str(latest)
+            try:
+                await self.swap(latest)
+            except ModelLoadError as error:
+                log.error("not switching to %s: %s", latest, error)
+
+    def _load(self, checkpoint: Path | None) -> LoadedModel:
+        return model_loading.load(self.location, self.spec.model, self.spec.batch_limit, checkpoint)
+
+    def _start_inference(self, loaded: LoadedModel) -> ParallelInference:
+        spec = self.spec
+        return ParallelInference(
+            loaded.module, mode=spec.inference_mode, workers=spec.workers_per_replica, batch_limit=spec.batch_limit,
+            queue_limit=spec.queue_limit, max_delay_us=spec.max_queue_delay_microseconds, example=loaded.example)

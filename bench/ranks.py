@@ -14,13 +14,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from tandem.worker.train.process_group import (
-    WorkerEnv,
-    free_port,
-    init_process_group,
-    share_cpu_threads,
-    shutdown_process_group,
-)
+from tandem.contract import WorkerContract
+from tandem.worker.cores import share_cores
+from tandem.worker.train.process_group import free_port, init_process_group, shutdown_process_group
 
 
 def run_ranks(fn: Callable[..., Any], *args: Any, workers: int, device_type: str = "cpu") -> Any:
@@ -34,13 +30,12 @@ def run_ranks(fn: Callable[..., Any], *args: Any, workers: int, device_type: str
 
 
 def _rank_main(rank: int, fn, args, workers: int, port: int, device_type: str, out: Path) -> None:
-    env = WorkerEnv.from_environ({"RANK": str(rank), "WORLD_SIZE": str(workers), "MASTER_PORT": str(port),
-                                  "TANDEM_SPEC": "(bench)"})
+    env = WorkerContract.local(rank, workers, master_port=port)
     device = torch.device("cpu")
     if device_type == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    share_cpu_threads(env)
+    share_cores(env.local_world_size)
     init_process_group(env, device)
     result = fn(rank, device, *args)
     if env.is_master:

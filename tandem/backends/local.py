@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from tandem.api import ParallelTrainingJob, ParallelTrainingJobStatus
+from tandem.contract import WorkerContract
 from tandem.manifest import ManifestError, load_one
 from tandem.worker import checkpoint
 from tandem.worker.train.process_group import free_port
@@ -98,16 +99,12 @@ class Launcher:
 
     def environment(self, rank: int, port: int, spec_path: Path) -> dict[str, str]:
         spec = self.job.spec
-        contract = {
-            "RANK": str(rank), "WORLD_SIZE": str(spec.workers),
-            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(spec.workers),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "TANDEM_JOB": self.job.metadata.name, "TANDEM_SPEC": str(spec_path),
-            "TANDEM_CHECKPOINT_DIR": str(Path(spec.checkpoint.directory).resolve()),
-            "TANDEM_RESUME_FROM": str(self.resume_from or ""),
-            "TANDEM_STATUS_FILE": str(self.status_file),
-        }
-        return {**os.environ, **{e.name: e.value or "" for e in spec.env}, **contract}
+        contract = WorkerContract.local(
+            rank, spec.workers, master_port=port, job=self.job.metadata.name, spec_path=spec_path,
+            checkpoint_dir=Path(spec.checkpoint.directory).resolve(), resume_from=self.resume_from,
+            status_file=self.status_file,
+        )
+        return {**os.environ, **{e.name: e.value or "" for e in spec.env}, **contract.to_environ()}
 
     def start(self) -> None:
         spec_path = self.run_dir / "spec.json"

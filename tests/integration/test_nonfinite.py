@@ -14,7 +14,7 @@ from tandem.api import ParallelTrainingJobSpec
 from tandem.api.training import Optimizer
 from tandem.worker.train.nonfinite import CAPACITY, NonFiniteGuard, StepRecord, TrainingError
 from tandem.worker.train.optim import build_optimizer
-from tandem.worker.train.trainer import Position
+from tandem.worker.train.state import Position
 
 
 def model_with_gradients(*gradients: float) -> torch.nn.Linear:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from copy import deepcopy
 
 import kubernetes_validate
@@ -254,15 +252,6 @@ def test_crds_command_writes_one_file_per_crd_with_out(tmp_path, capsys):
     written = {path.name: path.read_text() for path in (tmp_path / "crds").iterdir()}
     assert written == crd_files()
     assert capsys.readouterr().out.count("wrote ") == len(written) == 2
-
-
-def test_import_operator_at_repo_root_is_the_standard_library():
-    result = subprocess.run(
-        [sys.executable, "-c", "import operator; print(operator.__file__); import tandem.operator"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    )
-    assert "site-packages" not in result.stdout and not result.stdout.startswith(str(ROOT))
-    assert result.stdout.strip().endswith("operator.py")
 
 
 def test_the_readme_example_manifest_validates():

@@ -10,7 +10,6 @@ import torch
 
 from tandem.examples.digits import mlp
 from tandem.worker import checkpoint
-from tandem.worker.train.process_group import ContractError, WorkerEnv, select_device
 from tandem.worker.user_code import BadReference, build_model, load_dataset
 
 
@@ -122,34 +121,3 @@ def test_npz_data_files(tmp_path):
     np.savez(pickled, x=np.array([object()], dtype=object), y=np.zeros(1))
     with pytest.raises(BadReference, match="cannot read the data file"):
         load_dataset(str(pickled))
-
-
-CONTRACT = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "23456",
-            "TANDEM_JOB": "j", "TANDEM_SPEC": "/etc/tandem/spec.json"}
-
-
-def test_worker_env_reads_the_contract():
-    env = WorkerEnv.from_environ({**CONTRACT, "TANDEM_RESUME_FROM": "/ckpt/step-00000005.pt"})
-    assert (env.rank, env.world_size, env.local_rank, env.master_port) == (1, 2, 1, 23456)
-    assert env.resume_from == Path("/ckpt/step-00000005.pt") and env.checkpoint_dir is None
-    assert not env.is_master
-
-
-@pytest.mark.parametrize(("change", "message"), [
-    ({"RANK": None}, "RANK is not set"),
-    ({"RANK": "two"}, "RANK='two' is not an integer"),
-    ({"RANK": "2"}, "RANK=2 must be in 0..WORLD_SIZE-1"),
-    ({"TANDEM_SPEC": None}, "TANDEM_SPEC is not set"),
-])
-def test_worker_env_errors_name_the_variable(change, message):
-    environ = {k: v for k, v in {**CONTRACT, **change}.items() if v is not None}
-    with pytest.raises(ContractError, match=message):
-        WorkerEnv.from_environ(environ)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
-def test_require_gpu_without_cuda_is_a_hard_error():
-    env = WorkerEnv.from_environ(CONTRACT)
-    with pytest.raises(ContractError, match="requireGPU is true but CUDA is not available"):
-        select_device(env, require_gpu=True)
-    assert select_device(env, require_gpu=False) == torch.device("cpu")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Generator, Iterator
+from contextlib import closing
 from itertools import islice
 from typing import Any
 
@@ -37,6 +38,23 @@ def epoch_batches(loader: DataLoader, epoch: int, *, skip: int = 0, prefetch: in
     loader.sampler.set_epoch(epoch)
     batches = islice(iter(loader), skip, None)
     yield from _prefetched(batches, prefetch) if prefetch > 0 else batches
+
+
+def training_steps(loader: DataLoader, position: Any, *, epochs: int, accumulation: int,
+                   prefetch: int = 0) -> Generator[list[Any]]:
+    """The groups of micro-batches (one optimizer step each) from where `position` stands (its epoch and the
+    micro-batches of it done) to the end of the last epoch. `position` moves as each group is handed out; its
+    epoch turns with an epoch's last group. Close it (contextlib.closing) when leaving early."""
+    while position.epoch < epochs:
+        batches = epoch_batches(loader, position.epoch, skip=position.batches_done, prefetch=prefetch)
+        with closing(batches):
+            for group in accumulation_groups(batches, accumulation):
+                position.batches_done += len(group)
+                if position.batches_done >= len(loader):
+                    position.epoch, position.batches_done = position.epoch + 1, 0
+                yield group
+        if position.batches_done >= len(loader):  # resumed at an epoch's very end
+            position.epoch, position.batches_done = position.epoch + 1, 0
 
 
 def accumulation_groups(batches: Iterator[Any], size: int) -> Iterator[list[Any]]:

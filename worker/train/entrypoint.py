@@ -7,25 +7,20 @@ run it by hand with the same variables.
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 from pathlib import Path
 from typing import NoReturn
 
 from tandem.api import ParallelTrainingJob
-from tandem.worker.train.process_group import (
-    WorkerEnv,
-    init_process_group,
-    select_device,
-    share_cpu_threads,
-    shutdown_process_group,
-)
+from tandem.contract import WorkerContract
+from tandem.worker.train.process_group import exit_without_teardown, join_group, shutdown_process_group
 from tandem.worker.train.reporting import ConsoleSink, StatusFileSink, read_status_file
-from tandem.worker.train.trainer import RankContext, seed_everything, train, watch_stop_signals
+from tandem.worker.train.signals import watch_stop_signals
+from tandem.worker.train.trainer import RankContext, seed_everything, train
 from tandem.worker.user_code import build_model, load_dataset
 
 
-def load_job(env: WorkerEnv) -> ParallelTrainingJob:
+def load_job(env: WorkerContract) -> ParallelTrainingJob:
     return ParallelTrainingJob.model_validate_json(env.spec_path.read_text())
 
 
@@ -37,13 +32,12 @@ def run_custom(job: ParallelTrainingJob) -> int:
 
 
 def main() -> int:
-    env = WorkerEnv.from_environ()
+    env = WorkerContract.from_environ()
     job = load_job(env)
     if job.spec.training_mode == "custom":
         return run_custom(job)
     spec, trainer = job.spec, job.spec.trainer
-    share_cpu_threads(env)
-    device = select_device(env, require_gpu=trainer.require_gpu)
+    device = join_group(env, require_gpu=trainer.require_gpu)
     seed_everything(trainer.seed, trainer.deterministic)  # the same initial weights on every rank and every run
     model = build_model(trainer.model, trainer.model_args)
     train_set = load_dataset(trainer.data, trainer.data_args)
@@ -57,7 +51,6 @@ def main() -> int:
         resume_from=env.resume_from, sinks=sinks,
     )
     watch_stop_signals(context)
-    init_process_group(env, device)
     try:
         train(spec, context, model, train_set, eval_set)
     except BaseException as error:
@@ -74,7 +67,7 @@ def _checkpoint_dir(job: ParallelTrainingJob) -> Path:
     return Path(job.spec.checkpoint.directory)
 
 
-def _record_failure(env: WorkerEnv, error: BaseException) -> None:
+def _record_failure(env: WorkerContract, error: BaseException) -> None:
     status = read_status_file(env.status_file)
     if status is None:
         return
@@ -89,12 +82,4 @@ def cli() -> NoReturn:
     except Exception:
         traceback.print_exc()
         code = 1
-    # Leave without interpreter teardown: a torch.distributed thread that outlives it aborts the process
-    # (see shutdown_process_group), which would turn a finished run into a crash.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    sys.exit(cli())
+    exit_without_teardown(code)

@@ -151,7 +151,18 @@ class Reporter:
         checkpoint.history = [*checkpoint.history, record][-HISTORY_LIMIT:]
         self.publish()
 
-    def finish(self, phase: str, message: str = "") -> ParallelTrainingJobStatus:
+    def resumed(self, path: Path, *, step: int, epoch: int) -> None:
+        """Training resumes from the checkpoint at `path`: the first status shows its step, not 0."""
+        self.status.progress.step, self.status.progress.epoch = step, epoch
+        self.checkpoint(path, step)
+
+    def final(self, phase: str, message: str, *, epoch: int, metrics: dict[str, float], bytes_sent: int,
+              dense_bytes: int) -> ParallelTrainingJobStatus:
+        """The status at the end of training, with the evaluation's metrics and the bytes the ranks exchanged."""
+        self.refresh()
+        self.status.progress.epoch = epoch
+        self.status.metrics.update(metrics)
+        self.status.communication.bytes_sent, self.status.communication.dense_bytes = bytes_sent, dense_bytes
         self.status.phase = phase
         self.status.message = message
         self.status.completion_time = now()

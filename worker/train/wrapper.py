@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,14 +23,8 @@ import torch.multiprocessing as mp
 from torch.utils.data import Dataset
 
 from tandem.api import ParallelTrainingJobSpec, ParallelTrainingJobStatus
-from tandem.worker.train.process_group import (
-    WorkerEnv,
-    free_port,
-    init_process_group,
-    select_device,
-    share_cpu_threads,
-    shutdown_process_group,
-)
+from tandem.contract import WorkerContract
+from tandem.worker.train.process_group import exit_without_teardown, free_port, join_group, shutdown_process_group
 from tandem.worker.train.reporting import ConsoleSink
 from tandem.worker.train.trainer import RankContext, train
 
@@ -127,18 +119,13 @@ def _rank_main(rank, spec_json, port, model, data, eval_data, results: Path, sho
     # update one set of parameters. The datasets stay shared (read only, and one copy in memory).
     model = copy.deepcopy(model)
     spec = ParallelTrainingJobSpec.model_validate_json(spec_json)
-    env = WorkerEnv.from_environ({
-        "RANK": str(rank), "WORLD_SIZE": str(spec.workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "TANDEM_SPEC": "(in-process)", "TANDEM_JOB": "ParallelWrapper",
-    })
-    share_cpu_threads(env)
-    device = select_device(env, require_gpu=spec.trainer.require_gpu)
+    env = WorkerContract.local(rank, spec.workers, master_port=port, job="ParallelWrapper")
+    device = join_group(env, require_gpu=spec.trainer.require_gpu)
     sinks = [ConsoleSink("ParallelWrapper")] if rank == 0 and show_progress else []
     context = RankContext(
         rank=rank, world_size=spec.workers, device=device, job=env.job,
         checkpoint_dir=Path(spec.checkpoint.directory), sinks=sinks,
     )
-    init_process_group(env, device)
     try:
         status = train(spec, context, model, data, eval_data)
         if rank == 0:
@@ -147,7 +134,4 @@ def _rank_main(rank, spec_json, port, model, data, eval_data, results: Path, sho
     finally:
         del model, data, eval_data
         shutdown_process_group()
-    # As the worker entry point does: skip interpreter teardown, where leftover gloo threads abort the process.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown(0)

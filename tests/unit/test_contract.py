@@ -1,0 +1,58 @@
+"""The worker contract (tandem/contract.py): the environment a rank reads, and the one a launcher or the operator
+writes, are one and the same."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.contract import ContractError, WorkerContract
+from tandem.worker.train.process_group import select_device
+
+CONTRACT = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "23456",
+            "TANDEM_JOB": "j", "TANDEM_SPEC": "/etc/tandem/spec.json"}
+
+
+def test_a_rank_reads_the_contract_with_torchruns_defaults():
+    env = WorkerContract.from_environ({**CONTRACT, "TANDEM_RESUME_FROM": "/ckpt/step-00000005.pt"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.master_port) == (1, 2, 1, 2, 23456)
+    assert env.resume_from == Path("/ckpt/step-00000005.pt") and env.checkpoint_dir is None
+    assert env.spec_path == Path("/etc/tandem/spec.json") and env.namespace is None
+    assert not env.is_master
+    fresh = WorkerContract.from_environ({**CONTRACT, "TANDEM_RESUME_FROM": ""})
+    assert fresh.resume_from is None
+
+
+def test_what_a_launcher_writes_is_what_a_rank_reads():
+    written = WorkerContract(rank=3, world_size=4, local_rank=1, local_world_size=2, master_addr="job-0.job",
+                             master_port=29500, job="job", namespace="ml", spec_path=Path("/etc/tandem/spec.json"),
+                             checkpoint_dir=Path("/checkpoints"), resume_from=Path("/checkpoints/step-00000100.pt"))
+    environ = written.to_environ()
+    assert environ["MASTER_ADDR"] == "job-0.job" and environ["TANDEM_NAMESPACE"] == "ml"
+    assert "TANDEM_STATUS_FILE" not in environ
+    assert WorkerContract.from_environ(environ) == written
+    fresh = WorkerContract.local(0, 2, spec_path=Path("/spec.json")).to_environ()
+    assert fresh["TANDEM_RESUME_FROM"] == "" and fresh["LOCAL_RANK"] == "0" and fresh["LOCAL_WORLD_SIZE"] == "2"
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"RANK": None}, "RANK is not set"),
+    ({"RANK": "two"}, "RANK='two' is not an integer"),
+    ({"RANK": "2"}, "RANK=2 must be in 0..WORLD_SIZE-1"),
+    ({"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=3 must be in 0..LOCAL_WORLD_SIZE-1"),
+    ({"TANDEM_SPEC": None}, "TANDEM_SPEC is not set"),
+])
+def test_contract_errors_name_the_variable(change, message):
+    environ = {k: v for k, v in {**CONTRACT, **change}.items() if v is not None}
+    with pytest.raises(ContractError, match=message):
+        WorkerContract.from_environ(environ)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_require_gpu_without_cuda_is_a_hard_error():
+    env = WorkerContract.from_environ(CONTRACT)
+    with pytest.raises(ContractError, match="requireGPU is true but CUDA is not available"):
+        select_device(env, require_gpu=True)
+    assert select_device(env, require_gpu=False) == torch.device("cpu")

@@ -1,0 +1,179 @@
+"""The training modes (`spec.trainingMode`), one object each, holding what the loop needs from its mode: the module
+to run forward and backward, whether micro-batches skip the gradient exchange, what follows an optimizer step,
+what a checkpoint needs, the bytes exchanged, and the mode's own per-rank state. The loop never asks which mode
+it runs.
+
+- allReduce: DistributedDataParallel's gradient all-reduce, every step.
+- sharedGradients: DDP with the threshold-encoding communication hook (compression.py): error-feedback residuals
+  and an adaptive threshold per rank, checkpointed per rank.
+- averaging: ranks step on their own replicas; every `frequency` steps parameters, buffers and (by default)
+  optimizer state are averaged (averaging.py). Between averagings the replicas differ: a checkpoint then holds
+  their average as the model and each rank's own replica besides, and training carries on from the replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from tandem.api import ParallelTrainingJobSpec
+from tandem.worker.train.averaging import average_replicas
+from tandem.worker.train.nonfinite import StepRecord
+from tandem.worker.train.state import to_host
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class DataParallel:
+    """allReduce: DDP averages the gradients of every step; replicas are identical after each step."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.model = model
+        device_ids = [device.index] if device.type == "cuda" else None
+        self.module = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        self.bytes_per_step = parameter_bytes(model)
+        self.steps = 0
+
+    def no_sync(self, last_micro_batch: bool) -> AbstractContextManager:
+        """Micro-batches before a step's last accumulate locally; the last one's backward exchanges."""
+        return nullcontext() if last_micro_batch else self.module.no_sync()
+
+    def after_step(self, step: int, optimizer: torch.optim.Optimizer, step_loss: torch.Tensor,
+                   record: StepRecord) -> bool:
+        """Whatever follows an optimizer step; True when every replica now holds the same parameters."""
+        self.steps += 1
+        return True
+
+    def communication(self) -> tuple[int, int]:
+        """(bytes this rank sent, bytes a dense fp32 all-reduce of the same gradients sends)."""
+        dense = self.steps * self.bytes_per_step
+        return dense, dense
+
+    def for_checkpoint(self, step: int, optimizer: torch.optim.Optimizer, *, final: bool) -> AbstractContextManager:
+        """Around writing a checkpoint: yields this rank's own replica state when replicas differ (else None)."""
+        return nullcontext()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's own state for checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class SharedGradients(DataParallel):
+    """sharedGradients: DDP with the threshold-encoding hook; residuals and threshold are each rank's own."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, spec: ParallelTrainingJobSpec):
+        super().__init__(model, device)
+        from tandem.worker.train.compression import ThresholdCompression, threshold_hook
+
+        shared = spec.shared_gradients
+        self.compression = ThresholdCompression(
+            initial_threshold=shared.initial_threshold,
+            min_sparsity=shared.target_sparsity.min,
+            max_sparsity=shared.target_sparsity.max,
+            threshold_decay=shared.threshold_decay,
+            residual_clip_factor=shared.residual_clip.factor,
+            residual_clip_every=shared.residual_clip.every,
+        )
+        self.module.register_comm_hook(self.compression, threshold_hook)
+
+    def communication(self) -> tuple[int, int]:
+        return self.compression.bytes_sent, self.compression.dense_bytes
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"compression": self.compression.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "compression" in state:
+            self.compression.load_state_dict(state["compression"])
+
+
+class Averaging:
+    """averaging: every rank steps on its own replica; every `frequency` steps the replicas are averaged."""
+
+    def __init__(self, model: torch.nn.Module, spec: ParallelTrainingJobSpec, world_size: int):
+        for tensor in [*model.parameters(), *model.buffers()]:  # every replica starts from rank 0's weights
+            dist.broadcast(tensor.data, src=0)
+        self.model = self.module = model
+        self.settings = spec.averaging
+        self.world_size = world_size
+        self.bytes_per_step = parameter_bytes(model)
+        self.steps = 0
+        self.bytes_sent = 0
+
+    def no_sync(self, last_micro_batch: bool) -> AbstractContextManager:
+        return nullcontext()
+
+    def after_step(self, step: int, optimizer: torch.optim.Optimizer, step_loss: torch.Tensor,
+                   record: StepRecord) -> bool:
+        self.steps += 1
+        if step % self.settings.frequency != 0:
+            return False
+        self.average(optimizer)
+        if self.settings.report_score_after_averaging:
+            record.flush()
+            mean_loss = self._mean_over_ranks(step_loss)
+            if math.isfinite(mean_loss):  # a skipped step's loss stays out, as in the record
+                record.running_loss = mean_loss
+        return True
+
+    def average(self, optimizer: torch.optim.Optimizer) -> None:
+        state = optimizer if self.settings.average_optimizer_state else None
+        self.bytes_sent += average_replicas(self.model, state, self.world_size)
+
+    def communication(self) -> tuple[int, int]:
+        return self.bytes_sent, self.steps * self.bytes_per_step
+
+    def replicas_differ(self, step: int) -> bool:
+        """Between averagings the replicas differ; their optimizer states always do when not averaged."""
+        return step % self.settings.frequency != 0 or not self.settings.average_optimizer_state
+
+    @contextmanager
+    def for_checkpoint(self, step: int, optimizer: torch.optim.Optimizer, *, final: bool) -> Iterator[Any]:
+        """The checkpoint's model is the replicas' average; each rank's own replica goes into its part of the
+        checkpoint, and training carries on from it (a checkpoint never changes what training does next). At the
+        end the average stays: it is the trained model."""
+        if not self.replicas_differ(step):
+            yield None
+            return
+        replica = to_host({"model": self.model.state_dict(), "optimizer": optimizer.state_dict()}, copy=True)
+        self.average(optimizer)
+        try:
+            yield replica
+        finally:
+            if not final:
+                self.model.load_state_dict(replica["model"])
+                optimizer.load_state_dict(replica["optimizer"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def _mean_over_ranks(self, value: torch.Tensor) -> float:
+        total = value.detach().reshape(1).to("cpu", torch.float64)
+        dist.all_reduce(total)
+        return total.item() / self.world_size
+
+
+TrainingMode = DataParallel | SharedGradients | Averaging
+
+
+def training_mode(spec: ParallelTrainingJobSpec, model: torch.nn.Module, device: torch.device,
+                  world_size: int) -> TrainingMode:
+    if spec.training_mode == "averaging":
+        return Averaging(model, spec, world_size)
+    if spec.training_mode == "sharedGradients":
+        return SharedGradients(model, device, spec)
+    return DataParallel(model, device)

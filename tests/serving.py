@@ -4,6 +4,9 @@ the `served` fixture (tests/conftest.py)."""
 from __future__ import annotations
 
 import http.client
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -116,3 +119,21 @@ class Servers:
             gate.open.set()
         for background in self.started:
             background.stop()
+
+
+def serve_process(manifest: Path, *args: str, command: str = "-m") -> subprocess.Popen:
+    """`tandem serve MANIFEST --port 0 ARGS...` in a process (command "tandem": the console script, as the README
+    runs it; "-m": python -m tandem.cli), with tests/ on PYTHONPATH for the test models."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    script = Path(sys.executable).with_name("tandem")
+    program = [str(script)] if command == "tandem" and script.exists() else [sys.executable, "-m", "tandem.cli"]
+    return subprocess.Popen([*program, "serve", str(manifest), "--port", "0", *args], cwd=ROOT, env=env,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def port_from_log(process: subprocess.Popen) -> int:
+    """The port from `tandem serve`'s first line: `listening on http://127.0.0.1:PORT ...`."""
+    line = process.stderr.readline()
+    assert "listening on http://127.0.0.1:" in line, line
+    return int(line.split("http://127.0.0.1:")[1].split()[0])

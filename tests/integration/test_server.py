@@ -5,14 +5,10 @@ with a gate (inference_models.Gate), never with sleeps or timed assertions."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import orjson
@@ -22,7 +18,6 @@ import tritonclient.http as triton
 from inference_models import GATES, POISON, Forward, Gate
 from serving import (
     ROOT,
-    TESTS,
     WAIT_S,
     gated_pool,
     infer,
@@ -30,8 +25,10 @@ from serving import (
     inputs,
     json_body,
     make_pool,
+    port_from_log,
     reference,
     request,
+    serve_process,
     wait_until,
     write_checkpoint,
 )
@@ -522,9 +519,9 @@ def test_sigterm_turns_not_ready_finishes_requests_in_flight_and_exits_0(tmp_pat
     manifest.write_text(json.dumps(make_pool(
         "drain", model={"callable": "inference_models:file_gated_mlp", "args": {"gate": str(gate)}, "inputShape": [64]},
         workersPerReplica=1, batchLimit=1).to_dict()))
-    process = _serve(manifest, "--grace-period", "120")
+    process = serve_process(manifest, "--grace-period", "120")
     try:
-        port = _port_from_log(process)
+        port = port_from_log(process)
         wait_until(lambda: request(port, "GET", "/v2/health/ready")[0] == 200, what="ready")
         held = np.ones((1, 64), np.float32)  # inputs of all ones wait for the gate file
         pool = ThreadPoolExecutor(3)
@@ -558,9 +555,9 @@ def test_a_drain_past_its_grace_period_answers_503_and_exits_0_right_after_it(tm
         "stuck", model={"callable": "inference_models:file_gated_mlp", "args": {"gate": str(tmp_path / "never")},
                         "inputShape": [64]},
         workersPerReplica=1, batchLimit=1).to_dict()))
-    process = _serve(manifest, "--grace-period", str(grace))
+    process = serve_process(manifest, "--grace-period", str(grace))
     try:
-        port = _port_from_log(process)
+        port = port_from_log(process)
         wait_until(lambda: request(port, "GET", "/v2/health/ready")[0] == 200, what="ready")
         held = json_body(np.ones((1, 64), np.float32))  # inputs of all ones wait for the gate file: forever
         pool = ThreadPoolExecutor(3)
@@ -595,12 +592,12 @@ def test_tandem_serve_checkpoint_serves_a_checkpoint_file_or_a_directorys_latest
     write_checkpoint(tmp_path / "directory", seed=4, step=3)
     latest = write_checkpoint(tmp_path / "directory", seed=5, step=9)
     cases = [(one, one, 1), (tmp_path / "directory", latest, 5)]  # --checkpoint, served checkpoint, its seed
-    processes = [_serve(ROOT / "examples" / "digits-pool.yaml", "--checkpoint", str(path), command="tandem")
+    processes = [serve_process(ROOT / "examples" / "digits-pool.yaml", "--checkpoint", str(path), command="tandem")
                  for path, _, _ in cases]
     try:
         x = inputs(1)
         for process, (_, served_checkpoint, seed) in zip(processes, cases, strict=True):
-            port = _port_from_log(process)
+            port = port_from_log(process)
             wait_until(lambda p=port: request(p, "GET", "/v2/health/ready")[0] == 200, what="ready")
             client = triton.InferenceServerClient(f"127.0.0.1:{port}")
             tensor = triton.InferInput("input", [1, 64], "FP32")
@@ -619,22 +616,3 @@ def test_tandem_serve_checkpoint_serves_a_checkpoint_file_or_a_directorys_latest
             if process.poll() is None:
                 process.kill()
                 process.wait()
-
-
-def _serve(manifest: Path, *args: str, command: str = "-m") -> subprocess.Popen:
-    """`tandem serve MANIFEST --port 0 ARGS...` in a process (command "tandem": the console script, as the README
-    runs it; "-m": python -m tandem.cli), with tests/ on PYTHONPATH for the test models."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    script = Path(sys.executable).with_name("tandem")
-    program = [str(script)] if command == "tandem" and script.exists() else [sys.executable, "-m", "tandem.cli"]
-    return subprocess.Popen([*program, "serve", str(manifest), "--port", "0", *args], cwd=ROOT, env=env,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def _port_from_log(process: subprocess.Popen) -> int:
-    """The port from `tandem serve`'s first line: `listening on http://127.0.0.1:PORT ...`."""
-    line = process.stderr.readline()
-    assert "listening on http://127.0.0.1:" in line, line
-    return int(line.split("http://127.0.0.1:")[1].split()[0])
-

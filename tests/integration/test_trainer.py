@@ -7,7 +7,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -284,15 +283,3 @@ def test_parallel_wrapper_ranks_update_their_own_replicas():
         trained.append(model.state_dict())
     for name in trained[0]:
         torch.testing.assert_close(trained[0][name], trained[1][name], rtol=1e-4, atol=1e-5)
-
-
-def test_the_readme_parallel_wrapper_example_runs(tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    example = next(block.split("```", 1)[0] for block in readme.split("```python\n")[1:] if "ParallelWrapper(" in block)
-    script = tmp_path / "readme_example.py"
-    script.write_text(example)
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    # The README's model is not seeded; sharedGradients for 30 epochs measured 0.978-0.981 over seeds 0-2
-    # (bench/RESULTS.md).
-    assert float(result.stdout.strip().splitlines()[-1]) >= 0.95

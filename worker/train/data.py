@@ -45,15 +45,16 @@ def training_steps(loader: DataLoader, position: Any, *, epochs: int, accumulati
     """The groups of micro-batches (one optimizer step each) from where `position` stands (its epoch and the
     micro-batches of it done) to the end of the last epoch. `position` moves as each group is handed out; its
     epoch turns with an epoch's last group. Close it (contextlib.closing) when leaving early."""
+    batches_per_epoch = len(loader)
     while position.epoch < epochs:
         batches = epoch_batches(loader, position.epoch, skip=position.batches_done, prefetch=prefetch)
         with closing(batches):
             for group in accumulation_groups(batches, accumulation):
                 position.batches_done += len(group)
-                if position.batches_done >= len(loader):
+                if position.batches_done >= batches_per_epoch:
                     position.epoch, position.batches_done = position.epoch + 1, 0
                 yield group
-        if position.batches_done >= len(loader):  # resumed at an epoch's very end
+        if position.batches_done >= batches_per_epoch:  # resumed at an epoch's very end
             position.epoch, position.batches_done = position.epoch + 1, 0
 
 

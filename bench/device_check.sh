@@ -5,9 +5,9 @@
 #   device: run(command="bash bench/device_check.sh", carry=[".device-wheels"], timeout_s=560)
 #
 # The device image brings python3 with torch (and numpy, rich, pyyaml, scikit-learn, uvloop); the wheels add
-# pydantic and the rest. It runs `tandem run` on one GPU, then benchmark (a) there: Tandem's loop against the
-# plain DDP loop, one rank over NCCL, on the bench's small MLP (where per-step overheads and host syncs show
-# most) and on a wider one; then the inference server's batched vs sequential and ceiling figures on the GPU.
+# pydantic and the rest. It runs `tandem run` on one GPU, an exact-resume check there, then benchmark (a):
+# Tandem's loop against the plain DDP loop, one rank over NCCL, on the bench's small MLP (where per-step overheads
+# and host syncs show most) and on a wider one; then the inference server's batched vs sequential and ceiling figures on the GPU.
 # Figures land in $OUT. Locally, as a dry run:
 #   PYTHON=.venv/bin/python DEVICE=cpu ROUNDS=1 STEPS=30 SHAPES="--hidden 64 --batch 16" SERVE_SECONDS=0.5 \
 #       bash bench/device_check.sh
@@ -27,16 +27,21 @@ fi
 "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 
 WORK=$(mktemp -d)  # checkpoints stay out of $OUT, which brings back 8 files at most
-"$PYTHON" - "$WORK" <<'PY'
+"$PYTHON" - "$WORK" "$DEVICE" <<'PY'
 import sys, yaml
 document = yaml.safe_load(open("examples/digits-train.yaml"))
 document["spec"]["checkpoint"]["directory"] = sys.argv[1] + "/checkpoints"
+if sys.argv[2] == "cuda":  # one GPU per rank, and no quiet fallback to the CPU
+    document["spec"]["gpusPerWorker"], document["spec"]["trainer"]["requireGPU"] = 1, True
 yaml.safe_dump(document, open(sys.argv[1] + "/digits-train.yaml", "w"))
 PY
 timeout 120 "$PYTHON" -m tandem.cli run "$WORK/digits-train.yaml" --workers 1 \
     --status-out "$OUT/digits-train-status.json" > /dev/null 2> "$OUT/digits-train-stderr.txt"
 "$PYTHON" -c "import json, sys; s = json.load(open(sys.argv[1])); print('tandem run:', s['phase'], s['metrics'])" \
     "$OUT/digits-train-status.json"
+
+# Exact resume on the device: the CUDA generator's state and cuBLAS in deterministic mode.
+timeout 150 "$PYTHON" bench/resume_check.py --device "$DEVICE" --workers 1 2>&1 | tee "$OUT/resume_check_$DEVICE.txt"
 
 IFS=';' read -ra shapes <<< "$SHAPES"
 for shape in "${shapes[@]}"; do

@@ -171,11 +171,15 @@ class ParallelTrainingJobSpec(PodSettings):
         {"rule": "self.trainingMode != 'sharedGradients' || self.trainer.mixedPrecision != 'fp16'",
          "message": "sharedGradients encodes gradients against a threshold, which fp16's changing loss scale "
                     "would move; use mixedPrecision bf16 or none"},
+        {"rule": "!has(self.trainer.requireGPU) || !self.trainer.requireGPU || self.gpusPerWorker >= 1",
+         "message": "trainer.requireGPU needs gpusPerWorker >= 1: a rank given no GPU trains on CPU"},
     ]}}
 
     workers: Annotated[int, Field(ge=1)] = 1
     """Number of ranks (one pod each; DL4J workers)."""
     gpus_per_worker: Annotated[int, Field(ge=0)] = 0
+    """GPUs given to each rank (its pod's nvidia.com/gpu limit); a rank trains on one of them with NCCL. 0: the
+    ranks train on CPU with gloo, even where CUDA is visible."""
     trainer: TrainerSpec
     training_mode: TrainingMode = "allReduce"
     averaging: Averaging = Field(default_factory=Averaging)
@@ -199,6 +203,8 @@ class ParallelTrainingJobSpec(PodSettings):
                 "trainingMode sharedGradients encodes gradients against a threshold, which fp16's changing loss "
                 "scale would move; use trainer.mixedPrecision bf16 or none"
             )
+        if self.trainer.require_gpu and self.gpus_per_worker == 0:
+            raise ValueError("trainer.requireGPU needs gpusPerWorker >= 1: a rank given no GPU trains on CPU")
         return self
 
 

@@ -55,6 +55,11 @@ def preflight(job: ParallelTrainingJob) -> Path | None:
             "spec.trainer.requireGPU is true but CUDA is not available on this machine; "
             "set requireGPU: false to train on CPU"
         )
+    if spec.gpus_per_worker and torch.cuda.is_available() and spec.workers > torch.cuda.device_count():
+        raise PreflightError(
+            f"spec.workers: {spec.workers} ranks with gpusPerWorker {spec.gpus_per_worker} need a GPU each; this "
+            f"machine has {torch.cuda.device_count()}: run with --workers {torch.cuda.device_count()}"
+        )
     try:
         model = build_model(trainer.model, trainer.model_args)
         for field, ref in (("data", trainer.data), ("evalData", trainer.eval_data)):

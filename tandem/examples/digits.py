@@ -60,13 +60,13 @@ def eval_data(image: bool = False) -> TensorDataset:
     return _dataset(x, y, image)
 
 
-def mlp(hidden: int = 128) -> nn.Module:
-    """64 -> hidden -> hidden -> 10 classifier."""
-    return nn.Sequential(
-        nn.Linear(FEATURES, hidden), nn.ReLU(),
-        nn.Linear(hidden, hidden), nn.ReLU(),
-        nn.Linear(hidden, CLASSES),
-    )
+def mlp(hidden: int = 128, dropout: float = 0.0) -> nn.Module:
+    """64 -> hidden -> hidden -> 10 classifier; with `dropout` > 0, a Dropout after each hidden layer (which moves
+    the later layers' indices in the state dict: a checkpoint fits the same `dropout` setting)."""
+    def hidden_layer(inputs: int) -> list[nn.Module]:
+        return [nn.Linear(inputs, hidden), nn.ReLU(), *([nn.Dropout(dropout)] if dropout > 0 else [])]
+
+    return nn.Sequential(*hidden_layer(FEATURES), *hidden_layer(hidden), nn.Linear(hidden, CLASSES))
 
 
 def cnn(channels: int = 16) -> nn.Module:

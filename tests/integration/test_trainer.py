@@ -162,7 +162,7 @@ def test_a_crashing_rank_fails_the_run_with_its_error_and_no_orphans(tmp_path):
     ({"model": "tandem.examples.digits:nope"}, {}, "has no attribute 'nope'"),
     ({"model": "userland:not_a_module", "modelArgs": {}}, {}, "returned a str, expected a Module"),
     ({"data": "missing.npz"}, {}, "data file 'missing.npz' does not exist"),
-    ({"requireGPU": True}, {}, "requireGPU is true but CUDA is not available"),
+    ({"requireGPU": True}, {"gpusPerWorker": 1}, "requireGPU is true but CUDA is not available"),
 ], ids=["bad-config", "bad-module", "bad-attribute", "not-a-model", "missing-data-file", "require-gpu"])
 def test_bad_config_and_references_fail_before_any_rank_starts(tmp_path, trainer, spec, expected):
     if trainer.get("requireGPU") and torch.cuda.is_available():

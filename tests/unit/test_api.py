@@ -203,6 +203,8 @@ INVALID = [
     ("custom without command", _train(trainingMode="custom"), "spec", "custom.command"),
     ("fp16 with sharedGradients", _train(trainingMode="sharedGradients", trainer={
         "model": "m:f", "data": "d:f", "mixedPrecision": "fp16"}), "spec", "use trainer.mixedPrecision bf16"),
+    ("requireGPU without GPUs", _train(trainer={"model": "m:f", "data": "d:f", "requireGPU": True}), "spec",
+     "trainer.requireGPU needs gpusPerWorker >= 1"),
     ("bad quantity", _train(resources={"limits": {"cpu": "lots"}}), "spec.resources.limits", "quantity"),
     ("two model sources", _pool(model={"callable": "m:f", "checkpoint": "/c.pt"}), "spec.model", "exactly one"),
     ("no model source", _pool(model={}), "spec.model", "exactly one"),

@@ -50,9 +50,14 @@ def test_contract_errors_name_the_variable(change, message):
         WorkerContract.from_environ(environ)
 
 
+def test_a_rank_given_no_gpu_trains_on_cpu_even_where_cuda_is_visible():
+    assert select_device(WorkerContract.from_environ(CONTRACT), gpus=0, require_gpu=False) == torch.device("cpu")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
-def test_require_gpu_without_cuda_is_a_hard_error():
+def test_gpus_without_cuda_fail_with_require_gpu_and_fall_back_loudly_without(capsys):
     env = WorkerContract.from_environ(CONTRACT)
-    with pytest.raises(ContractError, match="requireGPU is true but CUDA is not available"):
-        select_device(env, require_gpu=True)
-    assert select_device(env, require_gpu=False) == torch.device("cpu")
+    with pytest.raises(ContractError, match="requireGPU is true and spec.gpusPerWorker is 1 but CUDA is not"):
+        select_device(env, gpus=1, require_gpu=True)
+    assert select_device(env, gpus=1, require_gpu=False) == torch.device("cpu")
+    assert "warning: spec.gpusPerWorker is 1 but CUDA is not available" in capsys.readouterr().err

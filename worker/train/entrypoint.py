@@ -37,7 +37,7 @@ def main() -> int:
     if job.spec.training_mode == "custom":
         return run_custom(job)
     spec, trainer = job.spec, job.spec.trainer
-    device = join_group(env, require_gpu=trainer.require_gpu)
+    device = join_group(env, gpus=spec.gpus_per_worker, require_gpu=trainer.require_gpu)
     seed_everything(trainer.seed, trainer.deterministic)  # the same initial weights on every rank and every run
     model = build_model(trainer.model, trainer.model_args)
     train_set = load_dataset(trainer.data, trainer.data_args)

@@ -18,20 +18,22 @@ from tandem.contract import ContractError, WorkerContract
 from tandem.worker.cores import share_cores
 
 
-def select_device(env: WorkerContract, *, require_gpu: bool) -> torch.device:
-    """One GPU per local rank when CUDA is present; CPU otherwise, unless the job requires a GPU."""
-    if torch.cuda.is_available():
+def select_device(env: WorkerContract, *, gpus: int, require_gpu: bool) -> torch.device:
+    """The GPU of this local rank (cuda:LOCAL_RANK) when the job gives its ranks GPUs (spec.gpusPerWorker > 0);
+    the CPU when it gives none. Given GPUs but no CUDA: an error with requireGPU, else the CPU and a warning."""
+    if gpus > 0 and torch.cuda.is_available():
         if env.local_rank >= torch.cuda.device_count():
             raise ContractError(
                 f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} CUDA device(s) are visible"
             )
         torch.cuda.set_device(env.local_rank)
         return torch.device("cuda", env.local_rank)
-    if require_gpu:
-        raise ContractError(
-            "trainer.requireGPU is true but CUDA is not available in this worker "
-            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); refusing to train on CPU"
-        )
+    if gpus > 0:
+        why = (f"spec.gpusPerWorker is {gpus} but CUDA is not available in this worker "
+               f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'})")
+        if require_gpu:
+            raise ContractError(f"trainer.requireGPU is true and {why}; refusing to train on CPU")
+        print(f"tandem worker: warning: {why}; training on CPU", file=sys.stderr, flush=True)
     return torch.device("cpu")
 
 
@@ -69,11 +71,11 @@ def init_process_group(env: WorkerContract, device: torch.device, *, timeout: fl
     )
 
 
-def join_group(env: WorkerContract, *, require_gpu: bool = False) -> torch.device:
+def join_group(env: WorkerContract, *, gpus: int = 0, require_gpu: bool = False) -> torch.device:
     """Everything a rank does before training: take its share of the machine's cores, its device (one GPU per
     local rank), and its place in the group. Returns the device."""
     share_cores(env.local_world_size)
-    device = select_device(env, require_gpu=require_gpu)
+    device = select_device(env, gpus=gpus, require_gpu=require_gpu)
     init_process_group(env, device)
     return device
 

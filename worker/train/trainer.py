@@ -10,6 +10,7 @@ data.py, nonfinite.py, rank_agreement.py, reporting.py, evaluation.py.
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Callable
 from contextlib import closing
@@ -63,6 +64,9 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     if deterministic:
+        # cuBLAS is deterministic only with a fixed workspace, which it reads when it starts: without it,
+        # deterministic mode makes the first matrix product on a GPU raise.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
 

@@ -41,7 +41,8 @@ class ParallelWrapper:
     Keyword options map onto the ParallelTrainingJob spec: `mode` (allReduce | sharedGradients | averaging),
     `batch_size` (per worker), `epochs`, `max_steps`, `optimizer` ("sgd" | "adam" | "adamw"), `lr`,
     `momentum`, `weight_decay`, `averaging_frequency`, `average_optimizer_state`, `prefetch_buffer`,
-    `checkpoint_dir`, and any other TrainerSpec field by its Python name (e.g. `gradient_clip_norm=1.0`).
+    `gpus` (one GPU per worker; default: when CUDA is available), `checkpoint_dir`, and any other TrainerSpec
+    field by its Python name (e.g. `gradient_clip_norm=1.0`).
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class ParallelWrapper:
         weight_decay: float = 0.0,
         averaging_frequency: int = 1,
         average_optimizer_state: bool = True,
+        gpus: bool | None = None,
         checkpoint_dir: str | Path | None = None,
         show_progress: bool = True,
         **trainer_options: Any,
@@ -66,8 +68,10 @@ class ParallelWrapper:
         self.show_progress = show_progress
         self._owned_checkpoint_dir = checkpoint_dir is None
         self.checkpoint_dir = Path(checkpoint_dir or tempfile.mkdtemp(prefix="tandem-wrapper-"))
+        use_gpus = torch.cuda.is_available() if gpus is None else gpus
         self.spec_fields = {
             "workers": workers,
+            "gpus_per_worker": 1 if use_gpus else 0,
             "training_mode": mode,
             "averaging": {"frequency": averaging_frequency, "average_optimizer_state": average_optimizer_state},
             "checkpoint": {"directory": str(self.checkpoint_dir), "resume": False},
@@ -120,7 +124,7 @@ def _rank_main(rank, spec_json, port, model, data, eval_data, results: Path, sho
     model = copy.deepcopy(model)
     spec = ParallelTrainingJobSpec.model_validate_json(spec_json)
     env = WorkerContract.local(rank, spec.workers, master_port=port, job="ParallelWrapper")
-    device = join_group(env, require_gpu=spec.trainer.require_gpu)
+    device = join_group(env, gpus=spec.gpus_per_worker, require_gpu=spec.trainer.require_gpu)
     sinks = [ConsoleSink("ParallelWrapper")] if rank == 0 and show_progress else []
     context = RankContext(
         rank=rank, world_size=spec.workers, device=device, job=env.job,

@@ -66,6 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
               "(the worker contract, tandem/contract.py)", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="tandem serve: %(message)s", stream=sys.stderr)
+    from tandem.worker.process_exit import exit_without_teardown
     from tandem.worker.serve.app import InferenceServer  # imports torch
     from tandem.worker.serve.http import new_event_loop
     from tandem.worker.serve.model_loading import ModelLoadError
@@ -78,7 +79,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     port = pool.spec.port if args.port is None else args.port
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(server.run(args.host, port))
+        code = runner.run(server.run(args.host, port))
+    exit_without_teardown(code)  # a forward still running past the grace period would abort the teardown
 
 
 def _not_available(feature: str, issue: str):

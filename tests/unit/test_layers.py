@@ -34,6 +34,7 @@ RULES = [
     ("tandem.worker.checkpoint", ["tandem.worker.train", "tandem.worker.serve", "tandem.operator"]),
     ("tandem.worker.user_code", ["tandem.worker.train", "tandem.worker.serve", "tandem.operator"]),
     ("tandem.worker.cores", ["tandem.worker.train", "tandem.worker.serve", "tandem.operator"]),
+    ("tandem.worker.process_exit", ["tandem.worker.train", "tandem.worker.serve", "tandem.operator"]),
 ]
 NOT_WRITTEN_YET = {"tandem.operator"}  # the operator's code comes with issue 10; its rule holds from its first file
 TORCH_FREE = ["tandem.api", "tandem.contract", "tandem.operator", "tandem.manifest", "tandem.crd"]

@@ -13,7 +13,8 @@ from typing import NoReturn
 
 from tandem.api import ParallelTrainingJob
 from tandem.contract import WorkerContract
-from tandem.worker.train.process_group import exit_without_teardown, join_group, shutdown_process_group
+from tandem.worker.process_exit import exit_without_teardown
+from tandem.worker.train.process_group import join_group, shutdown_process_group
 from tandem.worker.train.reporting import ConsoleSink, StatusFileSink, read_status_file
 from tandem.worker.train.signals import watch_stop_signals
 from tandem.worker.train.trainer import RankContext, seed_everything, train

@@ -4,12 +4,10 @@ it cleanly."""
 from __future__ import annotations
 
 import gc
-import os
 import socket
 import sys
 import time
 from datetime import timedelta
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -95,11 +93,3 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def exit_without_teardown(code: int) -> NoReturn:
-    """Leave the process at once, skipping interpreter teardown: a torch.distributed thread that outlives it
-    aborts the process (see shutdown_process_group), which would turn a finished rank into a crash."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

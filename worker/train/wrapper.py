@@ -24,7 +24,8 @@ from torch.utils.data import Dataset
 
 from tandem.api import ParallelTrainingJobSpec, ParallelTrainingJobStatus
 from tandem.contract import WorkerContract
-from tandem.worker.train.process_group import exit_without_teardown, free_port, join_group, shutdown_process_group
+from tandem.worker.process_exit import exit_without_teardown
+from tandem.worker.train.process_group import free_port, join_group, shutdown_process_group
 from tandem.worker.train.reporting import ConsoleSink
 from tandem.worker.train.trainer import RankContext, train
 

@@ -19,6 +19,8 @@ CallableRef = Annotated[str, StringConstraints(pattern=CALLABLE_REF)]
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 ResourceName = Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=DNS_LABEL)]
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SubdomainName = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
 Quantity = int | str
 """A Kubernetes quantity: an integer or a string such as `500m`, `4Gi`, `1`."""
 
@@ -116,6 +118,10 @@ class PodSettings(ApiModel):
     tolerations: list[Toleration] = Field(default_factory=list)
     volumes: list[Volume] = Field(default_factory=list)
     volume_mounts: list[VolumeMount] = Field(default_factory=list)
+    scheduler_name: SubdomainName | None = None
+    """The pods' scheduler: a batch scheduler (Volcano, Kueue's, ...) can admit a job's ranks as one gang."""
+    priority_class_name: SubdomainName | None = None
+    """The pods' PriorityClass, for preemption between jobs."""
 
 
 class Condition(ApiModel):

@@ -1,0 +1,100 @@
+"""What the operator reads from the cluster, reduced to the facts its decisions use: a rank pod's state, and
+Kubernetes-style conditions kept with their transition times."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from tandem.operator.training_objects import GROUP_LABEL, RANK_LABEL
+
+MESSAGE_TAIL = 600
+"""Characters of a failed rank's termination message carried into the job's status."""
+WAITING_FAILURES = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
+                    "CreateContainerError", "CrashLoopBackOff"}
+
+
+@dataclass(frozen=True)
+class RankPod:
+    """One rank pod, as far as the job's state goes."""
+
+    rank: int
+    name: str
+    group: int
+    phase: str
+    """Pending, Running, Succeeded, Failed (Unknown counts as Pending)."""
+    ready: bool
+    terminating: bool
+    exit_code: int | None = None
+    termination_message: str = ""
+    """The container's terminated reason and message (its last log lines on a failure)."""
+    pending_reason: str = ""
+    pending_message: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+    @property
+    def live(self) -> bool:
+        """Running or about to: neither finished nor on its way out."""
+        return not self.finished and not self.terminating
+
+
+def observe_pod(pod: dict[str, Any]) -> RankPod:
+    metadata, status = pod.get("metadata", {}), pod.get("status") or {}
+    labels = metadata.get("labels") or {}
+    container = next(iter(status.get("containerStatuses") or []), {})
+    state = container.get("state") or {}
+    terminated, waiting = state.get("terminated") or {}, state.get("waiting") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    phase = status.get("phase") or "Pending"
+    reason, message = "", ""
+    if phase in ("Pending", "Unknown"):
+        scheduled = conditions.get("PodScheduled", {})
+        if scheduled.get("status") == "False":
+            reason, message = scheduled.get("reason") or "Unschedulable", scheduled.get("message") or ""
+        elif waiting:
+            reason, message = waiting.get("reason") or "ContainerCreating", waiting.get("message") or ""
+        else:
+            reason = "ContainerCreating"
+    termination = " ".join(part for part in (terminated.get("reason"), terminated.get("message")) if part)
+    if phase == "Failed" and not termination:
+        termination = " ".join(part for part in (status.get("reason"), status.get("message")) if part)
+    return RankPod(
+        rank=int(labels.get(RANK_LABEL, -1)),
+        name=metadata.get("name", ""),
+        group=int(labels.get(GROUP_LABEL, 0)),
+        phase="Pending" if phase == "Unknown" else phase,
+        ready=conditions.get("Ready", {}).get("status") == "True",
+        terminating=bool(metadata.get("deletionTimestamp")),
+        exit_code=terminated.get("exitCode"),
+        termination_message=termination.strip()[-MESSAGE_TAIL:],
+        pending_reason=reason,
+        pending_message=message,
+    )
+
+
+def timestamp(value: str | datetime | None) -> datetime | None:
+    if value is None or isinstance(value, datetime):
+        return value
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def isoformat(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(conditions: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
+    return next((c for c in conditions if c.get("type") == kind), None)
+
+
+def with_condition(conditions: list[dict[str, Any]], kind: str, status: bool, reason: str, message: str,
+                   now: datetime) -> list[dict[str, Any]]:
+    """`conditions` with `kind` set; its lastTransitionTime moves only when its status changes."""
+    value = "True" if status else "False"
+    previous = condition(conditions, kind)
+    since = previous["lastTransitionTime"] if previous and previous.get("status") == value else isoformat(now)
+    updated = {"type": kind, "status": value, "reason": reason, "message": message, "lastTransitionTime": since}
+    return [*(c for c in conditions if c.get("type") != kind), updated]

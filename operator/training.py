@@ -1,0 +1,324 @@
+"""A ParallelTrainingJob's decisions, as one pure function: (the job, its rank pods, its spec ConfigMap, the clock)
+-> a Plan (objects to create, pods to delete, the operator's status fields, events, when to look again).
+
+The operator writes phase, conditions, workers, master, restarts, startTime, completionTime, message,
+observedGeneration and selector; rank 0 writes progress, metrics, communication and checkpoint. Neither writes
+the other's fields (a merge patch of its own). The rules, in the order they apply:
+
+1. A manifest the API models reject gets an InvalidSpec condition naming each field; nothing else happens.
+2. Succeeded or Failed is final: rank pods still running are deleted (their GPUs released; finished pods stay for
+   their logs), and `ttlSecondsAfterFinished` after completion the job itself is deleted.
+3. Past `activeDeadlineSeconds`: Failed (DeadlineExceeded), pods deleted.
+4. `suspend: true`: the pods are deleted (SIGTERM: the ranks checkpoint), phase Suspended; `suspend: false` starts
+   a group again from the latest checkpoint, with the spec as it is then.
+5. A running group whose trainer, image, GPUs or other group settings changed keeps running as it was, with a
+   SpecChangeRefused condition (suspend and resume the job to apply them); a changed `workers` (or `kubectl
+   scale`) restarts the group at the new size from the latest checkpoint.
+6. A rank that fails, a rank pod deleted or evicted, or rank 0 silent past `heartbeatTimeoutSeconds`, fails the
+   group: every pod is deleted, and once they are gone and the backoff has passed a new group starts from
+   `status.checkpoint.latest` (tandem/restart_policy.py), until `backoffLimit` restarts are spent: Failed.
+7. Otherwise the phase follows the pods: Pending (with the scheduler's or the kubelet's reason), Running once
+   every rank runs, Succeeded when every rank exited 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from tandem.api import ParallelTrainingJob
+from tandem.manifest import ManifestError, parse
+from tandem.operator.observed import condition, isoformat, observe_pod, timestamp, with_condition
+from tandem.operator.training_objects import (
+    MASTER_PORT,
+    applied_job,
+    group_objects,
+    master_address,
+    pod_name,
+    selector_string,
+    worker_pod,
+)
+from tandem.restart_policy import after_failure, backoff_seconds, deadline_exceeded, heartbeat_expired, seconds_left
+
+PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
+POLICY_FIELDS = {"workers", "suspend", "backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished",
+                 "heartbeatTimeoutSeconds"}
+"""Spec fields read live from the job; every other field is the group's, fixed while it runs."""
+WAIT_SECONDS = 1.0
+"""How soon to look again while pods are on their way out."""
+WATCH_SECONDS = 5.0
+"""How soon to look again while a group runs (heartbeat and deadline); pod changes come sooner, as events."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    worker_image: str = "tandem-worker:latest"
+    restart_backoff_seconds: float = 10.0
+
+
+@dataclass
+class Plan:
+    create: list[dict[str, Any]] = field(default_factory=list)
+    """Objects to create; a ConfigMap that exists already is replaced, anything else that exists is kept."""
+    delete_pods: list[str] = field(default_factory=list)
+    delete_job: bool = False
+    status: dict[str, Any] = field(default_factory=dict)
+    """The operator's status fields (a merge patch of the status subresource)."""
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+    """(type, reason, message) Events to post on the job."""
+    requeue_after: float | None = None
+
+
+def reconcile(body: dict[str, Any], pods: list[dict[str, Any]], config_map: dict[str, Any] | None, now: datetime,
+              settings: Settings) -> Plan:
+    return _Reconciler(body, pods, config_map, now, settings).plan()
+
+
+class _Reconciler:
+    def __init__(self, body: dict[str, Any], pods: list[dict[str, Any]], config_map: dict[str, Any] | None,
+                 now: datetime, settings: Settings):
+        self.body, self.now, self.settings = body, now, settings
+        self.status = dict(body.get("status") or {})
+        self.phase = self.status.get("phase") or "Pending"
+        self.conditions = list(self.status.get("conditions") or [])
+        self.restarts = int(self.status.get("restarts") or 0)
+        self.pods = sorted((observe_pod(p) for p in pods), key=lambda p: p.rank)
+        self.live = [p for p in self.pods if p.live]
+        self.config_map = config_map
+        self.result = Plan()
+
+    # -- the rules ---------------------------------------------------------------------------------------------
+
+    def plan(self) -> Plan:
+        try:
+            self.job = _parse(self.body)
+        except ManifestError as error:
+            return self._invalid(error.problems)
+        self.spec = self.job.spec
+        self._clear("InvalidSpec", "SpecValid", "the spec is valid")
+        if self.phase in ("Succeeded", "Failed"):
+            self._finished()
+        elif deadline_exceeded(timestamp(self.status.get("startTime")), self.spec.active_deadline_seconds, self.now):
+            self._fail("DeadlineExceeded", f"the job ran past activeDeadlineSeconds "
+                                           f"({self.spec.active_deadline_seconds} s)")
+        elif self.spec.suspend:
+            self._suspend()
+        elif self.phase == "Suspended":
+            self._resume()
+        elif self.phase == "Restarting":
+            self._restart_when_ready()
+        elif not self.pods:
+            self._start_group(self.job, "Created", f"starting {self.spec.workers} ranks")
+        elif (resize := self._resize()) is not None:
+            self._tear_down("Resizing", resize)
+        elif (failure := self._failure()) is not None:
+            self._group_failed(failure)
+        else:
+            self._follow_pods()
+        return self._finish()
+
+    def _invalid(self, problems: list[str]) -> Plan:
+        message = "; ".join(problems)
+        if not (previous := condition(self.conditions, "InvalidSpec")) or previous.get("message") != message:
+            self.result.events.append(("Warning", "InvalidSpec", message))
+        self.conditions = with_condition(self.conditions, "InvalidSpec", True, "InvalidSpec", message, self.now)
+        self.result.status = {"conditions": self.conditions, "message": f"invalid spec: {message}"}
+        return self.result
+
+    def _finished(self) -> None:
+        self._delete(p for p in self.live)
+        ttl = self.spec.ttl_seconds_after_finished
+        completed = timestamp(self.status.get("completionTime"))
+        if ttl is not None and completed is not None:
+            left = ttl - (self.now - completed).total_seconds()
+            if left <= 0:
+                self.result.delete_job = True
+            else:
+                self.result.requeue_after = left
+
+    def _suspend(self) -> None:
+        self._delete(p for p in self.pods if not p.terminating)
+        waiting = [p for p in self.pods if not p.finished]
+        message = f"suspended: {len(waiting)} rank(s) stopping" if waiting else "suspended"
+        self._set_phase("Suspended", "Suspended", message)
+        if waiting:
+            self.result.requeue_after = WAIT_SECONDS
+
+    def _resume(self) -> None:
+        """`suspend: false` again: once the suspended ranks are gone, a group starts with the spec as it is now."""
+        if self.pods:
+            self._delete(p for p in self.pods if not p.terminating)
+            self.result.requeue_after = WAIT_SECONDS
+            return
+        self._start_group(self.job, "Resumed", "resumed: starting the ranks from the latest checkpoint")
+
+    def _restart_when_ready(self) -> None:
+        """The group is torn down after a failure or for a resize: start the next once every pod is gone and the
+        backoff has passed."""
+        self._delete(p for p in self.pods if not p.terminating)
+        if self.pods:
+            self.result.requeue_after = WAIT_SECONDS
+            return
+        restarting = condition(self.conditions, "Restarting") or {}
+        since = timestamp(restarting.get("lastTransitionTime")) or self.now
+        delay = 0.0 if restarting.get("reason") == "Resizing" else backoff_seconds(
+            max(0, self.restarts - 1), self.settings.restart_backoff_seconds)
+        left = delay - (self.now - since).total_seconds()
+        if left > 0:
+            self.result.requeue_after = left
+            return
+        running = applied_job(self.config_map) or self.job  # a refused change stays refused across restarts
+        running.spec.workers = self.spec.workers
+        self._start_group(running, "Restarted", f"starting {self.spec.workers} ranks again from "
+                                                f"{self.status.get('checkpoint', {}).get('latest') or 'scratch'}")
+
+    def _resize(self) -> str | None:
+        """A running group's spec change: the new size to restart at, or None (other changes are refused)."""
+        running = applied_job(self.config_map)
+        if running is None:
+            return None
+        changed = sorted(key for key in _group_spec(self.job) if _group_spec(self.job)[key] != _group_spec(running)
+                         .get(key)) + sorted(set(_group_spec(running)) - set(_group_spec(self.job)))
+        if changed:
+            self.conditions = with_condition(
+                self.conditions, "SpecChangeRefused", True, "RunningGroup",
+                f"spec.{', spec.'.join(changed)} cannot change while the ranks run; the job keeps running as it "
+                "was (suspend and resume it to apply the change)", self.now)
+        else:
+            self._clear("SpecChangeRefused", "SpecApplied", "the ranks run the job's spec")
+        if running.spec.workers != self.spec.workers:
+            return f"resizing from {running.spec.workers} to {self.spec.workers} ranks from the latest checkpoint"
+        return None
+
+    def _failure(self) -> str | None:
+        """Why the running group has failed, if it has."""
+        for pod in self.pods:
+            if pod.phase == "Failed":
+                detail = f": {pod.termination_message}" if pod.termination_message else ""
+                return f"rank {pod.rank} (pod {pod.name}) exited with code {pod.exit_code}{detail}"
+            if pod.terminating:
+                return f"rank {pod.rank}'s pod {pod.name} was deleted or evicted"
+        ranks = {p.rank for p in self.pods}
+        if self.phase == "Running":
+            missing = sorted(set(range(self.spec.workers)) - ranks)
+            if missing:
+                return f"rank {missing[0]}'s pod {pod_name(self.job.metadata.name, missing[0])} is gone"
+            running_since = timestamp((condition(self.conditions, "Running") or {}).get("lastTransitionTime"))
+            heartbeat = timestamp((self.status.get("progress") or {}).get("lastHeartbeat"))
+            if heartbeat_expired(heartbeat, running_since, self.spec.heartbeat_timeout_seconds, self.now):
+                return f"rank 0 sent no heartbeat for more than {self.spec.heartbeat_timeout_seconds} s"
+        return None
+
+    def _group_failed(self, cause: str) -> None:
+        decision = after_failure(restarts_done=self.restarts, backoff_limit=self.spec.backoff_limit,
+                                 base_seconds=self.settings.restart_backoff_seconds, cause=cause)
+        if decision.action == "fail":
+            self._fail(decision.reason, decision.message)
+            return
+        self.restarts = decision.restarts
+        self._tear_down("Restarting", decision.message, warning=True)
+
+    def _tear_down(self, reason: str, message: str, warning: bool = False) -> None:
+        self._delete(p for p in self.pods if not p.terminating)
+        self._set_phase("Restarting", reason, message, warning=warning)
+        self.result.requeue_after = WAIT_SECONDS
+
+    def _follow_pods(self) -> None:
+        ranks = {p.rank for p in self.pods}
+        missing = [r for r in range(self.spec.workers) if r not in ranks]
+        if missing:  # a group whose creation was interrupted (the operator restarted): finish it
+            running = applied_job(self.config_map) or self.job
+            self.result.create += [self._pod(running, rank) for rank in missing]
+        if len(self.pods) == self.spec.workers and all(p.phase == "Succeeded" for p in self.pods):
+            self._set_phase("Succeeded", "Succeeded", "every rank exited 0: training complete")
+            self.status["completionTime"] = isoformat(self.now)
+        elif self.pods and not missing and all(p.phase in ("Running", "Succeeded") for p in self.pods):
+            self._set_phase("Running", "Running", f"{self.spec.workers} ranks running")
+            self.result.requeue_after = WATCH_SECONDS
+        else:
+            pending = next((p for p in self.pods if p.phase == "Pending"), None)
+            if pending is None:
+                message = "waiting for the rank pods to be created"
+            else:
+                detail = f": {pending.pending_message}" if pending.pending_message else ""
+                message = f"rank {pending.rank} (pod {pending.name}): {pending.pending_reason}{detail}"
+            self._set_phase("Pending", pending.pending_reason if pending else "Creating", message)
+            self.result.requeue_after = WATCH_SECONDS
+
+    # -- actions -----------------------------------------------------------------------------------------------
+
+    def _start_group(self, job: ParallelTrainingJob, reason: str, message: str) -> None:
+        self.result.create += group_objects(self.body, job)
+        self.result.create += [self._pod(job, rank) for rank in range(job.spec.workers)]
+        self.status.setdefault("startTime", isoformat(self.now))
+        durable = job.spec.checkpoint.persistent_volume_claim is not None
+        self.conditions = with_condition(
+            self.conditions, "CheckpointsDurable", durable, "PersistentVolumeClaim" if durable else "EmptyDir",
+            f"checkpoints on claim {job.spec.checkpoint.persistent_volume_claim}" if durable else
+            "checkpoints are kept on an emptyDir: they do not survive a restart of the ranks; set "
+            "spec.checkpoint.persistentVolumeClaim to keep them", self.now)
+        if self.phase == "Pending":  # a first group: Pending already, but its creation is an event of its own
+            self.result.events.append(("Normal", reason, message))
+        self._set_phase("Pending", reason, message)
+        self.result.requeue_after = WAIT_SECONDS
+
+    def _pod(self, job: ParallelTrainingJob, rank: int) -> dict[str, Any]:
+        return worker_pod(self.body, job, rank, group=self.restarts,
+                              resume_from=(self.status.get("checkpoint") or {}).get("latest"),
+                              default_image=self.settings.worker_image)
+
+    def _fail(self, reason: str, message: str) -> None:
+        self._delete(p for p in self.live)
+        self._set_phase("Failed", reason, message, warning=True)
+        self.status["completionTime"] = isoformat(self.now)
+
+    def _delete(self, pods) -> None:
+        self.result.delete_pods += [p.name for p in pods if p.name not in self.result.delete_pods]
+
+    def _set_phase(self, phase: str, reason: str, message: str, warning: bool = False) -> None:
+        """The phase, its condition True (the other phases' False), and an Event when the phase changes."""
+        if phase != self.phase:
+            self.result.events.append(("Warning" if warning else "Normal", reason, message))
+        for kind in PHASES:
+            if kind == phase:
+                self.conditions = with_condition(self.conditions, kind, True, reason, message, self.now)
+            elif condition(self.conditions, kind) is not None:
+                self.conditions = with_condition(self.conditions, kind, False, reason, message, self.now)
+        self.phase = phase
+        self.status["message"] = message
+
+    def _clear(self, kind: str, reason: str, message: str) -> None:
+        if (condition(self.conditions, kind) or {}).get("status") == "True":
+            self.conditions = with_condition(self.conditions, kind, False, reason, message, self.now)
+
+    def _finish(self) -> Plan:
+        name = self.job.metadata.name
+        ready = sum(1 for p in self.pods if p.ready and p.phase == "Running")
+        self.result.status = {
+            "phase": self.phase,
+            "conditions": self.conditions,
+            "workers": {"ready": ready, "total": self.spec.workers},
+            "master": {"pod": pod_name(name, 0), "address": master_address(name), "port": MASTER_PORT},
+            "restarts": self.restarts,
+            "message": self.status.get("message", ""),
+            "observedGeneration": self.body.get("metadata", {}).get("generation"),
+            "selector": selector_string(name),
+            **{key: self.status[key] for key in ("startTime", "completionTime") if self.status.get(key)},
+        }
+        left = seconds_left(timestamp(self.status.get("startTime")), self.spec.active_deadline_seconds, self.now)
+        if left is not None and left > 0 and self.phase not in ("Succeeded", "Failed"):
+            self.result.requeue_after = min(self.result.requeue_after or left, left)
+        return self.result
+
+
+def _parse(body: dict[str, Any]) -> ParallelTrainingJob:
+    metadata = body.get("metadata", {})
+    document = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+                "metadata": {"name": metadata.get("name"), "namespace": metadata.get("namespace")},
+                "spec": body.get("spec")}
+    return parse(document, source=f"{body.get('kind')} {metadata.get('name')}")
+
+
+def _group_spec(job: ParallelTrainingJob) -> dict[str, Any]:
+    return {key: value for key, value in job.spec.to_dict().items() if key not in POLICY_FIELDS}

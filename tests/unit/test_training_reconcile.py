@@ -1,0 +1,318 @@
+"""The ParallelTrainingJob's decisions (operator/training.py) and objects (operator/training_objects.py), without a
+cluster: table-driven cases (name, the observed job and pods, the expected plan), one per transition, in the shape
+of Kubeflow SDK's backend tests. Every object the operator would create passes kubernetes-validate --strict."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from tandem.operator.training import Settings, reconcile
+from tandem.operator.training_objects import (
+    CHECKPOINT_MOUNT,
+    GROUP_LABEL,
+    JOB_LABEL,
+    RANK_LABEL,
+    applied_job,
+    child_name,
+    spec_config_map,
+    worker_pod,
+)
+
+NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
+SETTINGS = Settings(worker_image="registry.example/tandem-worker:1", restart_backoff_seconds=10)
+
+
+def ago(seconds: float) -> str:
+    return (NOW - timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def job(status: dict | None = None, **spec: Any) -> dict[str, Any]:
+    body = {
+        "apiVersion": "tandem.dev/v1alpha1", "kind": "ParallelTrainingJob",
+        "metadata": {"name": "digits", "namespace": "ml", "uid": "uid-1", "generation": 1},
+        "spec": {"workers": 2, "trainer": {"model": "tandem.examples.digits:mlp",
+                                            "data": "tandem.examples.digits:train_data"},
+                 "checkpoint": {"directory": "digits", "persistentVolumeClaim": "checkpoints"}, **spec},
+    }
+    if status is not None:
+        body["status"] = status
+    return body
+
+
+def conditions(**kinds: tuple[str, str, float]) -> list[dict[str, str]]:
+    """Conditions from kind=(status, reason, seconds ago)."""
+    return [{"type": kind, "status": value, "reason": reason, "message": "", "lastTransitionTime": ago(seconds)}
+            for kind, (value, reason, seconds) in kinds.items()]
+
+
+def running(restarts: int = 0, heartbeat: float | None = 2, started: float = 60, running_for: float = 50,
+            **extra: Any) -> dict[str, Any]:
+    status = {"phase": "Running", "restarts": restarts, "startTime": ago(started),
+              "conditions": conditions(Running=("True", "Running", running_for)),
+              "checkpoint": {"latest": f"{CHECKPOINT_MOUNT}/digits/step-00000100.pt"}, **extra}
+    if heartbeat is not None:
+        status["progress"] = {"lastHeartbeat": ago(heartbeat)}
+    return status
+
+
+def restarting(seconds: float, restarts: int = 0, reason: str = "Restarting") -> dict[str, Any]:
+    """A job torn down `seconds` ago after a failure (or for a resize), waiting to start its next group."""
+    return running(restarts=restarts, phase="Restarting", conditions=conditions(Restarting=("True", reason, seconds)))
+
+
+def pod(rank: int, phase: str = "Running", *, exit_code: int | None = None, message: str = "",
+        terminating: bool = False, waiting: tuple[str, str] | None = None,
+        unschedulable: str | None = None) -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": phase, "conditions": [{"type": "Ready",
+                                                             "status": "True" if phase == "Running" else "False"}]}
+    if exit_code is not None:
+        status["containerStatuses"] = [{"name": "worker", "state": {"terminated": {
+            "exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error", "message": message}}}]
+    if waiting is not None:
+        status["containerStatuses"] = [{"name": "worker", "state": {"waiting": {"reason": waiting[0],
+                                                                                "message": waiting[1]}}}]
+    if unschedulable is not None:
+        status["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                 "message": unschedulable}]
+    metadata: dict[str, Any] = {"name": f"digits-worker-{rank}", "namespace": "ml",
+                                "labels": {JOB_LABEL: "digits", RANK_LABEL: str(rank), GROUP_LABEL: "0"}}
+    if terminating:
+        metadata["deletionTimestamp"] = ago(1)
+    return {"metadata": metadata, "status": status}
+
+
+def applied(body: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    """The spec ConfigMap of the group now running (as it was created, with `spec` changed)."""
+    was = copy.deepcopy(body)
+    was["spec"].update(spec)
+    from tandem.manifest import parse
+
+    return spec_config_map(was, parse({k: was[k] for k in ("apiVersion", "kind", "metadata", "spec")}))
+
+
+def kinds(plan) -> list[str]:
+    return [f"{o['kind']}/{o['metadata']['name']}" for o in plan.create]
+
+
+GROUP = ["Service/digits-workers", "ConfigMap/digits-spec", "ServiceAccount/digits-rank0", "Role/digits-rank0",
+         "RoleBinding/digits-rank0", "Pod/digits-worker-0", "Pod/digits-worker-1"]
+BOTH_RUNNING = [pod(0), pod(1)]
+
+# (name, job, pods, config map changes or None (none yet) or {} (as the job), expected)
+CASES = [
+    ("new job: a group is created", job(), [], None,
+     {"phase": "Pending", "create": GROUP, "event": "Created"}),
+    ("pods scheduled but not running: pending with the kubelet's reason", job(running()), [pod(0, "Pending"), pod(1)],
+     {}, {"phase": "Pending", "message": "rank 0 (pod digits-worker-0): ContainerCreating"}),
+    ("unschedulable: the scheduler's message", job({"phase": "Pending"}),
+     [pod(0, "Pending", unschedulable="0/3 nodes are available: 3 Insufficient nvidia.com/gpu."), pod(1, "Pending")],
+     {}, {"phase": "Pending", "message": "rank 0 (pod digits-worker-0): Unschedulable: 0/3 nodes are available: "
+                                         "3 Insufficient nvidia.com/gpu."}),
+    ("image pull: the image named", job({"phase": "Pending"}),
+     [pod(0, "Pending", waiting=("ImagePullBackOff", 'Back-off pulling image "nope:1"')), pod(1, "Pending")],
+     {}, {"phase": "Pending", "message": 'rank 0 (pod digits-worker-0): ImagePullBackOff: Back-off pulling image '
+                                         '"nope:1"'}),
+    ("every rank running: Running", job({"phase": "Pending", "startTime": ago(5)}), BOTH_RUNNING, {},
+     {"phase": "Running", "ready": 2, "event": "Running"}),
+    ("every rank exited 0: Succeeded", job(running()), [pod(0, "Succeeded", exit_code=0),
+                                                       pod(1, "Succeeded", exit_code=0)], {},
+     {"phase": "Succeeded", "event": "Succeeded", "completed": True}),
+    ("rank 0 done, rank 1 still running: Running", job(running()), [pod(0, "Succeeded", exit_code=0), pod(1)], {},
+     {"phase": "Running"}),
+    ("a rank fails: the group is torn down for a restart", job(running()),
+     [pod(0), pod(1, "Failed", exit_code=1, message="RuntimeError: boom")], {},
+     {"phase": "Restarting", "restarts": 1, "delete": ["digits-worker-0", "digits-worker-1"], "event": "Restarting",
+      "message": "rank 1 (pod digits-worker-1) exited with code 1: Error RuntimeError: boom; restart 1 of 3"}),
+    ("a rank pod deleted (evicted): restart", job(running()), [pod(0), pod(1, terminating=True)], {},
+     {"phase": "Restarting", "restarts": 1, "delete": ["digits-worker-0"],
+      "message": "rank 1's pod digits-worker-1 was deleted or evicted"}),
+    ("a rank pod gone: restart", job(running()), [pod(0)], {},
+     {"phase": "Restarting", "restarts": 1, "message": "rank 1's pod digits-worker-1 is gone"}),
+    ("rank 0 silent past the heartbeat timeout: restart", job(running(heartbeat=400, running_for=500,
+                                                                                   started=600)), BOTH_RUNNING, {},
+     {"phase": "Restarting", "restarts": 1, "message": "rank 0 sent no heartbeat for more than 300 s"}),
+    ("backoffLimit spent: Failed", job(running(restarts=3)), [pod(0), pod(1, "Failed", exit_code=2)], {},
+     {"phase": "Failed", "restarts": 3, "delete": ["digits-worker-0"], "event": "BackoffLimitExceeded",
+      "completed": True, "message": "backoffLimit is 3"}),
+    ("restarting: old pods still terminating, wait", job(restarting(30, restarts=1)), [pod(0, terminating=True)], {},
+     {"phase": "Restarting", "create": [], "requeue": 1.0}),
+    ("restarting: backoff not over, wait", job(restarting(5, restarts=2)), [], {},
+     {"phase": "Restarting", "create": [], "requeue": 15.0}),
+    ("restarting: pods gone and backoff over, a new group resumes from the checkpoint",
+     job(restarting(11, restarts=1)), [], {},
+     {"phase": "Pending", "create": GROUP, "group": "1", "event": "Restarted",
+      "resume": f"{CHECKPOINT_MOUNT}/digits/step-00000100.pt"}),
+    ("workers changed while running: resize from the checkpoint", job(running(), workers=3), BOTH_RUNNING,
+     {"workers": 2}, {"phase": "Restarting", "restarts": 0, "delete": ["digits-worker-0", "digits-worker-1"],
+                      "message": "resizing from 2 to 3 ranks"}),
+    ("resizing, pods gone: the new size starts at once", job(restarting(0, reason="Resizing"), workers=3), [],
+     {"workers": 2},
+     {"phase": "Pending", "create": [*GROUP, "Pod/digits-worker-2"], "restarts": 0}),
+    ("trainer changed while running: refused, keeps running", job(running(), image="other:2"), BOTH_RUNNING,
+     {"image": "tandem-worker:1"}, {"phase": "Running", "condition": ("SpecChangeRefused", "True"), "delete": [],
+                                    "condition_message": "spec.image cannot change while the ranks run"}),
+    ("suspend: pods deleted, Suspended", job(running(), suspend=True), BOTH_RUNNING, {},
+     {"phase": "Suspended", "delete": ["digits-worker-0", "digits-worker-1"], "event": "Suspended"}),
+    ("unsuspended: a group resumes", job(running(phase="Suspended")), [], {},
+     {"phase": "Pending", "create": GROUP, "event": "Resumed"}),
+    ("past activeDeadlineSeconds: Failed, pods deleted", job(running(started=120), activeDeadlineSeconds=100),
+     BOTH_RUNNING, {}, {"phase": "Failed", "event": "DeadlineExceeded", "delete": ["digits-worker-0",
+                                                                                 "digits-worker-1"]}),
+    ("finished with a rank still running: it is deleted, finished pods stay",
+     job(running(phase="Failed", completionTime=ago(5))), [pod(0), pod(1, "Failed", exit_code=1)], {},
+     {"phase": "Failed", "delete": ["digits-worker-0"]}),
+    ("ttlSecondsAfterFinished not yet", job(running(phase="Succeeded", completionTime=ago(5)),
+                                           ttlSecondsAfterFinished=60), [], {},
+     {"phase": "Succeeded", "delete_job": False, "requeue": 55.0}),
+    ("ttlSecondsAfterFinished passed: the job is deleted", job(running(phase="Succeeded", completionTime=ago(61)),
+                                                               ttlSecondsAfterFinished=60), [], {},
+     {"delete_job": True}),
+    ("invalid spec: a condition naming the field, nothing else", job(workers=0), BOTH_RUNNING, None,
+     {"create": [], "delete": [], "condition": ("InvalidSpec", "True"),
+      "condition_message": "spec.workers: Input should be greater than or equal to 1", "event": "InvalidSpec"}),
+    ("interrupted creation (operator restarted): the missing rank is created", job({"phase": "Pending"}), [pod(0)],
+     {}, {"phase": "Pending", "create": ["Pod/digits-worker-1"]}),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "pods", "changes", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_reconcile(name, body, pods, changes, expected):
+    config_map = None if changes is None else applied(body, **changes)
+    plan = reconcile(body, pods, config_map, NOW, SETTINGS)
+    status = plan.status
+    if "phase" in expected:
+        assert status["phase"] == expected["phase"], status.get("message")
+    if "create" in expected:
+        assert kinds(plan) == expected["create"]
+    if "delete" in expected:
+        assert plan.delete_pods == expected["delete"]
+    if "restarts" in expected:
+        assert status["restarts"] == expected["restarts"]
+    if "ready" in expected:
+        assert status["workers"] == {"ready": expected["ready"], "total": 2}
+    if "message" in expected:
+        assert expected["message"] in status["message"], status["message"]
+    if "event" in expected:
+        assert [reason for _, reason, _ in plan.events] == [expected["event"]]
+    if "completed" in expected:
+        assert status.get("completionTime") == NOW.strftime("%Y-%m-%dT%H:%M:%SZ")
+    if "delete_job" in expected:
+        assert plan.delete_job is expected["delete_job"]
+    if "requeue" in expected:
+        assert plan.requeue_after == pytest.approx(expected["requeue"])
+    if "condition" in expected:
+        kind, value = expected["condition"]
+        [found] = [c for c in status["conditions"] if c["type"] == kind]
+        assert found["status"] == value
+        assert expected.get("condition_message", "") in found["message"]
+    for created in plan.create:
+        if created["kind"] == "Pod":
+            env = {e["name"]: e.get("value") for e in created["spec"]["containers"][0]["env"]}
+            assert env["TANDEM_RESUME_FROM"] == expected.get("resume", env["TANDEM_RESUME_FROM"])
+            assert created["metadata"]["labels"][GROUP_LABEL] == expected.get("group", "0")
+
+
+def test_the_status_names_the_master_and_selects_exactly_the_rank_pods():
+    status = reconcile(job(running()), BOTH_RUNNING, applied(job()), NOW, SETTINGS).status
+    assert status["master"] == {"pod": "digits-worker-0", "address": "digits-worker-0.digits-workers", "port": 29500}
+    assert status["selector"] == "tandem.dev/job=digits"
+    assert status["observedGeneration"] == 1
+
+
+def test_conditions_keep_their_transition_time_until_their_status_changes():
+    body = job({"phase": "Pending", "conditions": conditions(Pending=("True", "Created", 30))})
+    first = reconcile(body, [pod(0, "Pending"), pod(1, "Pending")], applied(body), NOW, SETTINGS).status
+    [pending] = [c for c in first["conditions"] if c["type"] == "Pending"]
+    assert pending["lastTransitionTime"] == ago(30)
+    body["status"] = first
+    second = reconcile(body, BOTH_RUNNING, applied(body), NOW, SETTINGS).status
+    by_type = {c["type"]: c for c in second["conditions"]}
+    assert by_type["Running"]["status"] == "True" and by_type["Running"]["lastTransitionTime"] == ago(0)
+    assert by_type["Pending"]["status"] == "False"
+
+
+def test_without_a_claim_checkpoints_are_on_an_empty_dir_and_a_condition_says_they_will_not_survive():
+    body = job(checkpoint={"directory": "digits"})
+    plan = reconcile(body, [], None, NOW, SETTINGS)
+    [durable] = [c for c in plan.status["conditions"] if c["type"] == "CheckpointsDurable"]
+    assert durable["status"] == "False" and "do not survive a restart" in durable["message"]
+    [pod0] = [o for o in plan.create if o["metadata"]["name"] == "digits-worker-0"]
+    assert {"name": "tandem-checkpoints", "emptyDir": {}} in pod0["spec"]["volumes"]
+
+
+def rank0_pod(**spec: Any) -> dict[str, Any]:
+    body = job(**spec)
+    from tandem.manifest import parse
+
+    return worker_pod(body, parse({k: body[k] for k in ("apiVersion", "kind", "metadata", "spec")}), 0, group=2,
+                      resume_from="/var/lib/tandem/checkpoints/digits/step-00000100.pt",
+                      default_image="tandem-worker:1")
+
+
+def test_a_rank_pod_carries_the_worker_contract_and_the_passthrough_settings():
+    created = rank0_pod(gpusPerWorker=1, image="me/train:2", schedulerName="volcano", priorityClassName="high",
+                        nodeSelector={"gpu": "h100"}, tolerations=[{"key": "gpu", "operator": "Exists"}],
+                        resources={"requests": {"cpu": "4", "memory": "16Gi"}},
+                        env=[{"name": "HF_HOME", "value": "/cache"}],
+                        volumes=[{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
+                        volumeMounts=[{"name": "data", "mountPath": "/data"}])
+    spec = created["spec"]
+    [container] = spec["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert container["command"] == ["tandem", "worker", "train"] and container["image"] == "me/train:2"
+    assert env == {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                   "MASTER_ADDR": "digits-worker-0.digits-workers", "MASTER_PORT": "29500", "TANDEM_JOB": "digits",
+                   "TANDEM_NAMESPACE": "ml", "TANDEM_SPEC": "/etc/tandem/job.json",
+                   "TANDEM_CHECKPOINT_DIR": "/var/lib/tandem/checkpoints/digits",
+                   "TANDEM_RESUME_FROM": "/var/lib/tandem/checkpoints/digits/step-00000100.pt", "HF_HOME": "/cache"}
+    assert container["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"nvidia.com/gpu": 1}}
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert spec["securityContext"]["runAsNonRoot"] is True and spec["restartPolicy"] == "Never"
+    assert (spec["hostname"], spec["subdomain"]) == ("digits-worker-0", "digits-workers")
+    assert (spec["schedulerName"], spec["priorityClassName"]) == ("volcano", "high")
+    assert spec["nodeSelector"] == {"gpu": "h100"} and spec["serviceAccountName"] == "digits-rank0"
+    assert {"name": "tandem-shm", "emptyDir": {"medium": "Memory"}} in spec["volumes"]
+    assert {"name": "data", "mountPath": "/data", "readOnly": False} in container["volumeMounts"]
+    assert created["metadata"]["labels"][RANK_LABEL] == "0" and created["metadata"]["labels"][GROUP_LABEL] == "2"
+    assert created["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+
+def test_cpu_ranks_get_no_gpu_limit_and_other_ranks_no_service_account_token():
+    plan = reconcile(job(), [], None, NOW, SETTINGS)
+    [pod1] = [o for o in plan.create if o["metadata"]["name"] == "digits-worker-1"]
+    assert "nvidia.com/gpu" not in pod1["spec"]["containers"][0]["resources"].get("limits", {})
+    assert pod1["spec"]["automountServiceAccountToken"] is False and "serviceAccountName" not in pod1["spec"]
+
+
+def test_rank_zero_may_get_and_patch_its_own_job_and_status_and_nothing_else():
+    plan = reconcile(job(), [], None, NOW, SETTINGS)
+    [role] = [o for o in plan.create if o["kind"] == "Role"]
+    assert role["rules"] == [{"apiGroups": ["tandem.dev"],
+                              "resources": ["paralleltrainingjobs", "paralleltrainingjobs/status"],
+                              "resourceNames": ["digits"], "verbs": ["get", "patch"]}]
+    [binding] = [o for o in plan.create if o["kind"] == "RoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "digits-rank0", "namespace": "ml"}]
+
+
+def test_the_spec_config_map_round_trips_the_job_the_ranks_run():
+    plan = reconcile(job(), [], None, NOW, SETTINGS)
+    [config_map] = [o for o in plan.create if o["kind"] == "ConfigMap"]
+    assert applied_job(config_map).spec.workers == 2
+
+
+@pytest.mark.parametrize("created", reconcile(job(gpusPerWorker=1, schedulerName="volcano"), [], None, NOW,
+                                              SETTINGS).create, ids=lambda o: o["kind"])
+def test_every_object_is_valid_kubernetes_under_strict_validation(created):
+    kubernetes_validate.validate(created, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_long_job_names_still_give_dns_label_names():
+    name = "a" * 60
+    assert len(child_name(name, "worker-12")) == 63 and child_name(name, "worker-12").endswith("-worker-12")
+    assert child_name(name, "worker-12") != child_name("a" * 61, "worker-12")

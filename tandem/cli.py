@@ -83,14 +83,6 @@ def _serve(args: argparse.Namespace) -> int:
     exit_without_teardown(code)  # a forward still running past the grace period would abort the teardown
 
 
-def _not_available(feature: str, issue: str):
-    def run(args: argparse.Namespace) -> int:
-        print(f"tandem {feature}: not available yet ({issue})", file=sys.stderr)
-        return 2
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem",
@@ -126,8 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM: how long queued and running requests may take to finish (default 25)")
     serve.set_defaults(handler=_serve)
 
-    operator = commands.add_parser("operator", help="run the Kubernetes operator")
-    operator.set_defaults(handler=_not_available("operator", "the operator is a later issue"))
+    from tandem.operator import main as operator_main  # its options only: kopf is imported when it runs
+
+    operator = commands.add_parser("operator", help="run the Kubernetes operator (ParallelTrainingJobs)")
+    operator_main.add_arguments(operator)
+    operator.set_defaults(handler=operator_main.run)
     return parser
 
 

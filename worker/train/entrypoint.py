@@ -15,7 +15,7 @@ from tandem.api import ParallelTrainingJob
 from tandem.contract import WorkerContract
 from tandem.worker.process_exit import exit_without_teardown
 from tandem.worker.train.process_group import join_group, shutdown_process_group
-from tandem.worker.train.reporting import ConsoleSink, StatusFileSink, read_status_file
+from tandem.worker.train.reporting import ConsoleSink, KubernetesStatusSink, StatusFileSink, read_status_file
 from tandem.worker.train.signals import watch_stop_signals
 from tandem.worker.train.trainer import RankContext, seed_everything, train
 from tandem.worker.user_code import build_model, load_dataset
@@ -46,6 +46,8 @@ def main() -> int:
     sinks = []
     if env.is_master:
         sinks = [StatusFileSink(env.status_file)] if env.status_file else [ConsoleSink(env.job)]
+        if env.namespace:  # on a cluster: the job's status subresource too
+            sinks.append(KubernetesStatusSink(env.job, env.namespace))
     context = RankContext(
         rank=env.rank, world_size=env.world_size, device=device, job=env.job,
         checkpoint_dir=env.checkpoint_dir or _checkpoint_dir(job),

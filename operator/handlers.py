@@ -1,0 +1,120 @@
+"""The kopf layer: thin handlers around the pure decisions (training.py).
+
+Each ParallelTrainingJob gets one daemon that reconciles it whenever something it depends on changes (the job
+itself, one of its rank pods) and at least as often as the plan asks (backoffs, heartbeats, deadlines, TTLs):
+read the job and its pods and ConfigMap from kopf's in-memory indices (no API reads), decide, apply. The job's
+status is patched only when the operator's fields change, so its own writes do not wake it in a loop. Progress is
+kept in annotations: the status is shared with rank 0, and the operator writes only its own fields there.
+
+Stateless: restarted mid-job, it rebuilds everything from the API (pods are named by rank, so nothing is created
+twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from tandem.api import GROUP, VERSION
+from tandem.operator import metrics
+from tandem.operator.cluster import Cluster, login
+from tandem.operator.training import Plan, Settings, reconcile
+from tandem.operator.training_objects import JOB_LABEL, config_map_name
+
+JOBS = "paralleltrainingjobs"
+SETTINGS = Settings()
+"""Replaced by `tandem operator` from its options before kopf starts."""
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    settings.posting.level = 0  # the Events the decisions ask for; kopf posts nothing else (loggers stay off)
+    memo.cluster = Cluster(login())
+    memo.wakers = {}
+    memo.phases = metrics.PhaseCount()
+
+
+@kopf.index("v1", "pods", labels={JOB_LABEL: kopf.PRESENT})
+def job_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
+    return {(namespace, labels[JOB_LABEL]): dict(body)}
+
+
+@kopf.index("v1", "configmaps", labels={JOB_LABEL: kopf.PRESENT})
+def job_specs(namespace: str, name: str, labels: dict[str, str], body: kopf.Body,
+              **_: Any) -> dict[tuple[str, str], dict] | None:
+    job = labels[JOB_LABEL]
+    return {(namespace, job): dict(body)} if name == config_map_name(job) else None
+
+
+@kopf.on.event("v1", "pods", labels={JOB_LABEL: kopf.PRESENT})
+def pod_changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
+    _wake(memo, namespace, labels[JOB_LABEL])
+
+
+@kopf.on.event(GROUP, VERSION, JOBS)
+def job_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    _wake(memo, namespace, name)
+
+
+@kopf.daemon(GROUP, VERSION, JOBS, cancellation_timeout=10)
+async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo,
+                    job_pods: kopf.Index, job_specs: kopf.Index, **_: Any) -> None:
+    key = (namespace, name)
+    waker = memo.wakers.setdefault(key, asyncio.Event())
+    try:
+        while not stopped:
+            waker.clear()
+            started = time.perf_counter()
+            pods = list(job_pods.get(key, []))
+            config_map = next(iter(job_specs.get(key, [])), None)
+            plan = reconcile(dict(body), pods, config_map, datetime.now(UTC), SETTINGS)
+            await _apply(plan, body, memo.cluster)
+            memo.phases.set(key, plan.status.get("phase"))
+            metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+            if plan.delete_job:
+                return
+            await _sleep(waker, stopped, plan.requeue_after)
+    finally:
+        memo.wakers.pop(key, None)
+        memo.phases.set(key, None)
+
+
+async def _apply(plan: Plan, body: kopf.Body, cluster: Cluster) -> None:
+    metadata = body["metadata"]
+    namespace, name = metadata["namespace"], metadata["name"]
+    for manifest in plan.create:
+        await cluster.create(manifest)
+    for pod in plan.delete_pods:
+        await cluster.delete_pod(pod, namespace)
+    current = body.get("status") or {}
+    changed = {key: value for key, value in plan.status.items() if current.get(key) != value}
+    if changed:
+        await cluster.patch_status(JOBS, name, namespace, changed)
+        if changed.get("restarts", 0) > current.get("restarts", 0):
+            metrics.RESTARTS.inc(changed["restarts"] - current.get("restarts", 0))
+    for kind, reason, message in plan.events:
+        kopf.event(body, type=kind, reason=reason, message=message)
+    if plan.delete_job:
+        await cluster.delete_custom(JOBS, name, namespace)
+
+
+async def _sleep(waker: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float | None) -> None:
+    """Until something about the job changes, the daemon is stopped, or `seconds` pass."""
+    waits = [asyncio.ensure_future(waker.wait()), asyncio.ensure_future(stopped.wait())]
+    try:
+        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
+def _wake(memo: kopf.Memo, namespace: str, job: str) -> None:
+    waker = getattr(memo, "wakers", {}).get((namespace, job))
+    if waker is not None:
+        waker.set()

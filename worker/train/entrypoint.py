@@ -57,12 +57,13 @@ def main() -> int:
     try:
         train(spec, context, model, train_set, eval_set)
     except BaseException as error:
+        # No orderly leave of the group here: the other ranks must see this one's connections close only when it
+        # is gone, so that the first rank to exit is the one that failed first, not a peer that lost it.
         if env.is_master and env.status_file:
             _record_failure(env, error)
         raise
-    finally:
-        del model, train_set, eval_set
-        shutdown_process_group()
+    del model, train_set, eval_set
+    shutdown_process_group()
     return 0
 
 

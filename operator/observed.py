@@ -31,6 +31,8 @@ class RankPod:
     """The container's terminated reason and message (its last log lines on a failure)."""
     pending_reason: str = ""
     pending_message: str = ""
+    finished_at: str = ""
+    """When its container terminated (RFC 3339: sorts as time)."""
 
     @property
     def finished(self) -> bool:
@@ -73,6 +75,7 @@ def observe_pod(pod: dict[str, Any]) -> RankPod:
         termination_message=termination.strip()[-MESSAGE_TAIL:],
         pending_reason=reason,
         pending_message=message,
+        finished_at=terminated.get("finishedAt") or "",
     )
 
 

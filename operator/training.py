@@ -192,11 +192,14 @@ class _Reconciler:
         return None
 
     def _failure(self) -> str | None:
-        """Why the running group has failed, if it has."""
+        """Why the running group has failed, if it has. Of several failed ranks the first to end is the cause: the
+        others lost it (their collectives fail when it goes)."""
+        failed = sorted((p for p in self.pods if p.phase == "Failed"), key=lambda p: (p.finished_at, p.rank))
+        if failed:
+            pod = failed[0]
+            detail = f": {pod.termination_message}" if pod.termination_message else ""
+            return f"rank {pod.rank} (pod {pod.name}) exited with code {pod.exit_code}{detail}"
         for pod in self.pods:
-            if pod.phase == "Failed":
-                detail = f": {pod.termination_message}" if pod.termination_message else ""
-                return f"rank {pod.rank} (pod {pod.name}) exited with code {pod.exit_code}{detail}"
             if pod.terminating:
                 return f"rank {pod.rank}'s pod {pod.name} was deleted or evicted"
         ranks = {p.rank for p in self.pods}

@@ -67,12 +67,13 @@ def restarting(seconds: float, restarts: int = 0, reason: str = "Restarting") ->
 
 def pod(rank: int, phase: str = "Running", *, exit_code: int | None = None, message: str = "",
         terminating: bool = False, waiting: tuple[str, str] | None = None,
-        unschedulable: str | None = None) -> dict[str, Any]:
+        unschedulable: str | None = None, finished: float = 1) -> dict[str, Any]:
     status: dict[str, Any] = {"phase": phase, "conditions": [{"type": "Ready",
                                                              "status": "True" if phase == "Running" else "False"}]}
     if exit_code is not None:
         status["containerStatuses"] = [{"name": "worker", "state": {"terminated": {
-            "exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error", "message": message}}}]
+            "exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error", "message": message,
+            "finishedAt": ago(finished)}}}]
     if waiting is not None:
         status["containerStatuses"] = [{"name": "worker", "state": {"waiting": {"reason": waiting[0],
                                                                                 "message": waiting[1]}}}]
@@ -128,6 +129,10 @@ CASES = [
      [pod(0), pod(1, "Failed", exit_code=1, message="RuntimeError: boom")], {},
      {"phase": "Restarting", "restarts": 1, "delete": ["digits-worker-0", "digits-worker-1"], "event": "Restarting",
       "message": "rank 1 (pod digits-worker-1) exited with code 1: Error RuntimeError: boom; restart 1 of 3"}),
+    ("two ranks failed: the first to end is the cause", job(running()),
+     [pod(0, "Failed", exit_code=1, message="Connection closed by peer", finished=1),
+      pod(1, "Failed", exit_code=1, message="RuntimeError: boom", finished=2)], {},
+     {"phase": "Restarting", "message": "rank 1 (pod digits-worker-1) exited with code 1: Error RuntimeError: boom"}),
     ("a rank pod deleted (evicted): restart", job(running()), [pod(0), pod(1, terminating=True)], {},
      {"phase": "Restarting", "restarts": 1, "delete": ["digits-worker-0"],
       "message": "rank 1's pod digits-worker-1 was deleted or evicted"}),

@@ -39,7 +39,8 @@ def _validate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from tandem.backends.local import run
 
-    return run(args.file, workers=args.workers, status_out=args.status_out)
+    return run(args.file, workers=args.workers, status_out=args.status_out,
+               restart_backoff_seconds=args.restart_backoff_seconds)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -102,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("file", metavar="FILE")
     run.add_argument("--workers", type=int, metavar="N", help="ranks to start (overrides spec.workers)")
     run.add_argument("--status-out", metavar="PATH", help="also write the final status as JSON to PATH")
+    run.add_argument("--restart-backoff-seconds", type=float, default=10.0, metavar="S",
+                     help="base of the backoff before a failed group restarts, doubling per restart (default 10)")
     run.set_defaults(handler=_run)
 
     worker = commands.add_parser("worker", help="run one rank from the worker contract env (what pods run)")

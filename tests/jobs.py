@@ -74,18 +74,29 @@ def leftover_processes(job_name: str) -> list[int]:
     return found
 
 
-def start_training(path: Path) -> tuple[subprocess.Popen, Path]:
-    """`tandem run` started, returned once rank 0 has reported progress; with the file its stderr goes to."""
+def start_tandem_run(path: Path, *args: str) -> tuple[subprocess.Popen, Path]:
+    """`tandem run` started in the background; with the file its stderr goes to."""
     stderr = path.parent / f"{path.stem}-stderr.txt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     with open(stderr, "w") as err:
-        launcher = subprocess.Popen([sys.executable, "-m", "tandem.cli", "run", str(path)], cwd=path.parent,
+        launcher = subprocess.Popen([sys.executable, "-m", "tandem.cli", "run", str(path), *args], cwd=path.parent,
                                     stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    deadline = time.monotonic() + 120
-    while max(map(int, re.findall(r"step (\d+)/", stderr.read_text())), default=0) < 1:
+    return launcher, stderr
+
+
+def wait_for_stderr(launcher: subprocess.Popen, stderr: Path, done, timeout: float = 120) -> None:
+    """Until `done(text of stderr)` holds; fails if the launcher exits first."""
+    deadline = time.monotonic() + timeout
+    while not done(stderr.read_text()):
         assert launcher.poll() is None, stderr.read_text()
         assert time.monotonic() < deadline, stderr.read_text()
         time.sleep(0.1)
+
+
+def start_training(path: Path) -> tuple[subprocess.Popen, Path]:
+    """`tandem run` started, returned once rank 0 has reported progress; with the file its stderr goes to."""
+    launcher, stderr = start_tandem_run(path)
+    wait_for_stderr(launcher, stderr, lambda text: max(map(int, re.findall(r"step (\d+)/", text)), default=0) >= 1)
     return launcher, stderr
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from tandem.examples.digits import mlp
+from tandem.worker import checkpoint
 
 CRASH_AT_STEP = 3
 
@@ -100,3 +102,29 @@ def regression_data(size: int = 512) -> TensorDataset:
 
 def regressor() -> nn.Module:
     return nn.Linear(64, 1)
+
+
+class CrashOnceAfterCheckpoint(DropoutMLP):
+    """dropout_mlp, except that in a job's first group of ranks (TANDEM_RESUME_FROM empty) rank 1's `at`-th training
+    forward raises, once the checkpoint of step `at - 1` is complete on disk: the crash comes right after it. A
+    restarted group resumes from a checkpoint and never crashes. `at` 0: never."""
+
+    def __init__(self, at: int, hidden: int, p: float):
+        super().__init__(hidden, p, 0.0)
+        self.at = at
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training and self.at:
+            self.calls += 1
+            if self.calls == self.at and os.environ.get("RANK") == "1" and not os.environ.get("TANDEM_RESUME_FROM"):
+                written = checkpoint.checkpoint_path(Path(os.environ["TANDEM_CHECKPOINT_DIR"]), self.at - 1)
+                deadline = time.monotonic() + 60
+                while not written.exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                raise RuntimeError(f"injected failure in rank 1 after {written.name}")
+        return super().forward(x)
+
+
+def crash_once_after_checkpoint(at: int = 0, hidden: int = 32, p: float = 0.3) -> nn.Module:
+    return CrashOnceAfterCheckpoint(at, hidden, p)

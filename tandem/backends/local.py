@@ -1,37 +1,41 @@
 """`tandem run`: a ParallelTrainingJob on this machine, one process per rank, no cluster.
 
-Each rank is started through the worker entry point with the same contract a pod gets. The launcher
-renders rank 0's status live, stops every rank when one fails, forwards Ctrl-C / SIGTERM as a request
-to checkpoint and stop, and never leaves a process behind.
+Each rank is started through the worker entry point with the same contract a pod gets (local_ranks.py starts,
+watches and stops one group of them). The launcher renders rank 0's status live, forwards Ctrl-C / SIGTERM as a
+request to checkpoint and stop, and never leaves a process behind. It applies the operator's restart policy
+(tandem/restart_policy.py), so one manifest behaves the same on one machine and on a cluster:
+
+- a rank that fails (non-zero exit, killed) stops the whole group; after an exponential backoff from
+  `--restart-backoff-seconds` the group starts again from the latest complete checkpoint, until `backoffLimit`
+  restarts are spent, and then the job fails;
+- past `activeDeadlineSeconds` (counted from the first group's start) the ranks get SIGTERM, write a checkpoint
+  and stop, or are killed after the grace period; the job fails (DeadlineExceeded).
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
-import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 from tandem.api import ParallelTrainingJob, ParallelTrainingJobStatus
-from tandem.contract import WorkerContract
+from tandem.backends.local_ranks import POLL_SECONDS, GroupExit, Launcher
 from tandem.manifest import ManifestError, load_one
+from tandem.restart_policy import after_failure, deadline_exceeded
 from tandem.worker import checkpoint
-from tandem.worker.train.process_group import free_port
-from tandem.worker.train.reporting import ConsoleSink, now, read_status_file
+from tandem.worker.train.reporting import ConsoleSink, now
 from tandem.worker.user_code import BadReference, build_model, import_reference
 
-POLL_SECONDS = 0.2
 INTERRUPTED_EXIT_CODE = 130  # stopped by Ctrl-C / SIGTERM after a final checkpoint, as shells report SIGINT
-LOG_TAIL_LINES = 30
-_PR_SET_PDEATHSIG = 1
+DEFAULT_RESTART_BACKOFF_SECONDS = 10.0  # as the operator's --restart-backoff-seconds
+GRACE_SECONDS = 30.0  # from SIGTERM to SIGKILL, as a pod's default terminationGracePeriodSeconds
 
 
 class PreflightError(ValueError):
@@ -82,143 +86,196 @@ def preflight(job: ParallelTrainingJob) -> Path | None:
     return resume_from
 
 
-def _die_with_parent() -> None:
-    """Runs in each child before exec: the kernel sends it SIGTERM if the launcher dies (Linux)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+class Display:
+    """What the person at the terminal sees: rank 0's status (a live bar, or log lines) and the launcher's lines."""
+
+    def __init__(self, title: str):
+        self.sink = ConsoleSink(title)
+
+    def show(self, status: ParallelTrainingJobStatus) -> None:
+        self.sink.publish(status)
+
+    def say(self, text: str) -> None:
+        self.sink.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def close(self) -> None:
+        self.sink.close()
 
 
-class Launcher:
-    def __init__(
-        self, job: ParallelTrainingJob, *, run_dir: Path, resume_from: Path | None, grace_seconds: float = 30.0
-    ):
+class LocalJob:
+    """The job's groups of ranks, one after another: the first from `resume_from`, each restart from the latest
+    checkpoint, until one ends, the restarts allowed are spent, the deadline passes or a stop is asked for."""
+
+    def __init__(self, job: ParallelTrainingJob, *, run_dir: Path, resume_from: Path | None,
+                 backoff_seconds: float = DEFAULT_RESTART_BACKOFF_SECONDS, grace_seconds: float = GRACE_SECONDS):
         self.job = job
-        self.resume_from = resume_from
+        self.spec = job.spec
         self.run_dir = run_dir
+        self.resume_from = resume_from
+        self.backoff_seconds = backoff_seconds
         self.grace_seconds = grace_seconds
-        self.status_file = run_dir / "status.json"
-        self.processes: list[subprocess.Popen] = []
-        self.logs: list[Path] = []
-        self.stop_requested_at: float | None = None
-        self.master_port: int | None = None
-
-    def environment(self, rank: int, port: int, spec_path: Path) -> dict[str, str]:
-        spec = self.job.spec
-        contract = WorkerContract.local(
-            rank, spec.workers, master_port=port, job=self.job.metadata.name, spec_path=spec_path,
-            checkpoint_dir=Path(spec.checkpoint.directory).resolve(), resume_from=self.resume_from,
-            status_file=self.status_file,
-        )
-        return {**os.environ, **{e.name: e.value or "" for e in spec.env}, **contract.to_environ()}
-
-    def start(self) -> None:
-        spec_path = self.run_dir / "spec.json"
-        spec_path.write_text(json.dumps(self.job.to_dict()))
-        port = self.master_port = free_port()
-        spec = self.job.spec
-        if spec.training_mode == "custom":
-            command = [*spec.custom.command, *spec.custom.args]
-        else:
-            command = [sys.executable, "-m", "tandem.worker", "train"]
-        for rank in range(spec.workers):
-            log = self.run_dir / f"rank-{rank}.log"
-            self.logs.append(log)
-            with open(log, "wb") as output:
-                self.processes.append(subprocess.Popen(
-                    command, env=self.environment(rank, port, spec_path), stdout=output, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
-                ))
+        self.checkpoint_dir = Path(self.spec.checkpoint.directory).resolve()
+        self.older_checkpoints = {_identity(path) for path in checkpoint.list_checkpoints(self.checkpoint_dir)}
+        self.groups: list[Launcher] = []
+        self.group: Launcher | None = None
+        """The group running now, if any."""
+        self.failed: list[tuple[Launcher, GroupExit]] = []
+        self.restarts = 0
+        self.start_time: datetime | None = None
+        self.stop_requested = False
 
     def request_stop(self, signum=None, frame=None) -> None:  # noqa: ARG002
-        if self.stop_requested_at is None:
-            self.stop_requested_at = time.monotonic()
-            for process in self.processes:
-                if process.poll() is None:
-                    process.send_signal(signal.SIGTERM)
+        self.stop_requested = True
+        if self.group is not None:
+            self.group.stop()
 
-    def kill_all(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-        for process in self.processes:
-            process.wait()
+    def past_deadline(self) -> bool:
+        return not self.stop_requested and deadline_exceeded(
+            self.start_time, self.spec.active_deadline_seconds, datetime.now(UTC))
 
-    def wait(self, sink: ConsoleSink) -> tuple[int | None, int]:
-        """Until every rank exits; returns (first failed rank or None, its exit code)."""
-        last_shown = None
+    def run(self, display: Display) -> tuple[ParallelTrainingJobStatus, int]:
+        """Until the job ends; returns its final status and `tandem run`'s exit code."""
+        self.start_time = datetime.now(UTC)
+        resume_from = self.resume_from
         while True:
-            status = read_status_file(self.status_file)
-            if status is not None and status.model_dump() != last_shown:
-                sink.publish(status)
-                last_shown = status.model_dump()
-            codes = [process.poll() for process in self.processes]
-            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-            if failed and self.stop_requested_at is None:
-                self.request_stop()
-                self.kill_all()
-                return failed[0]
-            if all(code is not None for code in codes):
-                return (failed[0] if failed else (None, 0))
-            if self.stop_requested_at is not None and time.monotonic() - self.stop_requested_at > self.grace_seconds:
-                self.kill_all()
-                return (None, 0)
-            time.sleep(POLL_SECONDS)
+            group = Launcher(self.job, run_dir=self.run_dir / f"group-{len(self.groups)}", resume_from=resume_from,
+                             grace_seconds=self.grace_seconds)
+            self.groups.append(group)
+            group.start()
+            self.group = group
+            if self.stop_requested:  # asked while the group was starting
+                group.stop()
+            ended = group.wait(lambda status: self.show(display, status), display.say, self.past_deadline)
+            group.kill_all()  # anything a rank left running
+            self.group = None
+            if group.stopping_since is not None and not self.stop_requested:
+                return self.deadline_exceeded(), 1
+            if ended.failed_rank is None or self.stop_requested:
+                if ended.failed_rank is not None:
+                    self.report_failure(display, group, ended)
+                return self.ended(ended)
+            self.report_failure(display, group, ended)
+            decision = after_failure(restarts_done=self.restarts, backoff_limit=self.spec.backoff_limit,
+                                     base_seconds=self.backoff_seconds, cause=ended.cause)
+            if decision.action == "fail":
+                return self.finished("Failed", decision.message), 1
+            self.restarts = decision.restarts
+            display.say(f"tandem run: Restarting: {decision.message}")
+            self.show(display, self.finished("Restarting", decision.message, completed=False))
+            self.back_off(decision.delay_seconds)
+            if self.stop_requested:
+                return self.finished("Suspended", f"stopped on request while restarting after: {ended.cause}; "
+                                     "running it again resumes from the latest checkpoint"), INTERRUPTED_EXIT_CODE
+            if self.past_deadline():
+                return self.deadline_exceeded(), 1
+            resume_from = self.latest_checkpoint()
 
-    def tail(self, rank: int) -> str:
-        lines = self.logs[rank].read_text(errors="replace").splitlines()
-        return "\n".join(lines[-LOG_TAIL_LINES:])
+    def report_failure(self, display: Display, group: Launcher, ended: GroupExit) -> None:
+        self.failed.append((group, ended))
+        display.say(f"tandem run: rank {ended.failed_rank} failed (exit code {ended.code}); its log "
+                    f"{group.logs[ended.failed_rank]}:")
+        display.say(group.tail(ended.failed_rank))
 
-    def final_status(self, failed_rank: int | None, code: int) -> ParallelTrainingJobStatus:
-        status = read_status_file(self.status_file) or ParallelTrainingJobStatus(start_time=now())
-        status.workers.total = self.job.spec.workers
-        status.workers.ready = 0
-        status.master.address, status.master.port = "127.0.0.1", self.master_port
-        if failed_rank is not None:
-            status.phase = "Failed"
-            status.message = f"rank {failed_rank} exited with code {code}"
+    def back_off(self, seconds: float) -> None:
+        """Wait before the next group; a stop request or the deadline ends the wait at once."""
+        until = time.monotonic() + seconds
+        while time.monotonic() < until and not self.stop_requested and not self.past_deadline():
+            time.sleep(min(POLL_SECONDS, max(0.0, until - time.monotonic())))
+
+    def latest_checkpoint(self) -> Path | None:
+        """Where a restarted group resumes: the latest complete checkpoint; with `checkpoint.resume: false`, the
+        latest this run wrote (the directory's older checkpoints were set aside at the start)."""
+        written = checkpoint.list_checkpoints(self.checkpoint_dir)
+        if not self.spec.checkpoint.resume:
+            written = [path for path in written if _identity(path) not in self.older_checkpoints]
+        return written[-1] if written else None
+
+    def show(self, display: Display, status: ParallelTrainingJobStatus) -> None:
+        status = status.model_copy(deep=True)
+        status.restarts, status.start_time = self.restarts, self.start_time.replace(microsecond=0)
+        display.show(status)
+
+    def status(self) -> ParallelTrainingJobStatus:
+        """The job's status now: rank 0's latest (from whichever group published last) and the launcher's part."""
+        published = next((group.status for group in reversed(self.groups) if group.status is not None), None)
+        status = ParallelTrainingJobStatus.model_validate(published.model_dump()) if published is not None \
+            else ParallelTrainingJobStatus()
+        status.restarts, status.start_time = self.restarts, self.start_time.replace(microsecond=0)
+        status.workers.total, status.workers.ready = self.spec.workers, 0
+        if self.groups:
+            status.master.address, status.master.port = "127.0.0.1", self.groups[-1].master_port
+        return status
+
+    def finished(self, phase: str, message: str, *, completed: bool = True) -> ParallelTrainingJobStatus:
+        status = self.status()
+        status.phase, status.message = phase, message
+        if completed:
             status.completion_time = status.completion_time or now()
-        elif self.job.spec.training_mode == "custom":
-            status.phase, status.message, status.completion_time = "Succeeded", "all ranks exited 0", now()
-        elif status.phase == "Running":
-            status.phase = "Suspended" if self.stop_requested_at is not None else "Failed"
-            status.message = status.message or "ranks exited before reporting a final status"
         return ParallelTrainingJobStatus.model_validate(status.model_dump())
 
+    def deadline_exceeded(self) -> ParallelTrainingJobStatus:
+        status = self.status()
+        message = (f"DeadlineExceeded: the job ran past its activeDeadlineSeconds ({self.spec.active_deadline_seconds}"
+                   f" s) and was stopped at step {status.progress.step}")
+        if status.checkpoint.latest:
+            message += f"; latest checkpoint {status.checkpoint.latest}"
+        return self.finished("Failed", message)
 
-def run(path: str, *, workers: int | None = None, status_out: str | None = None) -> int:
+    def ended(self, ended: GroupExit) -> tuple[ParallelTrainingJobStatus, int]:
+        """The last group ended by itself or on request: rank 0's final status says how."""
+        status = self.status()
+        if ended.failed_rank is not None:
+            status = self.finished("Failed", ended.cause)
+        elif self.spec.training_mode == "custom":
+            status = self.finished("Succeeded", "all ranks exited 0")
+        elif status.phase in ("Running", "Pending"):
+            status = self.finished("Suspended" if self.stop_requested else "Failed",
+                                   status.message or "ranks exited before reporting a final status")
+        return status, {"Succeeded": 0, "Suspended": INTERRUPTED_EXIT_CODE}.get(status.phase, 1)
+
+
+def _identity(path: Path) -> tuple[str, int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return path.name, stat.st_ino, stat.st_mtime_ns
+
+
+def run(path: str, *, workers: int | None = None, status_out: str | None = None,
+        restart_backoff_seconds: float = DEFAULT_RESTART_BACKOFF_SECONDS) -> int:
     try:
         job = load_one(path, ParallelTrainingJob)
         if workers is not None:
             if workers < 1:
                 raise PreflightError(f"--workers {workers}: needs at least 1 rank")
             job.spec.workers = workers
+        if restart_backoff_seconds < 0:
+            raise PreflightError(f"--restart-backoff-seconds {restart_backoff_seconds:g}: must be 0 or more")
         resume_from = preflight(job)
     except (ManifestError, PreflightError) as error:
         print(f"tandem run: {error}", file=sys.stderr)
         return 2
 
     run_dir = Path(tempfile.mkdtemp(prefix=f"tandem-{job.metadata.name}-"))
-    launcher = Launcher(job, run_dir=run_dir, resume_from=resume_from)
-    previous = {sig: signal.signal(sig, launcher.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    sink = ConsoleSink(job.metadata.name)
+    local_job = LocalJob(job, run_dir=run_dir, resume_from=resume_from, backoff_seconds=restart_backoff_seconds)
+    previous = {sig: signal.signal(sig, local_job.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    display = Display(job.metadata.name)
     try:
-        launcher.start()
-        failed_rank, code = launcher.wait(sink)
+        status, code = local_job.run(display)
     finally:
-        launcher.kill_all()
-        sink.close()
+        if local_job.group is not None:
+            local_job.group.kill_all()
+        display.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
-    status = launcher.final_status(failed_rank, code)
-    if failed_rank is not None:
-        print(f"tandem run: rank {failed_rank} failed (exit code {code}); its log {launcher.logs[failed_rank]}:",
-              file=sys.stderr)
-        print(launcher.tail(failed_rank), file=sys.stderr)
+    if status.phase != "Succeeded" or status.restarts:
+        print(f"tandem run: {status.phase}: {status.message}", file=sys.stderr)
     text = json.dumps(status.to_dict(), indent=2)
     print(text)
     if status_out:
         Path(status_out).write_text(text + "\n")
-    if failed_rank is None:
+    if not local_job.failed:
         shutil.rmtree(run_dir, ignore_errors=True)
-    return {"Succeeded": 0, "Suspended": INTERRUPTED_EXIT_CODE}.get(status.phase, 1)
+    return code

@@ -147,12 +147,15 @@ def test_workers_flag_overrides_the_manifests_workers(tmp_path):
 
 
 def test_a_crashing_rank_fails_the_run_with_its_error_and_no_orphans(tmp_path):
-    path = manifest(tmp_path, "crashing", trainer={"model": "userland:crash_on_rank_one", "modelArgs": {},
-                                                   "epochs": 100})
+    """With backoffLimit 0 the first failure fails the job (restarts: tests/integration/test_local_restarts.py)."""
+    path = manifest(tmp_path, "crashing", backoffLimit=0,
+                    trainer={"model": "userland:crash_on_rank_one", "modelArgs": {}, "epochs": 100})
     result = tandem_run(path, timeout=120)
     assert result.returncode == 1
     assert "rank 1 failed" in result.stderr and "injected failure in rank 1" in result.stderr
-    assert final_status(result)["phase"] == "Failed"
+    status = final_status(result)
+    assert (status["phase"], status["restarts"]) == ("Failed", 0)
+    assert status["message"].startswith("rank 1 exited with code 1; ")
     assert leftover_processes("crashing") == []
 
 
@@ -190,8 +193,9 @@ def test_nan_steps_are_skipped_then_fail_after_the_limit(tmp_path):
     status = final_status(result)
     assert status["metrics"]["skippedSteps"] >= 1
     assert math.isfinite(status["progress"]["loss"]), "a skipped step's NaN loss leaked into the reported loss"
-    every = manifest(tmp_path, "allnan", trainer={"data": "userland:nan_data", "dataArgs": {"bad_every": 1},
-                                                   "evalData": None, "maxConsecutiveBadSteps": 3})
+    every = manifest(tmp_path, "allnan", backoffLimit=0,
+                     trainer={"data": "userland:nan_data", "dataArgs": {"bad_every": 1}, "evalData": None,
+                              "maxConsecutiveBadSteps": 3})
     result = tandem_run(every)
     assert result.returncode == 1
     assert "3 consecutive steps with a NaN/Inf loss or gradient" in result.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections.abc import Generator, Iterator
@@ -56,6 +57,32 @@ def training_steps(loader: DataLoader, position: Any, *, epochs: int, accumulati
                 yield group
         if position.batches_done >= batches_per_epoch:  # resumed at an epoch's very end
             position.epoch, position.batches_done = position.epoch + 1, 0
+
+
+def resumed_batches_done(batches_done: int, *, saved_world_size: int, saved_batch_size: int, world_size: int,
+                         batch_size: int) -> int:
+    """The micro-batches of the current epoch a run of `world_size` ranks x `batch_size` skips to resume a data
+    position saved as `batches_done` micro-batches of `saved_world_size` x `saved_batch_size`.
+
+    Every world size walks the epoch in the same order: the sampler shuffles the whole dataset with seed + epoch
+    and deals position p to rank p % W, so micro-batch k of W ranks x B covers positions k*W*B to (k+1)*W*B - 1
+    (`training_loader`). The saved position is therefore a count of examples, `batches_done` x saved W x saved
+    B (mid-epoch it is below the dataset's size: the sampler's padding comes only at the epoch's end), and the
+    new run skips the whole micro-batches of W x B that fit in it. It rounds down: no example of the epoch is
+    skipped unseen, and fewer than W x B examples (one new micro-batch across the ranks) are trained on twice.
+    With the same world size and batch size the position is kept as it is.
+    """
+    consumed = batches_done * saved_world_size * saved_batch_size
+    return consumed // (world_size * batch_size)
+
+
+def steps_left(position: Any, *, epochs: int, batches_per_epoch: int, accumulation: int) -> int:
+    """The optimizer steps `training_steps` hands out from `position` to the end of the last epoch: the rest of the
+    position's epoch in groups of `accumulation` micro-batches (the last may be shorter), then whole epochs."""
+    if position.epoch >= epochs:
+        return 0
+    rest = math.ceil(max(0, batches_per_epoch - position.batches_done) / accumulation)
+    return rest + (epochs - position.epoch - 1) * math.ceil(batches_per_epoch / accumulation)
 
 
 def accumulation_groups(batches: Iterator[Any], size: int) -> Iterator[list[Any]]:

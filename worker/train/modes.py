@@ -5,7 +5,8 @@ it runs.
 
 - allReduce: DistributedDataParallel's gradient all-reduce, every step.
 - sharedGradients: DDP with the threshold-encoding communication hook (compression.py): error-feedback residuals
-  and an adaptive threshold per rank, checkpointed per rank.
+  and an adaptive threshold per rank, checkpointed per rank (at another world size the residuals are reset and
+  the threshold kept).
 - averaging: ranks step on their own replicas; every `frequency` steps parameters, buffers and (by default)
   optimizer state are averaged (averaging.py). Between averagings the replicas differ: a checkpoint then holds
   their average as the model and each rank's own replica besides, and training carries on from the replicas.
@@ -68,6 +69,11 @@ class DataParallel:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def reset_for_world_size(self, saved: list[dict[str, Any]], rank: int) -> list[str]:
+        """Resuming at another world size from `saved`, the old ranks' own states: set this rank's state from
+        them where they can be mapped; returns what was reset, for the log line."""
+        return []
+
 
 class SharedGradients(DataParallel):
     """sharedGradients: DDP with the threshold-encoding hook; residuals and threshold are each rank's own."""
@@ -96,6 +102,24 @@ class SharedGradients(DataParallel):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "compression" in state:
             self.compression.load_state_dict(state["compression"])
+
+    def reset_for_world_size(self, saved: list[dict[str, Any]], rank: int) -> list[str]:
+        """The residuals are reset: each was one old rank's error feedback, and the old ranks are not this run's.
+        The threshold (the same on every rank) is kept: it follows the size of one rank's accumulated gradient, the
+        mean over that rank's own batch, which the number of ranks does not change; reset to initialThreshold it
+        would send nearly dense bitmaps for dozens of steps while it climbs back. The byte counters' sums carry
+        on, held by rank 0, so the job's communication totals stay whole."""
+        states = [state["compression"] for state in saved if "compression" in state]
+        if not states:
+            return []
+        first = states[0]
+        self.compression.load_state_dict({
+            "threshold": first["threshold"], "step": first["step"], "bitmap_exchanges": first["bitmap_exchanges"],
+            "bytes_sent": sum(int(s["bytes_sent"]) for s in states) if rank == 0 else 0,
+            "dense_bytes": sum(int(s["dense_bytes"]) for s in states) if rank == 0 else 0,
+            "residuals": {},
+        })
+        return [f"sharedGradients residuals (the threshold, {float(first['threshold']):.3g}, is kept)"]
 
 
 class Averaging:
@@ -160,6 +184,9 @@ class Averaging:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    def reset_for_world_size(self, saved: list[dict[str, Any]], rank: int) -> list[str]:
+        return []  # the replicas are the train state's (TrainState.reset_rank_state)
 
     def _mean_over_ranks(self, value: torch.Tensor) -> float:
         total = value.detach().reshape(1).to("cpu", torch.float64)

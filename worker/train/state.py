@@ -5,6 +5,10 @@ and rate, the gradient scaler, the position (step, data position, skipped-step c
 to rank 0: its random number generators (torch, CUDA, Python, NumPy), its mode's state (sharedGradients'
 residuals and threshold), and in averaging mode between averagings its own replica. A resumed run continues with
 exactly the state it would have had (tests/integration/test_resume.py).
+
+A checkpoint written at another world size (`spec.workers` changed: `--workers`, `kubectl scale`) resumes too,
+not exactly: the shared state carries over, the data position is mapped by the examples seen, and what each old
+rank held alone is reset (`Checkpointer.resume`; rank 0 logs one line saying so).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +27,7 @@ import torch.distributed as dist
 
 from tandem.api import ParallelTrainingJobSpec
 from tandem.worker import checkpoint
+from tandem.worker.train.data import resumed_batches_done
 
 if TYPE_CHECKING:
     from tandem.worker.train.modes import TrainingMode
@@ -35,10 +41,13 @@ class Position:
     step: int = 0
     epoch: int = 0
     batches_done: int = 0
-    """Micro-batches of `epoch` already consumed."""
+    """Micro-batches of `epoch` already consumed, at the world size and batch of the run that saved it (a resume at
+    another maps it by examples: `resumed_batches_done`)."""
     bad_steps: int = 0
     consecutive_bad_steps: int = 0
     samples: int = 0
+    """Examples trained on since the job began, over all ranks and every world size it ran at (the sampler's padding
+    at an epoch's end included)."""
 
 
 @dataclass
@@ -83,6 +92,45 @@ class TrainState:
             self.model.load_state_dict(state["replica"]["model"])
             self.optimizer.load_state_dict(state["replica"]["optimizer"])
 
+    def reset_rank_state(self, saved: list[dict[str, Any]], *, seed: int, rank: int) -> list[str]:
+        """Resuming `saved`, the per-rank states of a run at another world size, which cannot be mapped onto this
+        run's ranks: each rank's generators are seeded as a fresh run seeds them, the mode resets its own state,
+        and averaging replicas are dropped (every rank carries on from the checkpoint's model, their average, and
+        its optimizer state: the average too with averageOptimizerState, else rank 0's). Returns what was reset,
+        for the log line."""
+        seed_rank(seed, rank)
+        reset = ["each rank's random generators (seeded per rank as a fresh run seeds them)"]
+        reset += self.mode.reset_for_world_size(saved, rank)
+        if any("replica" in state for state in saved):
+            reset.append("each rank's averaging replica (every rank starts from their average)")
+        return reset
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run splits its global batch: `world_size` ranks x `batch_size` examples a micro-batch x `accumulation`
+    micro-batches an optimizer step."""
+
+    world_size: int
+    batch_size: int
+    accumulation: int
+
+    @classmethod
+    def of(cls, spec: ParallelTrainingJobSpec, world_size: int) -> Layout:
+        trainer = spec.trainer
+        return cls(world_size, trainer.batch_size_per_worker, trainer.gradient_accumulation_steps)
+
+    @classmethod
+    def of_manifest(cls, manifest: dict[str, Any], default: Layout) -> Layout:
+        """The layout a checkpoint was written at (checkpoints from before it was recorded: `default`'s batch)."""
+        return cls(int(manifest.get("world_size", default.world_size)),
+                   int(manifest.get("batch_size_per_worker", default.batch_size)),
+                   int(manifest.get("gradient_accumulation_steps", default.accumulation)))
+
+    def __str__(self) -> str:
+        return f"{self.world_size} x {self.batch_size} x {self.accumulation} = " \
+               f"{self.world_size * self.batch_size * self.accumulation}"
+
 
 class Checkpointer:
     """Writes the train state as checkpoints (rank 0 alone writes; every rank takes part) and resumes from one."""
@@ -93,6 +141,7 @@ class Checkpointer:
         self.world_size = world_size
         self.job = job
         self.directory = directory
+        self.layout = Layout.of(spec, world_size)
 
     def save(self, state: TrainState, *, input_shape: list[int] | None, final: bool = False) -> Path | None:
         """A checkpoint of `state` at its step; the path on rank 0, None on the others. With `final`, the mode
@@ -107,20 +156,65 @@ class Checkpointer:
             manifest = checkpoint.build_manifest(
                 spec_hash=spec_hash(self.spec), model=trainer.model, model_args=trainer.model_args,
                 input_shape=input_shape, input_dtype="FP32", step=position.step, epoch=position.epoch,
-                world_size=self.world_size, training_mode=self.spec.training_mode, job=self.job,
+                world_size=self.world_size, batch_size_per_worker=self.layout.batch_size,
+                gradient_accumulation_steps=self.layout.accumulation, training_mode=self.spec.training_mode,
+                job=self.job,
             )
             contents = {"manifest": manifest, **state.state_dict(), "per_rank": per_rank}
             return checkpoint.save(self.directory, contents, step=position.step,
                                    keep_last=self.spec.checkpoint.keep_last)
 
     def resume(self, state: TrainState, source: Path) -> None:
-        """Load `source` into `state`; every rank reads the file. A checkpoint written at another world size
-        gives the shared state only (each rank's generators then stay as this run seeded them)."""
+        """Load `source` into `state`; every rank reads the file. Written at this world size and batch, the run
+        continues exactly. Otherwise rank 0 logs one line about it (`resize_line`), and:
+
+        - the shared state carries over: model, optimizer, gradient scaler, step (so the learning rate, a function
+          of the step) and the count of examples seen;
+        - the data position is mapped by examples seen: the new run skips the examples of the current epoch
+          already consumed, rounded down to whole micro-batches of the new W x B (`resumed_batches_done`);
+        - at another world size, what each old rank held alone is reset (`TrainState.reset_rank_state`).
+        """
         contents = checkpoint.load(source, map_location="cpu")
         state.load_state_dict(contents, source)
-        per_rank = contents.get("per_rank", [])
-        if len(per_rank) == self.world_size:
-            state.load_rank_state_dict(per_rank[self.rank])
+        per_rank = contents.get("per_rank") or []
+        saved = Layout.of_manifest(contents["manifest"], default=self.layout)
+        reset: list[str] = []
+        if saved.world_size == self.world_size:
+            if len(per_rank) == self.world_size:
+                state.load_rank_state_dict(per_rank[self.rank])
+        else:
+            reset = state.reset_rank_state(per_rank, seed=self.spec.trainer.seed, rank=self.rank)
+        if saved == self.layout:
+            return
+        position, consumed = state.position, None
+        if (saved.world_size, saved.batch_size) != (self.world_size, self.layout.batch_size):
+            consumed = position.batches_done * saved.world_size * saved.batch_size
+            position.batches_done = resumed_batches_done(
+                position.batches_done, saved_world_size=saved.world_size, saved_batch_size=saved.batch_size,
+                world_size=self.world_size, batch_size=self.layout.batch_size)
+        if self.rank == 0:
+            print(resize_line(source, saved, self.layout, position, reset, consumed=consumed), file=sys.stderr,
+                  flush=True)
+
+
+def resize_line(source: Path, saved: Layout, layout: Layout, position: Position, reset: list[str], *,
+                consumed: int | None = None) -> str:
+    """The line rank 0 logs when it resumes a checkpoint written at another world size or batch."""
+    line = (f"tandem worker: world size and global batch changed (from {saved} to {layout}): resuming "
+            f"{source.name} at step {position.step} ({position.samples} examples seen)")
+    if consumed is not None:
+        resumed_at = position.batches_done * layout.world_size * layout.batch_size
+        line += (f"; epoch {position.epoch + 1} resumes after {resumed_at} of its examples ({consumed} consumed, "
+                 f"rounded down to whole micro-batches of {layout.world_size} x {layout.batch_size})")
+    return f"{line}; reset: {', '.join(reset) if reset else 'nothing'}"
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """This rank's generators as a fresh run seeds them: Python's and NumPy's from the job's seed, torch's (dropout
+    noise) per rank."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed + 1_000_003 * rank)
 
 
 def spec_hash(spec: ParallelTrainingJobSpec) -> str:

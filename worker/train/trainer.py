@@ -9,7 +9,6 @@ data.py, nonfinite.py, rank_agreement.py, reporting.py, evaluation.py.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 from collections.abc import Callable
@@ -25,14 +24,14 @@ from torch.utils.data import Dataset
 
 from tandem.api import ParallelTrainingJobSpec, ParallelTrainingJobStatus
 from tandem.api.training import TrainerSpec
-from tandem.worker.train.data import training_loader, training_steps
+from tandem.worker.train.data import steps_left, training_loader, training_steps
 from tandem.worker.train.evaluation import evaluate
 from tandem.worker.train.modes import TrainingMode, training_mode
 from tandem.worker.train.nonfinite import StepRecord
 from tandem.worker.train.optim import LearningRateSchedule, build_optimizer
 from tandem.worker.train.rank_agreement import Agreement, Outcome
 from tandem.worker.train.reporting import Reporter, Sink
-from tandem.worker.train.state import Checkpointer, Position, TrainState
+from tandem.worker.train.state import Checkpointer, Position, TrainState, seed_rank
 from tandem.worker.train.step import TrainStep
 
 NOTHING_AGREED = Outcome()
@@ -81,20 +80,20 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
     optimizer = build_optimizer(model.parameters(), trainer.optimizer)
     loader = training_loader(train_set, rank=context.rank, world_size=context.world_size,
                              batch_size=trainer.batch_size_per_worker, seed=trainer.seed)
-    total_steps = planned_steps(trainer, batches_per_epoch=len(loader))
-    schedule = LearningRateSchedule(optimizer, trainer, total_steps)
+    schedule = LearningRateSchedule(optimizer, trainer, total_steps=0)  # planned once the position is known
     scaler = torch.amp.GradScaler(context.device.type, enabled=trainer.mixed_precision == "fp16")
     state = TrainState(model, optimizer, scaler, schedule, mode, Position())
     checkpointer = Checkpointer(spec, rank=context.rank, world_size=context.world_size, job=context.job,
                                 directory=context.checkpoint_dir)
-    reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps) if context.is_master \
-        else None
-    torch.manual_seed(trainer.seed + 1_000_003 * context.rank)  # per-rank dropout noise; a resume restores it
+    seed_rank(trainer.seed, context.rank)  # per-rank dropout noise; a resume restores it
     if context.resume_from is not None:
         checkpointer.resume(state, context.resume_from)
-        if reporter is not None:
-            reporter.resumed(context.resume_from, step=state.position.step, epoch=state.position.epoch + 1)
     position = state.position
+    schedule.total_steps = total_steps = planned_steps(trainer, batches_per_epoch=len(loader), position=position)
+    reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps) if context.is_master \
+        else None
+    if reporter is not None and context.resume_from is not None:
+        reporter.resumed(context.resume_from, step=position.step, epoch=position.epoch + 1)
     train_step = TrainStep(trainer, mode, optimizer, scaler, schedule, context.device, context.world_size)
     record = StepRecord(position, max_consecutive_bad_steps=trainer.max_consecutive_bad_steps,
                         counts_bad_steps=trainer.mixed_precision != "fp16")
@@ -149,9 +148,12 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
                         metrics=metrics, communication=communication)
 
 
-def planned_steps(trainer: TrainerSpec, *, batches_per_epoch: int) -> int:
-    """`epochs` worth of optimizer steps, or `maxSteps` if fewer."""
-    total = trainer.epochs * math.ceil(batches_per_epoch / trainer.gradient_accumulation_steps)
+def planned_steps(trainer: TrainerSpec, *, batches_per_epoch: int, position: Position) -> int:
+    """The step training ends at: the steps done plus those left in `epochs` from `position`, or `maxSteps` if
+    fewer. From a position of this run's own making that is `epochs` worth of steps; after a resume at another
+    world size, the steps done (counted at the old size) plus the rest at the new one."""
+    total = position.step + steps_left(position, epochs=trainer.epochs, batches_per_epoch=batches_per_epoch,
+                                       accumulation=trainer.gradient_accumulation_steps)
     return total if trainer.max_steps is None else min(total, trainer.max_steps)
 
 

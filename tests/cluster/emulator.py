@@ -1,0 +1,383 @@
+"""A Kubernetes API emulator good enough to run a real kopf operator and the `kubernetes` client against it.
+
+`Emulator` subclasses kmock 0.8's `KubernetesEmulator`. As shipped, that class does not run a kopf operator end to
+end; the fixes, each named here and implemented in the module beside it:
+
+- `__call__` and `_reparse` (fix: paths): `/api/v1/namespaces` (on which kmock's parser raises),
+  `/api/v1/namespaces/NAME[/status]` and every namespaced and cluster-scoped path parse right; PUT is routed (as
+  an update), so is DELETE on a collection; API errors (404, 409, 422) are answers, not kept as failures;
+- `__call__` (fix: state changes): kmock's pre-dispatch store mutation is skipped; each verb below does its own,
+  through writes.py (uid, resourceVersion, creationTimestamp, generation, generateName, status isolation, 409 on a
+  stale resourceVersion, schema of custom resources) and lifecycle.py (finalizers, graceful pod deletion,
+  ownerReference garbage collection, namespaces, CRDs);
+- `_serve_catalog` (fix: discovery): core/v1, apps/v1, batch/v1, rbac, coordination (leases), events.k8s.io,
+  scheduling, apiextensions (CRDs) and every applied CRD's resources with the subresources it declares;
+  kopf's peering resources are absent, so kopf runs without peering;
+- `_serve_list` / `_serve_watch` (fix: selectors, resourceVersion): label and field selectors; a list reports the
+  store's resourceVersion and a watch from it streams exactly the later events (selectors turn MODIFIED into
+  ADDED/DELETED as an object enters or leaves them), `timeoutSeconds` ends the stream, a resourceVersion older than
+  the kept events gets a 410 Gone ERROR event, `sendInitialEvents` ends its initial ADDED events with a BOOKMARK;
+- `_serve_update` (fix: PUT and patches): merge-patch, strategic-merge-patch (as merge-patch), JSON-patch with
+  `test` (422 when it fails), PUT with a resourceVersion conflict (409); `/status` and `/scale` subresources;
+- `_serve_create` (fix: 201 Created, the only answer the `kubernetes` client reads a custom object's create from);
+  binding and eviction of pods; `_serve_log`: a pod's log, as text (subresources.py);
+- `_serve_directly` (fix: speed): kmock's DSL matching costs more with every request served (quadratic over a run);
+  resource requests bypass it unless a test added its own kmock reactions (fault injection still works, slower).
+
+Not emulated: authentication and authorization (every request is allowed, RBAC objects are only stored),
+admission webhooks, server-side apply, `limit`/`continue` paging (a list returns everything), watch bookmarks
+(`allowWatchBookmarks` is ignored), and the built-in controllers other than garbage collection, namespaces and CRDs
+(no Deployment, ReplicaSet, Job or Service endpoints controllers). Events of core/v1 and events.k8s.io/v1 are two
+separate stores, not one converted between the two APIs.
+
+The API for assertions (any thread): `get(resource, namespace, name)`, `list(resource, namespace=None)`,
+`history(resource, namespace, name)`; `resource` is any name `Catalog.lookup` knows ('pods', 'ptj', 'v1/pods').
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp.web
+import attrs
+import kmock
+from kmock._internal import rendering
+
+from . import lifecycle, patches, subresources
+from .catalog import Catalog, Kind
+from .selectors import Selection, SelectorError
+from .store import Event, Gone, Store
+from .writes import Writer, api_error
+
+logger = logging.getLogger(__name__)
+_RawHandler: Any = kmock.RawHandler
+_StreamingError: Any = rendering.StreamingError
+
+
+@attrs.define(kw_only=True)
+class Emulator(kmock.KubernetesEmulator):
+    catalog: Catalog = attrs.field(factory=Catalog, init=False)
+    store: Store = attrs.field(init=False)
+    writer: Writer = attrs.field(init=False)
+    pod_logs: subresources.LogReader | None = attrs.field(default=None, init=False)  # set by the kubelet
+    pod_paths: dict[str, list[tuple[str, str]]] = attrs.field(factory=dict, init=False)  # set by the kubelet
+    bugs: list[BaseException] = attrs.field(factory=list, init=False)  # 500s: the emulator's own failures
+    _builtin_reactions: int = attrs.field(default=0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.store = Store(self._objects)
+        self.writer = Writer(self.catalog, self.store)
+        lifecycle.GarbageCollector(self.writer, spawn=lambda fn: asyncio.get_running_loop().call_soon(fn))
+        lifecycle.NamespaceController(self.writer)
+        lifecycle.CrdController(self.writer, on_change=self._serve_catalog)
+        self._serve_catalog()
+        self._builtin_reactions = len(self._payloads)
+
+    # -- the API for assertions -----------------------------------------------------------------------------------
+    def get(self, resource: str | Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
+        return self.store.get(self.writer.key(self.catalog.lookup(resource), namespace, name))
+
+    def list(self, resource: str | Kind, namespace: str | None = None) -> list[dict[str, Any]]:
+        return self.store.items(self.catalog.lookup(resource).resource, namespace)
+
+    def history(self, resource: str | Kind, namespace: str | None, name: str) -> list[dict[str, Any] | None]:
+        return self.store.history(self.writer.key(self.catalog.lookup(resource), namespace, name))
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self.store.close()
+        await super().__aexit__(*exc_info)
+
+    # -- fix: discovery -------------------------------------------------------------------------------------------
+    def _serve_catalog(self) -> None:
+        self.resources.clear()
+        for kind in self.catalog:
+            self.resources[kind.resource] = kind.info()
+
+    def _get_resources(self) -> list[kmock.resource]:
+        return [kind.resource for kind in self.catalog]
+
+    # -- fix: paths -----------------------------------------------------------------------------------------------
+    def _reparse(self, request: kmock.Request) -> kmock.Request:
+        parts = [part for part in request.url.path.split("/") if part]
+        if len(parts) >= 3 and parts[0] == "api":
+            group, version, rest = "", parts[1], parts[2:]
+        elif len(parts) >= 4 and parts[0] == "apis":
+            group, version, rest = parts[1], parts[2], parts[3:]
+        else:
+            return request  # discovery and non-Kubernetes paths: kmock parses those right
+        namespace = None
+        if rest[0] == "namespaces" and len(rest) >= 3 and (len(rest) > 3 or self.catalog.find(group, version, rest[2])):
+            namespace, rest = rest[1], rest[2:]
+        plural, name, sub = rest[0], rest[1] if len(rest) > 1 else None, "/".join(rest[2:]) or None
+        method = str(request.method.value).upper()
+        if method == "GET" and request.params.get("watch") in ("true", "1"):
+            action = kmock.action.WATCH
+        else:
+            action = {"GET": kmock.action.FETCH if name else kmock.action.LIST, "POST": kmock.action.CREATE,
+                      "PATCH": kmock.action.UPDATE, "PUT": kmock.action.UPDATE,
+                      "DELETE": kmock.action.DELETE}.get(method)
+        return attrs.evolve(request, resource=kmock.resource(group, version, plural), namespace=namespace, name=name,
+                            subresource=sub, action=action)
+
+    # -- fix: parsing -------------------------------------------------------------------------------------------
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        """kmock's `RawHandler.__call__`, but for how a request is parsed: kmock's parser raises on a bare
+        `/api/v1/namespaces` before any handler runs; here a request kmock cannot parse is built plainly and
+        `_reparse` reads its path."""
+        await raw_request.read()
+        raw_response = None
+        try:
+            request = self._map_pod_paths(self._reparse(await self._parse(raw_request, len(self._requests))))
+            self._requests.append(request)
+            if request.action == kmock.action.FETCH and request.subresource == "log":
+                return self._serve_log(request)  # text/plain, which kmock's payloads cannot answer
+            direct = request.action is not None and request.resource is not None and request.resource.plural
+            if direct and len(self._payloads) == self._builtin_reactions:
+                return await self._serve_directly(request)
+            try:
+                return await _RawHandler._handle(self, request)  # fix: no store mutation before dispatch
+            except _StreamingError as error:
+                raw_response = error.args[0]
+                raise error.__cause__ from None
+        except Exception as error:
+            if not self._errors:
+                raise
+            if isinstance(error, kmock.KubernetesError):
+                return await self._render_error(error)  # an API answer (404, 409, 422...), not a failure
+            self._errors[-1].append(error)
+            if raw_response is None or not raw_response.prepared:
+                return await self._render_error(error)
+            await self._stream_error(error, raw_response)
+            await raw_response.write_eof()
+            return raw_response
+
+    async def _serve_directly(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """Fix (speed): kmock's DSL decides whether a reaction matches a request by scanning every request served
+        so far, so each request costs more than the last (quadratic over a run). While no test has added its own
+        reactions (`emulator[...] << ...`), resource requests go straight to the verbs; with one, through the DSL."""
+        if request.action == kmock.action.WATCH:
+            return await self._stream(request, self._serve_watch(request))
+        serve = {kmock.action.LIST: self._serve_list, kmock.action.FETCH: self._serve_fetch,
+                 kmock.action.CREATE: self._serve_create, kmock.action.UPDATE: self._serve_update,
+                 kmock.action.DELETE: self._serve_delete}[request.action]
+        result, status = await serve(request), 200
+        if isinstance(result, rendering.Response):
+            result, status = result.payload, result.status
+        return aiohttp.web.json_response(result, status=status)
+
+    @staticmethod
+    async def _stream(request: kmock.Request, lines: AsyncIterator[bytes]) -> aiohttp.web.StreamResponse:
+        first = await anext(lines)  # an error (404, 400) raises here, before any header is sent
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request._raw_request)
+        try:
+            await response.write(first)
+            async for line in lines:
+                await response.write(line)
+            await response.write_eof()
+        except ConnectionError:
+            pass  # the client went away
+        finally:
+            await lines.aclose()
+        return response
+
+    def _map_pod_paths(self, request: kmock.Request) -> kmock.Request:
+        """A pod's process sees its volumes at local directories (the test kubelet's emulation of mounts): in what it
+        writes through the API, those directories are mapped back to their mount paths, as the process would have
+        written them on a cluster. The pod is known by its kubeconfig's bearer token."""
+        token = (request.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
+        pairs = self.pod_paths.get(token)
+        if not pairs or request.data is None:
+            return request
+        pairs = sorted(pairs, key=lambda pair: -len(pair[0]))
+
+        def unmap(value: Any) -> Any:
+            if isinstance(value, str):
+                for local, mount_path in pairs:
+                    value = value.replace(local, mount_path)
+                return value
+            if isinstance(value, dict):
+                return {key: unmap(item) for key, item in value.items()}
+            return [unmap(item) for item in value] if isinstance(value, list) else value
+
+        return attrs.evolve(request, data=unmap(request.data))
+
+    @staticmethod
+    async def _parse(raw_request: aiohttp.web.BaseRequest, id_: int) -> kmock.Request:
+        try:
+            return await kmock.Request._parse(raw_request, id=id_)
+        except ValueError:
+            text = await raw_request.text()
+            try:
+                data = json.loads(text) if text else None
+            except ValueError:
+                data = None
+            return kmock.Request(id=id_, raw_request=raw_request, url=raw_request.url, method=raw_request.method,
+                                 params=dict(raw_request.query), headers=dict(raw_request.headers),
+                                 cookies=dict(raw_request.cookies), body=await raw_request.read(), text=text, data=data)
+
+    async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
+        if not isinstance(exc, kmock.KubernetesError):
+            self.bugs.append(exc)
+            logger.error("emulator failure", exc_info=exc)
+        return await super()._render_error(exc)
+
+    def _kind(self, request: kmock.Request) -> Kind:
+        res = request.resource
+        kind = self.catalog.find(res.group, res.version, res.plural) if res else None
+        if kind is None or (request.namespace is not None and not kind.namespaced):
+            raise api_error(404, "NotFound", "the server could not find the requested resource")
+        return kind
+
+    def _key(self, request: kmock.Request, kind: Kind):
+        return self.writer.key(kind, request.namespace, request.name)
+
+    def _selection(self, request: kmock.Request) -> Selection:
+        try:
+            return Selection.of(request.namespace, request.name, request.params)
+        except SelectorError as error:
+            raise api_error(400, "BadRequest", str(error)) from None
+
+    # -- verbs ----------------------------------------------------------------------------------------------------
+    async def _serve_list(self, request: kmock.Request) -> dict[str, Any]:
+        kind = self._kind(request)
+        selection = self._selection(request)
+        with self.store.mutex:
+            items = [obj for key in self.store.keys(kind.resource, request.namespace)
+                     if selection.matches(obj := self.store.live(key))]
+            revision = self.store.revision
+        return {"apiVersion": kind.api_version, "kind": f"{kind.kind}List",
+                "metadata": {"resourceVersion": str(revision)}, "items": items}
+
+    async def _serve_fetch(self, request: kmock.Request) -> Any:
+        kind = self._kind(request)
+        key = self._key(request, kind)
+        obj = self.store.live(key)
+        if obj is None:
+            raise lifecycle.not_found(kind, request.name)
+        sub = request.subresource
+        if sub is None or (sub == "status" and kind.has_status):
+            return obj
+        if sub == "scale" and kind.scale:
+            return subresources.scale_of(kind, obj)
+        raise api_error(404, "NotFound", "the server could not find the requested resource")
+
+    def _serve_log(self, request: kmock.Request) -> aiohttp.web.Response:
+        kind = self._kind(request)
+        if kind.kind != "Pod" or self.store.live(self._key(request, kind)) is None:
+            raise lifecycle.not_found(kind, request.name)
+        data = subresources.read_log(self.pod_logs, request.namespace, request.name, request.params)
+        return aiohttp.web.Response(body=data, content_type="text/plain", charset="utf-8")
+
+    async def _serve_create(self, request: kmock.Request) -> rendering.Response:
+        """201 Created, as the API server answers (the `kubernetes` client reads a custom object's create only
+        from a 201)."""
+        kind = self._kind(request)
+        if request.name is None:
+            return rendering.Response(status=201, payload=self.writer.create(kind, request.namespace, request.data))
+        key = self._key(request, kind)
+        if kind.kind == "Pod" and request.subresource == "binding":
+            return rendering.Response(status=201, payload=subresources.bind(self.writer, kind, key, request.data))
+        if kind.kind == "Pod" and request.subresource == "eviction":
+            return rendering.Response(status=201, payload=subresources.evict(self.writer, kind, key, request.data))
+        raise api_error(405, "MethodNotAllowed", "the server does not allow this method on the requested resource")
+
+    async def _serve_update(self, request: kmock.Request) -> dict[str, Any]:
+        kind = self._kind(request)
+        key = self._key(request, kind)
+        sub = request.subresource
+        method = str(request.method.value).upper()
+        content_type = request.headers.get("Content-Type")
+        if sub == "scale" and kind.scale:
+            return subresources.write_scale(self.writer, kind, key, method, request.data, content_type)
+        if sub not in (None, "status") or (sub == "status" and not kind.has_status):
+            raise api_error(404, "NotFound", "the server could not find the requested resource")
+        current = self.store.live(key)
+        if current is None:
+            raise lifecycle.not_found(kind, request.name)
+        if method == "PUT":
+            desired = request.data
+        else:
+            try:
+                desired = patches.apply(current, request.data, content_type)
+            except patches.PatchError as error:
+                raise api_error(error.status, error.reason, error.message) from None
+        expect = ((desired or {}).get("metadata") or {}).get("resourceVersion") if isinstance(desired, dict) else None
+        return self.writer.update(kind, key, desired, subresource=sub, expect_version=expect)
+
+    async def _serve_delete(self, request: kmock.Request) -> dict[str, Any]:
+        kind = self._kind(request)
+        options = dict(request.data) if isinstance(request.data, dict) else {}
+        options.update({k: request.params[k] for k in ("gracePeriodSeconds", "propagationPolicy")
+                        if k in request.params})
+        if request.name is None:  # deletecollection
+            selection = self._selection(request)
+            for key in self.store.keys(kind.resource, request.namespace):
+                if selection.matches(self.store.live(key)):
+                    lifecycle.delete(self.writer, kind, key, options)
+            return subresources.success("", kind.plural)
+        obj, gone = lifecycle.delete(self.writer, kind, self._key(request, kind), options)
+        if gone and kind.kind != "Pod":
+            return subresources.success(request.name, kind.plural, obj["metadata"].get("uid"))
+        return obj
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[bytes]:
+        kind = self._kind(request)
+        selection = self._selection(request)
+        params = request.params
+        since = params.get("resourceVersion") or None
+        since = None if since in (None, "0") else int(since)
+        deadline = time.monotonic() + float(params["timeoutSeconds"]) if params.get("timeoutSeconds") else None
+        yield b""  # the headers go out now, even if nothing happens
+        try:
+            current, backlog, queue = self.store.subscribe(kind.resource, since)
+        except Gone as gone:
+            yield _line("ERROR", {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+                                  "code": 410, "reason": "Expired", "message": str(gone)})
+            return
+        try:
+            for obj in current:
+                if selection.matches(obj):
+                    yield _line("ADDED", obj)
+            if params.get("sendInitialEvents") == "true":
+                yield _line("BOOKMARK", {"apiVersion": kind.api_version, "kind": kind.kind, "metadata": {
+                    "resourceVersion": str(self.store.revision),
+                    "annotations": {"k8s.io/initial-events-end": "true"}}})
+            for event in backlog:
+                if line := _translate(event, selection):
+                    yield line
+            while deadline is None or time.monotonic() < deadline:
+                wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout=max(wait, 0))
+                except TimeoutError:
+                    transport = request._raw_request.transport if request._raw_request else None
+                    if transport is None or transport.is_closing():
+                        break  # the client went away
+                    continue
+                if event is None:
+                    break  # the emulator is stopping
+                if line := _translate(event, selection):
+                    yield line
+        finally:
+            self.store.unsubscribe(kind.resource, queue)
+
+
+def _line(type_: str, obj: dict[str, Any]) -> bytes:
+    return json.dumps({"type": type_, "object": obj}).encode() + b"\n"
+
+
+def _translate(event: Event, selection: Selection) -> bytes | None:
+    """The event as a watcher with these selectors sees it: entering the selection is ADDED, leaving it DELETED."""
+    now, before = selection.matches(event.obj), selection.matches(event.old)
+    if event.type == "DELETED":
+        return _line("DELETED", event.obj) if now or before else None
+    if now:
+        return _line("MODIFIED" if before and event.type == "MODIFIED" else "ADDED", event.obj)
+    return _line("DELETED", event.obj) if before else None

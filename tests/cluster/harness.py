@@ -1,0 +1,265 @@
+"""`Cluster`: the emulator and the test kubelet, for synchronous tests.
+
+    with Cluster(tmp_path) as cluster:
+        cluster.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}, "data": {"k": "v"}})
+        cluster.core.create_namespaced_pod("default", pod)               # the `kubernetes` client, configured
+        pod = cluster.wait_for(lambda: cluster.get("pods", "default", "p")["status"]["phase"] == "Succeeded",
+                               timeout=10, what="p to succeed")
+        cluster.logs("default", "p")                                      # what the pod's process printed
+        cluster.kubelet.claim_dir("default", "data")                      # a PVC's local directory
+        operator = cluster.spawn([sys.executable, "-m", "kopf", "run", ...], name="operator")  # KUBECONFIG set
+
+On entering: the emulator serves on a real TCP port of 127.0.0.1 (`url`), `kubeconfig` points at it, namespace
+`default` exists, the repository's CRDs (crds/) are applied, and the kubelet runs; all of it on an event loop in a
+background thread. `shutdown()` (on leaving) kills every process (pods' and spawned ones), stops the server and the
+loop and joins the thread, so nothing is left between tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp.web
+import kubernetes
+import yaml
+
+from .emulator import Emulator
+from .kubelet import Kubelet, die_with_parent
+
+REPO = Path(__file__).resolve().parents[2]
+CRDS = REPO / "crds"
+T = TypeVar("T")
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 never goes via a proxy
+_TRANSIENT = (kubernetes.client.ApiException, KeyError, IndexError, TypeError, AttributeError)
+
+
+class Cluster:
+    def __init__(self, workdir: Path | str | None = None, *, crds: Path | Iterable[Path] | None = CRDS,
+                 capacity: Mapping[str, Any] | None = None, node_labels: Mapping[str, str] | None = None,
+                 images: Iterable[str] = ("*",), extra_env: Mapping[str, str] | None = None,
+                 namespaces: Iterable[str] = ("default",), kubelet: bool = True) -> None:
+        """`capacity` (cpu, memory, nvidia.com/gpu...), `node_labels`, `images` (the allow-list's patterns) and
+        `extra_env` (added to every pod's process) configure the kubelet; `kubelet=False` serves the API alone (pods
+        then stay Pending, unscheduled), as a benchmark of the operator may want."""
+        self._workdir, self._crds, self._namespaces = workdir, crds, list(namespaces)
+        self._with_kubelet = kubelet
+        self._kubelet_options = {"capacity": capacity, "labels": node_labels, "images": images,
+                                 "extra_env": extra_env}
+        self._processes: dict[str, tuple[subprocess.Popen, Path]] = {}
+        self.kubelet: Kubelet | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- start and stop -------------------------------------------------------------------------------------------
+    def __enter__(self) -> Cluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    def start(self) -> None:
+        if self._workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="tandem-cluster-")
+        self.root = Path(self._workdir or self._tmp.name)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.kubeconfig = self.root / "kubeconfig"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="cluster", daemon=True)
+        self._thread.start()
+        try:
+            self._call(self._start())
+            configuration = kubernetes.client.Configuration()
+            kubernetes.config.load_kube_config(str(self.kubeconfig), client_configuration=configuration)
+            self.api = kubernetes.client.ApiClient(configuration)
+            self.core = kubernetes.client.CoreV1Api(self.api)
+            self.custom = kubernetes.client.CustomObjectsApi(self.api)
+            self.apps = kubernetes.client.AppsV1Api(self.api)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    async def _start(self) -> None:
+        self.emulator = Emulator()
+        await self.emulator.__aenter__()
+        self._runner = aiohttp.web.ServerRunner(aiohttp.web.Server(self.emulator), shutdown_timeout=2)
+        await self._runner.setup()
+        site = aiohttp.web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "emulator", "preferences": {},
+            "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+            "users": [{"name": "tester", "user": {}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester",
+                                                          "namespace": "default"}}]}))
+        writer, catalog = self.emulator.writer, self.emulator.catalog
+        for namespace in self._namespaces:
+            writer.create(catalog.lookup("namespaces"), None, {"metadata": {"name": namespace}})
+        crd_kind = catalog.lookup("customresourcedefinitions")
+        for path in self._crd_files():
+            for document in yaml.safe_load_all(path.read_text()):
+                if document:
+                    writer.create(crd_kind, None, document)
+        if self._with_kubelet:
+            self.kubelet = Kubelet(self.url, self.root, self.kubeconfig, **self._kubelet_options)
+            self.emulator.pod_logs, self.emulator.pod_paths = self.kubelet.read_log, self.kubelet.pod_paths
+            await self.kubelet.start()
+
+    def _crd_files(self) -> list[Path]:
+        if self._crds is None:
+            return []
+        paths = [self._crds] if isinstance(self._crds, (str, Path)) else list(self._crds)
+        return sorted(p for path in map(Path, paths) for p in ([path] if path.is_file() else path.glob("*.yaml")))
+
+    def shutdown(self) -> None:
+        """Stop everything this cluster started; safe to call twice."""
+        for name in list(self._processes):
+            self.stop_process(name)
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            try:
+                self._call(self._stop(), timeout=30)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=10)
+        if self._loop is not None and not self._loop.is_running():
+            self._loop.close()
+        self._loop = None
+        if getattr(self, "api", None) is not None:
+            self.api.close()
+            self.api = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    async def _stop(self) -> None:
+        if self.kubelet is not None:
+            await self.kubelet.stop()
+        if getattr(self, "emulator", None) is not None:
+            self.emulator.store.close()
+            if getattr(self, "_runner", None) is not None:
+                await self._runner.cleanup()
+            await self.emulator.__aexit__(None, None, None)
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _call(self, coroutine: Any, timeout: float = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    # -- the store, for assertions --------------------------------------------------------------------------------
+    def get(self, resource: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        """The object as stored now (a copy), or None; `resource` as in 'pods', 'ptj', 'v1/configmaps'."""
+        return self.emulator.get(resource, namespace, name)
+
+    def list(self, resource: str, namespace: str | None = None) -> list[dict[str, Any]]:
+        return self.emulator.list(resource, namespace)
+
+    def history(self, resource: str, namespace: str | None, name: str) -> list[dict[str, Any] | None]:
+        return self.emulator.history(resource, namespace, name)
+
+    def logs(self, namespace: str, pod: str) -> str:
+        """The output of the pod's (latest) container run."""
+        return self.kubelet.logs(namespace, pod) if self.kubelet else ""
+
+    # -- doing things ---------------------------------------------------------------------------------------------
+    def wait_for(self, predicate: Callable[[], T], timeout: float = 10, what: str = "the condition",
+                 interval: float = 0.05) -> T:
+        """Poll `predicate` until it returns something truthy, and return that. API errors, missing keys and the
+        like count as not yet; on timeout the last of them is in the TimeoutError."""
+        deadline, last = time.monotonic() + timeout, None
+        while True:
+            try:
+                result = predicate()
+                if result:
+                    return result
+            except _TRANSIENT as error:
+                last = error
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout}s waiting for {what}"
+                                   + (f" (last error: {last!r})" if last else ""))
+            time.sleep(interval)
+
+    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+                ) -> tuple[int, Any]:
+        """A raw HTTP request to the API: (status, decoded JSON body or text)."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": content_type})
+        try:
+            with _NO_PROXY.open(req, timeout=30) as response:
+                status, raw = response.status, response.read()
+        except urllib.error.HTTPError as error:
+            status, raw = error.code, error.read()
+        try:
+            return status, json.loads(raw) if raw else None
+        except ValueError:
+            return status, raw.decode(errors="replace")
+
+    def apply(self, manifest: Mapping[str, Any] | Path | str, namespace: str = "default") -> list[dict[str, Any]]:
+        """Create the object(s) of a manifest (a dict, or a YAML file of one or more documents) through the API."""
+        if isinstance(manifest, Mapping):
+            documents = [manifest]
+        else:
+            documents = [d for d in yaml.safe_load_all(Path(manifest).read_text()) if d]
+        created = []
+        for document in documents:
+            kind = self.emulator.catalog.of(document["apiVersion"], document["kind"])
+            if kind is None:
+                raise KeyError(f"the emulator serves no {document['apiVersion']} {document['kind']}")
+            prefix = f"/apis/{kind.group}/{kind.version}" if kind.group else f"/api/{kind.version}"
+            ns = document.get("metadata", {}).get("namespace") or namespace
+            path = f"{prefix}/namespaces/{ns}/{kind.plural}" if kind.namespaced else f"{prefix}/{kind.plural}"
+            status, body = self.request("POST", path, document)
+            if status >= 300:
+                raise RuntimeError(f"creating {document['kind']} failed: {status} {body}")
+            created.append(body)
+        return created
+
+    # -- other processes against this cluster --------------------------------------------------------------------
+    def environ(self, **extra: str) -> dict[str, str]:
+        """This process's environment for a process that should use this cluster (an operator): KUBECONFIG set,
+        in-cluster variables removed."""
+        env = {k: v for k, v in os.environ.items() if k not in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")}
+        return {**env, "KUBECONFIG": str(self.kubeconfig), **extra}
+
+    def spawn(self, argv: list[str], name: str, env: Mapping[str, str] | None = None,
+              cwd: Path | str | None = None) -> subprocess.Popen:
+        """Start a process against this cluster, its output in `process_log(name)`; stopped by `shutdown`."""
+        log = self.root / "processes" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as output:
+            process = subprocess.Popen(argv, env=dict(env) if env is not None else self.environ(), cwd=cwd,
+                                       stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       start_new_session=True, preexec_fn=die_with_parent)
+        self._processes[name] = (process, log)
+        return process
+
+    def process_log(self, name: str) -> str:
+        return self._processes[name][1].read_text(errors="replace") if name in self._processes else ""
+
+    def stop_process(self, name: str, grace: float = 5.0) -> int | None:
+        """SIGTERM the spawned process, SIGKILL its group after `grace`; its exit code."""
+        process, _ = self._processes[name]
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(grace)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        return process.wait()

@@ -1,0 +1,407 @@
+"""A test kubelet, and the scheduler of its one node: runs each pod's FIRST container as a local process.
+
+It lists and watches pods through the API like a kubelet (its own aiohttp client, on the emulator's event loop):
+
+- scheduling (scheduling.py): an unscheduled pod with the default scheduler that fits the node's capacity is bound
+  (`pods/NAME/binding`); one that does not stays Pending with PodScheduled=False, reason Unschedulable and the
+  scheduler's message; a persistentVolumeClaim must exist (it is Bound on first use, as WaitForFirstConsumer);
+- images: an allow-list of patterns (default: everything); another image stays Pending, waiting with ErrImagePull
+  and then ImagePullBackOff, the message naming the image;
+- running (sandbox.py, network.py): Pending/ContainerCreating, then Running with containerStatuses[0].state.running
+  and Ready/ContainersReady True; on exit `terminated` (exitCode, reason Completed/Error, message: the log's tail
+  with FallbackToLogsOnError, podstatus.py), phase Succeeded/Failed for `restartPolicy: Never`; `OnFailure` and
+  `Always` restart the container after a doubling back-off (CrashLoopBackOff, restartCount, lastState);
+- deletion: SIGTERM to the container's main process (as a container's PID 1 gets it), SIGKILL to its whole process
+  group after the grace period (deletionGracePeriodSeconds), then the pod is deleted for good (gracePeriodSeconds=0);
+  a pod removed at once (force deletion) is killed at once;
+- output: each container run's stdout+stderr in a log file (`log_path`, `logs`, and the API's `pods/NAME/log`);
+- shutdown: every process group is killed; processes also die with this thread (PR_SET_PDEATHSIG), so none is
+  orphaned.
+
+Accessors for tests (any thread): `log_path`, `logs`, `claim_dir`, `pod_dir`, `pid`.
+Not emulated: init containers, sidecars and any container but the first, probes (a running container is Ready),
+resource limits (nothing is throttled or OOM-killed), image pulls, node pressure and eviction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import fnmatch
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from . import podstatus, sandbox
+from .apiclient import Api, ApiError
+from .network import Network
+from .scheduling import Node, Scheduler
+
+logger = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Before exec, in the child: the kernel SIGKILLs it when the thread that started it ends (Linux)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class PodRun:
+    uid: str
+    pod: dict[str, Any]
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    removed: bool = False
+    process: asyncio.subprocess.Process | None = None
+    logs: list[Path] = field(default_factory=list)
+    book: podstatus.StatusBook | None = None
+    task: asyncio.Task | None = None
+
+    @property
+    def deleting(self) -> bool:
+        return self.removed or bool(self.pod["metadata"].get("deletionTimestamp"))
+
+    @property
+    def grace(self) -> float:
+        if self.removed:
+            return 0
+        meta, spec = self.pod["metadata"], self.pod.get("spec", {})
+        grace = meta.get("deletionGracePeriodSeconds")
+        return float(grace if grace is not None else spec.get("terminationGracePeriodSeconds", 30))
+
+    @property
+    def path(self) -> str:
+        meta = self.pod["metadata"]
+        return f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+
+
+class Kubelet:
+    def __init__(self, url: str, root: Path, kubeconfig: Path, *, node_name: str = "tandem-node",
+                 capacity: Mapping[str, Any] | None = None, labels: Mapping[str, str] | None = None,
+                 images: Iterable[str] = ("*",), extra_env: Mapping[str, str] | None = None,
+                 pull_backoff: float = 0.3, restart_backoff: float = 1.0) -> None:
+        self.api, self.root, self.kubeconfig = Api(url), Path(root), Path(kubeconfig)
+        self.node, self.network = Node(node_name, capacity, labels), Network()
+        self.images, self.extra_env = list(images), dict(extra_env or {})
+        self.pull_backoff, self.restart_backoff = pull_backoff, restart_backoff
+        self.pods: dict[str, dict[str, Any]] = {}  # every pod by uid: the kubelet's informer cache
+        self.runs: dict[str, PodRun] = {}  # the pods on this node, by uid
+        self.done: dict[tuple[str, str], PodRun] = {}  # the last run of each removed pod, for its logs
+        self.scheduler = Scheduler(self.api, self.node, self.pods)
+        self.pod_paths: dict[str, list[tuple[str, str]]] = {}  # pod token -> (local directory, mount path)
+        self._tasks: list[asyncio.Task] = []
+        self._lock = threading.Lock()
+
+    # -- accessors for tests (any thread) -------------------------------------------------------------------------
+    def _find(self, namespace: str, name: str) -> PodRun | None:
+        with self._lock:
+            for run in self.runs.values():
+                if (run.pod["metadata"]["namespace"], run.pod["metadata"]["name"]) == (namespace, name):
+                    return run
+            return self.done.get((namespace, name))
+
+    def log_path(self, namespace: str, name: str, previous: bool = False) -> Path | None:
+        run = self._find(namespace, name)
+        logs = run.logs if run else []
+        return logs[-2 if previous else -1] if len(logs) >= (2 if previous else 1) else None
+
+    def logs(self, namespace: str, name: str) -> str:
+        path = self.log_path(namespace, name)
+        return path.read_text(errors="replace") if path and path.exists() else ""
+
+    def read_log(self, namespace: str, name: str, container: str | None, previous: bool) -> bytes | None:
+        path = self.log_path(namespace, name, previous)
+        return path.read_bytes() if path and path.exists() else None
+
+    def claim_dir(self, namespace: str, claim: str) -> Path:
+        return sandbox.claim_dir(self.root, namespace, claim)
+
+    def pod_dir(self, namespace: str, name: str) -> Path | None:
+        run = self._find(namespace, name)
+        return sandbox.pod_dir(self.root, run.pod) if run else None
+
+    def pid(self, namespace: str, name: str) -> int | None:
+        run = self._find(namespace, name)
+        return run.process.pid if run and run.process and run.process.returncode is None else None
+
+    # -- start and stop -------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.api.open()
+        path = f"/api/v1/nodes/{self.node.name}"
+        if await self.api.get(path) is None:
+            await self.api.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {
+                "name": self.node.name, "labels": self.node.labels}})
+        await self.api.patch_status(path, self.node.manifest())
+        version = await self._list_pods()
+        self._tasks = [asyncio.create_task(self._watch_pods(version), name="kubelet watch"),
+                       asyncio.create_task(self.scheduler.run(), name="scheduler")]
+
+    async def stop(self) -> None:
+        with self._lock:
+            runs = list(self.runs.values())
+        for run in runs:
+            self._kill(run, signal.SIGKILL)
+        tasks = [*self._tasks, *(run.task for run in runs if run.task)]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for run in runs:
+            if run.process is not None:
+                await run.process.wait()
+        await self.api.close()
+
+    # -- the pods, as the API tells -------------------------------------------------------------------------------
+    async def _list_pods(self) -> str:
+        listing = await self.api.request("GET", "/api/v1/pods")
+        seen = {pod["metadata"]["uid"] for pod in listing["items"]}
+        for uid in set(self.pods) - seen:
+            self._observe("DELETED", self.pods[uid])
+        for pod in listing["items"]:
+            self._observe("ADDED", pod)
+        return listing["metadata"]["resourceVersion"]
+
+    async def _watch_pods(self, version: str) -> None:
+        while True:
+            try:
+                async for event in self.api.watch("/api/v1/pods", version):
+                    if event["type"] == "ERROR":
+                        version = await self._list_pods()
+                        break
+                    self._observe(event["type"], event["object"])
+                    version = event["object"]["metadata"]["resourceVersion"]
+            except (aiohttp.ClientError, ApiError) as error:
+                logger.warning("kubelet: the pod watch failed (%s); watching again", error)
+                await asyncio.sleep(0.2)
+
+    def _observe(self, type_: str, pod: dict[str, Any]) -> None:
+        uid, meta, spec = pod["metadata"]["uid"], pod["metadata"], pod.get("spec", {})
+        run = self.runs.get(uid)
+        self.scheduler.kick.set()
+        if type_ == "DELETED":
+            self.pods.pop(uid, None)
+            self.scheduler.pending.pop(uid, None)
+            if run:
+                run.pod, run.removed = pod, True
+                run.changed.set()
+            return
+        self.pods[uid] = pod
+        if not spec.get("nodeName"):
+            if spec.get("schedulerName", "default-scheduler") == "default-scheduler" \
+                    and not meta.get("deletionTimestamp"):
+                self.scheduler.pending[uid] = None
+            return
+        self.scheduler.pending.pop(uid, None)
+        if run is not None:
+            run.pod = pod
+            run.changed.set()
+        elif spec["nodeName"] == self.node.name and pod.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
+            run = PodRun(uid, pod)
+            with self._lock:
+                self.runs[uid] = run
+            run.task = asyncio.create_task(self._run(run), name=f"pod {meta['namespace']}/{meta['name']}")
+
+    # -- one pod --------------------------------------------------------------------------------------------------
+    async def _run(self, run: PodRun) -> None:
+        try:
+            await self._lifecycle(run)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("kubelet: pod %s failed in the test kubelet", run.path)
+        finally:
+            self._kill(run, signal.SIGKILL)
+            self.node.release(run.uid)
+            self.network.release(run.uid)
+            self.scheduler.kick.set()
+            with self._lock:
+                self.runs.pop(run.uid, None)
+                meta = run.pod["metadata"]
+                self.done[meta["namespace"], meta["name"]] = run
+
+    async def _lifecycle(self, run: PodRun) -> None:
+        container = run.pod["spec"]["containers"][0]
+        ip = self.network.address_for_pod(run.pod)
+        run.book = podstatus.StatusBook(run.pod, self.node.name, ip)
+        image = container.get("image", "")
+        if not run.deleting and not any(fnmatch.fnmatchcase(image, pattern) for pattern in self.images):
+            await self._report(run, podstatus.waiting("ErrImagePull", f'failed to pull and unpack image "{image}": '
+                                                      f"not in the test kubelet's images {self.images}"))
+            if not await self._pause(run, self.pull_backoff):
+                await self._report(run, podstatus.waiting("ImagePullBackOff", f'Back-off pulling image "{image}"'))
+                await self._pause(run, float("inf"))
+        restarts, last_state = 0, None
+        while not run.deleting:
+            await self._report(run, podstatus.waiting("ContainerCreating"), restarts=restarts, last_state=last_state)
+            try:
+                launch = await self._prepare(run, ip)
+            except sandbox.NotReady as error:
+                await self._report(run, podstatus.waiting(error.reason, str(error)))
+                await self._pause(run, 1.0)
+                continue
+            state = await self._execute(run, launch, restarts, last_state)
+            code = state["terminated"]["exitCode"]
+            policy = run.pod["spec"].get("restartPolicy", "Always")
+            if run.deleting or policy == "Never" or (policy == "OnFailure" and code == 0):
+                await self._report(run, state, phase="Succeeded" if code == 0 else "Failed", restarts=restarts,
+                                   last_state=last_state)
+                self.node.release(run.uid)
+                self.scheduler.kick.set()
+                await self._pause(run, float("inf"))
+                break
+            last_state, restarts = state, restarts + 1
+            backoff = min(self.restart_backoff * 2 ** (restarts - 1), 30.0)
+            await self._report(run, podstatus.waiting("CrashLoopBackOff", f"back-off {backoff:g}s restarting failed "
+                                                      f"container={container['name']}"),
+                               phase="Running", restarts=restarts, last_state=last_state)
+            await self._pause(run, backoff)
+        if not run.removed:  # the kubelet's last word: the pod may go now
+            try:
+                await self.api.request("DELETE", run.path, {"gracePeriodSeconds": 0,
+                                                            "preconditions": {"uid": run.uid}})
+            except ApiError as error:
+                if error.status not in (404, 409):
+                    raise
+
+    async def _prepare(self, run: PodRun, ip: str) -> sandbox.Launch:
+        pod, get = run.pod, self.api.get
+        namespace, container = pod["metadata"]["namespace"], pod["spec"]["containers"][0]
+        dirs = await sandbox.volumes(get, self.root, pod)
+        mapped = sandbox.mounts(container, dirs)
+        own = await sandbox.environment(get, pod, container, ip=ip, node=self.node.name,
+                                        allocatable=self.node.capacity)
+        known = await self._known_names()
+        env, master = {}, None
+        for key, value in own.items():
+            env[key], name = self.network.resolve(namespace, sandbox.rewrite_paths(value, mapped), known)
+            master = name if key == "MASTER_ADDR" else master
+        if master is not None and env.get("MASTER_PORT"):
+            env["MASTER_PORT"] = str(self.network.group_port(master, env["MASTER_PORT"], run.uid))
+        home = sandbox.pod_dir(self.root, pod)
+        kubeconfig = self._pod_kubeconfig(run, home, mapped)
+        env = {**sandbox.base_environment(pod, home / "home", kubeconfig, self.node.gpus.get(run.uid, [])),
+               **self.extra_env, **env, "KUBECONFIG": str(kubeconfig)}
+        for variable in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+            env.pop(variable, None)
+        return sandbox.Launch(sandbox.command(container, env, mapped), env,
+                              sandbox.working_directory(container, mapped, home))
+
+    def _pod_kubeconfig(self, run: PodRun, home: Path, mapped: list[tuple[str, Path]]) -> Path:
+        """The cluster's kubeconfig with the pod's own bearer token: the emulator maps the local directories in
+        this pod's writes back to their mount paths (`Emulator.pod_paths`), so what it reports reads as on a cluster."""
+        config = json.loads(self.kubeconfig.read_text())
+        token = f"pod-{run.uid}"
+        for user in config["users"]:
+            user["user"] = {"token": token}
+        self.pod_paths[token] = [(str(local), mount_path) for mount_path, local in mapped]
+        path = home / "kubeconfig"
+        path.write_text(json.dumps(config))
+        return path
+
+    async def _known_names(self):
+        services = await self.api.request("GET", "/api/v1/services")
+        named = {(s["metadata"]["namespace"], s["metadata"]["name"]) for s in services["items"]}
+        hosts = {(p["metadata"]["namespace"], p["spec"]["hostname"], p["spec"]["subdomain"])
+                 for p in self.pods.values() if p.get("spec", {}).get("hostname") and p["spec"].get("subdomain")}
+        return lambda name: name in hosts or (name[0], name[2]) in named
+
+    async def _execute(self, run: PodRun, launch: sandbox.Launch, restarts: int, last_state: dict | None) -> dict:
+        container = run.pod["spec"]["containers"][0]
+        log = sandbox.pod_dir(self.root, run.pod) / "logs" / f"{container['name']}-{restarts}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        run.logs.append(log)
+        started = podstatus.timestamp()
+        with open(log, "wb") as output:
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    *launch.argv, env=launch.env, cwd=launch.cwd, stdin=subprocess.DEVNULL, stdout=output,
+                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+            except OSError as error:
+                message = f'exec: "{launch.argv[0]}": {error.strerror}'
+                output.write(f"{message}\n".encode())
+                self.network.release(run.uid)
+                return podstatus.terminated(128, started, reason="StartError", message=message)
+        run.process = process
+        container_id = f"tandem://{run.uid[:8]}-{restarts}"
+        await self._report(run, podstatus.running(started), phase="Running", restarts=restarts,
+                           last_state=last_state, container_id=container_id)
+        await self._supervise(run, process)
+        self.network.release(run.uid)
+        code = process.returncode if process.returncode >= 0 else 128 - process.returncode
+        fallback = container.get("terminationMessagePolicy") == "FallbackToLogsOnError" and code != 0
+        return podstatus.terminated(code, started, message=podstatus.log_tail(log) if fallback else None,
+                                    container_id=container_id)
+
+    async def _supervise(self, run: PodRun, process: asyncio.subprocess.Process) -> None:
+        """Wait for the process to end; on deletion SIGTERM it, and SIGKILL its group when the grace is over."""
+        exited = asyncio.ensure_future(process.wait())
+        asked_at = deadline = None
+        killed = False
+        while not exited.done():
+            run.changed.clear()
+            if run.deleting and not killed:
+                if asked_at is None:
+                    asked_at = time.monotonic()
+                    with _quietly():
+                        os.kill(process.pid, signal.SIGTERM)
+                deadline = asked_at + run.grace
+                if time.monotonic() >= deadline:
+                    self._kill(run, signal.SIGKILL)
+                    killed = True
+            timeout = None if deadline is None or killed else max(deadline - time.monotonic(), 0)
+            changed = asyncio.ensure_future(run.changed.wait())
+            await asyncio.wait({exited, changed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+        self._kill(run, signal.SIGKILL, leftovers=True)  # what the main process left behind goes with the container
+
+    def _kill(self, run: PodRun, sig: int, leftovers: bool = False) -> None:
+        """Signal the container's process group: while its main process runs, or (`leftovers`) right after it
+        ended (never later: its number could be reused)."""
+        if run.process is not None and (leftovers or run.process.returncode is None):
+            with _quietly():
+                os.killpg(run.process.pid, sig)
+
+    async def _pause(self, run: PodRun, seconds: float) -> bool:
+        """Sleep up to `seconds`, less if the pod is being deleted; returns whether it is."""
+        end = time.monotonic() + seconds
+        while not run.deleting and time.monotonic() < end:
+            run.changed.clear()
+            if run.deleting:
+                break
+            with _quietly(TimeoutError):
+                await asyncio.wait_for(run.changed.wait(), None if seconds == float("inf") else end - time.monotonic())
+        return run.deleting
+
+    async def _report(self, run: PodRun, state: dict[str, Any], *, phase: str = "Pending", restarts: int = 0,
+                      last_state: dict | None = None, container_id: str | None = None) -> None:
+        if run.removed:
+            return
+        status = run.book.status(state, phase=phase, restarts=restarts, last_state=last_state,
+                                 container_id=container_id)
+        try:
+            await self.api.patch_status(run.path, status)
+        except ApiError as error:
+            if error.status != 404:
+                logger.warning("kubelet: status of %s: %s", run.path, error)
+
+
+class _quietly:
+    """Ignore a process that is already gone (or a timeout), as `contextlib.suppress` but for these only."""
+
+    def __init__(self, *errors: type[BaseException]) -> None:
+        self.errors = errors or (ProcessLookupError, PermissionError)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, value, traceback) -> bool:
+        return kind is not None and issubclass(kind, self.errors)

@@ -13,6 +13,13 @@ On entering: the emulator serves on a real TCP port of 127.0.0.1 (`url`), `kubec
 `default` exists, the repository's CRDs (crds/) are applied, and the kubelet runs; all of it on an event loop in a
 background thread. `shutdown()` (on leaving) kills every process (pods' and spawned ones), stops the server and the
 loop and joins the thread, so nothing is left between tests.
+
+Also: `cluster.api` (a configured `kubernetes.client.ApiClient`; `core`, `custom`, `apps` are APIs over it),
+`request(method, path, body, content_type)` for raw HTTP, `apply(manifest)`, `history(...)` (every version of an
+object), `environ()` (the environment for a process of your own against this cluster), `process_log(name)`,
+`stop_process(name)`, `emulator.bugs` (the emulator's own failures, which should stay empty). Faults can be injected
+with kmock's DSL on `cluster.emulator` (e.g. `cluster.emulator["patch", re.compile(".*/status")] << 503`); while
+any such reaction exists every request goes through kmock's slower matching.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ import kubernetes
 import yaml
 
 from .emulator import Emulator
-from .kubelet import Kubelet, die_with_parent
+from .kubelet import Kubelet
+from .runs import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = REPO / "crds"

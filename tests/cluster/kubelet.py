@@ -16,9 +16,10 @@ It lists and watches pods through the API like a kubelet (its own aiohttp client
   a pod removed at once (force deletion) is killed at once;
 - output: each container run's stdout+stderr in a log file (`log_path`, `logs`, and the API's `pods/NAME/log`);
 - shutdown: every process group is killed; processes also die with this thread (PR_SET_PDEATHSIG), so none is
-  orphaned.
+  orphaned; a process's end is awaited through a pidfd on the event loop, so no waiter thread outlives a test.
 
-Accessors for tests (any thread): `log_path`, `logs`, `claim_dir`, `pod_dir`, `pid`.
+Accessors for tests (any thread): `log_path`, `logs`, `claim_dir`, `pod_dir`, `pid`, and `kill` (a crash).
+`restart_backoff` and `pull_backoff` (seconds) may be set at any time.
 Not emulated: init containers, sidecars and any container but the first, probes (a running container is Ready),
 resource limits (nothing is throttled or OOM-killed), image pulls, node pressure and eviction.
 """
@@ -26,7 +27,6 @@ resource limits (nothing is throttled or OOM-killed), image pulls, node pressure
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import fnmatch
 import json
 import logging
@@ -36,7 +36,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,46 +44,10 @@ import aiohttp
 from . import podstatus, sandbox
 from .apiclient import Api, ApiError
 from .network import Network
+from .runs import PodRun, Process, die_with_parent, quietly
 from .scheduling import Node, Scheduler
 
 logger = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Before exec, in the child: the kernel SIGKILLs it when the thread that started it ends (Linux)."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-@dataclass
-class PodRun:
-    uid: str
-    pod: dict[str, Any]
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    removed: bool = False
-    process: asyncio.subprocess.Process | None = None
-    logs: list[Path] = field(default_factory=list)
-    book: podstatus.StatusBook | None = None
-    task: asyncio.Task | None = None
-
-    @property
-    def deleting(self) -> bool:
-        return self.removed or bool(self.pod["metadata"].get("deletionTimestamp"))
-
-    @property
-    def grace(self) -> float:
-        if self.removed:
-            return 0
-        meta, spec = self.pod["metadata"], self.pod.get("spec", {})
-        grace = meta.get("deletionGracePeriodSeconds")
-        return float(grace if grace is not None else spec.get("terminationGracePeriodSeconds", 30))
-
-    @property
-    def path(self) -> str:
-        meta = self.pod["metadata"]
-        return f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
-
-
 class Kubelet:
     def __init__(self, url: str, root: Path, kubeconfig: Path, *, node_name: str = "tandem-node",
                  capacity: Mapping[str, Any] | None = None, labels: Mapping[str, str] | None = None,
@@ -131,8 +94,17 @@ class Kubelet:
         return sandbox.pod_dir(self.root, run.pod) if run else None
 
     def pid(self, namespace: str, name: str) -> int | None:
+        """The container's main process, while it runs."""
         run = self._find(namespace, name)
         return run.process.pid if run and run.process and run.process.returncode is None else None
+
+    def kill(self, namespace: str, name: str, sig: int = signal.SIGKILL) -> int:
+        """Signal the pod's main process (a crash, an OOM kill...); the kubelet reports its end as any other."""
+        pid = self.pid(namespace, name)
+        if pid is None:
+            raise ProcessLookupError(f"pod {namespace}/{name} has no running process")
+        os.kill(pid, sig)
+        return pid
 
     # -- start and stop -------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -241,7 +213,8 @@ class Kubelet:
                 await self._pause(run, float("inf"))
         restarts, last_state = 0, None
         while not run.deleting:
-            await self._report(run, podstatus.waiting("ContainerCreating"), restarts=restarts, last_state=last_state)
+            await self._report(run, podstatus.waiting("ContainerCreating"), phase="Running" if restarts else "Pending",
+                               restarts=restarts, last_state=last_state)
             try:
                 launch = await self._prepare(run, ip)
             except sandbox.NotReady as error:
@@ -322,9 +295,9 @@ class Kubelet:
         started = podstatus.timestamp()
         with open(log, "wb") as output:
             try:
-                process = await asyncio.create_subprocess_exec(
-                    *launch.argv, env=launch.env, cwd=launch.cwd, stdin=subprocess.DEVNULL, stdout=output,
-                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+                process = Process(subprocess.Popen(
+                    launch.argv, env=launch.env, cwd=launch.cwd, stdin=subprocess.DEVNULL, stdout=output,
+                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent))
             except OSError as error:
                 message = f'exec: "{launch.argv[0]}": {error.strerror}'
                 output.write(f"{message}\n".encode())
@@ -341,7 +314,7 @@ class Kubelet:
         return podstatus.terminated(code, started, message=podstatus.log_tail(log) if fallback else None,
                                     container_id=container_id)
 
-    async def _supervise(self, run: PodRun, process: asyncio.subprocess.Process) -> None:
+    async def _supervise(self, run: PodRun, process: Process) -> None:
         """Wait for the process to end; on deletion SIGTERM it, and SIGKILL its group when the grace is over."""
         exited = asyncio.ensure_future(process.wait())
         asked_at = deadline = None
@@ -351,7 +324,7 @@ class Kubelet:
             if run.deleting and not killed:
                 if asked_at is None:
                     asked_at = time.monotonic()
-                    with _quietly():
+                    with quietly():
                         os.kill(process.pid, signal.SIGTERM)
                 deadline = asked_at + run.grace
                 if time.monotonic() >= deadline:
@@ -367,7 +340,7 @@ class Kubelet:
         """Signal the container's process group: while its main process runs, or (`leftovers`) right after it
         ended (never later: its number could be reused)."""
         if run.process is not None and (leftovers or run.process.returncode is None):
-            with _quietly():
+            with quietly():
                 os.killpg(run.process.pid, sig)
 
     async def _pause(self, run: PodRun, seconds: float) -> bool:
@@ -377,7 +350,7 @@ class Kubelet:
             run.changed.clear()
             if run.deleting:
                 break
-            with _quietly(TimeoutError):
+            with quietly(TimeoutError):
                 await asyncio.wait_for(run.changed.wait(), None if seconds == float("inf") else end - time.monotonic())
         return run.deleting
 
@@ -392,16 +365,3 @@ class Kubelet:
         except ApiError as error:
             if error.status != 404:
                 logger.warning("kubelet: status of %s: %s", run.path, error)
-
-
-class _quietly:
-    """Ignore a process that is already gone (or a timeout), as `contextlib.suppress` but for these only."""
-
-    def __init__(self, *errors: type[BaseException]) -> None:
-        self.errors = errors or (ProcessLookupError, PermissionError)
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, value, traceback) -> bool:
-        return kind is not None and issubclass(kind, self.errors)

@@ -88,7 +88,9 @@ class GarbageCollector:
             kept = [ref for ref in refs if ref.get("uid") not in orphaned or store.uid_exists(ref["uid"])]
             if len(kept) < len(refs):
                 updated = copy.deepcopy(obj)
-                updated["metadata"]["ownerReferences"] = kept or None
+                updated["metadata"]["ownerReferences"] = kept
+                if not kept:
+                    del updated["metadata"]["ownerReferences"]
                 self.writer.update(kind, key, updated, system=True)
             elif not any(store.uid_exists(ref.get("uid", "")) for ref in refs):
                 with contextlib.suppress(kmock.KubernetesError):  # gone meanwhile

@@ -274,7 +274,7 @@ def test_deleting_an_owner_cascades_to_its_dependents(cluster):
     cluster.core.create_namespaced_config_map(NS, {"metadata": {"name": "orphan", "ownerReferences": [
         {"apiVersion": "v1", "kind": "ConfigMap", "name": "orphaner", "uid": orphan_owner.metadata.uid}]}})
     cluster.core.delete_namespaced_config_map("orphaner", NS, propagation_policy="Orphan")
-    cluster.wait_for(lambda: not cluster.get("configmaps", NS, "orphan")["metadata"].get("ownerReferences"), 5,
+    cluster.wait_for(lambda: "ownerReferences" not in cluster.get("configmaps", NS, "orphan")["metadata"], 5,
                      "the ownerReference to be removed")
 
 
@@ -442,6 +442,12 @@ def test_restart_policy_on_failure_restarts_the_container(cluster):
     assert cluster.kubelet.log_path(NS, "restarts", previous=True).read_text() == "first\n"
     assert cluster.core.read_namespaced_pod_log("restarts", NS, previous=True) == "first\n"
 
+    cluster.core.create_namespaced_pod(NS, pod("crashes", "import time; print('up', flush=True); time.sleep(60)"))
+    cluster.wait_for(lambda: cluster.logs(NS, "crashes"), 10, "the process to start")
+    cluster.kubelet.kill(NS, "crashes")  # as an OOM kill or a crash would
+    crashed = phase(cluster, "crashes", "Failed")["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert (crashed["exitCode"], crashed["reason"], crashed["message"]) == (137, "Error", "up\n")
+
 
 def test_pod_dns_names_and_a_shared_master_port(cluster):
     show = ("import json, os, time; "
@@ -514,6 +520,22 @@ def test_unschedulable_and_image_pull_failures_stay_pending_with_reasons(cluster
         assert cluster.get("pods", NS, name)["status"]["phase"] == "Pending"
         cluster.core.delete_namespaced_pod(name, NS)
         cluster.wait_for(lambda name=name: cluster.get("pods", NS, name) is None, 5, f"{name} to go")
+
+
+def test_gpus_are_whole_devices_assigned_to_pods_and_freed_when_they_end(tmp_path):
+    with Cluster(tmp_path, crds=None, capacity={"nvidia.com/gpu": 2}) as gpus:
+        for name in ("gpu-a", "gpu-b", "gpu-c"):
+            spec = pod(name, "import os, time; print(os.environ['CUDA_VISIBLE_DEVICES'], flush=True); time.sleep(30)")
+            spec["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+            gpus.core.create_namespaced_pod(NS, spec)
+        gpus.wait_for(lambda: gpus.logs(NS, "gpu-a") and gpus.logs(NS, "gpu-b"), 10, "two pods on two GPUs")
+        assert sorted([gpus.logs(NS, "gpu-a"), gpus.logs(NS, "gpu-b")]) == ["0\n", "1\n"]
+        third = gpus.wait_for(lambda: gpus.get("pods", NS, "gpu-c")["status"]["conditions"][0], 5, "a verdict")
+        assert third["message"] == "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
+        freed = gpus.logs(NS, "gpu-a")
+        gpus.core.delete_namespaced_pod("gpu-a", NS, grace_period_seconds=0)
+        gpus.wait_for(lambda: gpus.logs(NS, "gpu-c"), 10, "the third pod to get the freed GPU")
+        assert gpus.logs(NS, "gpu-c") == freed
 
 
 def test_shutdown_leaves_no_thread_and_no_process(tmp_path):

@@ -332,6 +332,8 @@ class Emulator(kmock.KubernetesEmulator):
         selection = self._selection(request)
         params = request.params
         since = params.get("resourceVersion") or None
+        if since is not None and not since.isdigit():
+            raise api_error(400, "BadRequest", f"invalid resourceVersion: {since!r}")
         since = None if since in (None, "0") else int(since)
         deadline = time.monotonic() + float(params["timeoutSeconds"]) if params.get("timeoutSeconds") else None
         yield b""  # the headers go out now, even if nothing happens

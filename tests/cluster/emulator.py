@@ -4,8 +4,9 @@
 end; the fixes, each named here and implemented in the module beside it:
 
 - `__call__` and `_reparse` (fix: paths): `/api/v1/namespaces` (on which kmock's parser raises),
-  `/api/v1/namespaces/NAME[/status]` and every namespaced and cluster-scoped path parse right; PUT is routed (as
-  an update), so is DELETE on a collection; API errors (404, 409, 422) are answers, not kept as failures;
+  `/api/v1/namespaces/NAME[/status]` and every namespaced and cluster-scoped path parse right, a trailing slash
+  (the `kubernetes` client's `/apis/`) is no other path; PUT is routed (as an update), so is DELETE on a
+  collection; API errors (404, 409, 422) are answers, not kept as failures;
 - `__call__` (fix: state changes): kmock's pre-dispatch store mutation is skipped; each verb below does its own,
   through writes.py (uid, resourceVersion, creationTimestamp, generation, generateName, status isolation, 409 on a
   stale resourceVersion, schema of custom resources) and lifecycle.py (finalizers, graceful pod deletion,
@@ -104,6 +105,8 @@ class Emulator(kmock.KubernetesEmulator):
 
     # -- fix: paths -----------------------------------------------------------------------------------------------
     def _reparse(self, request: kmock.Request) -> kmock.Request:
+        if request.url.path != "/" and request.url.path.endswith("/"):  # the client's discovery asks for `/apis/`
+            request = attrs.evolve(request, url=request.url.with_path(request.url.path.rstrip("/")))
         parts = [part for part in request.url.path.split("/") if part]
         if len(parts) >= 3 and parts[0] == "api":
             group, version, rest = "", parts[1], parts[2:]

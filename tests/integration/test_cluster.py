@@ -76,6 +76,21 @@ def test_uid_resource_version_and_generation(cluster):
     assert again["metadata"]["resourceVersion"] == status["metadata"]["resourceVersion"]  # a no-op is no change
 
 
+def test_discovery_serves_the_builtins_and_the_crds_but_no_kopf_peering(cluster):
+    groups = {g.name for g in kubernetes.client.ApisApi(cluster.api).get_api_versions().groups}
+    assert {"apps", "rbac.authorization.k8s.io", "coordination.k8s.io", "events.k8s.io", "apiextensions.k8s.io",
+            GROUP} <= groups and "kopf.dev" not in groups
+    core = {r.name for r in cluster.core.get_api_resources().resources}
+    assert {"pods", "pods/status", "pods/log", "services", "configmaps", "serviceaccounts", "events",
+            "persistentvolumeclaims", "namespaces"} <= core
+    status, tandem = cluster.request("GET", f"/apis/{GROUP}/{VERSION}")
+    served = {r["name"]: r for r in tandem["resources"]}
+    assert {"paralleltrainingjobs/status", "paralleltrainingjobs/scale", "inferencepools/scale"} <= set(served)
+    assert served["paralleltrainingjobs"]["kind"] == "ParallelTrainingJob" and served["paralleltrainingjobs"][
+        "namespaced"] and "ptj" in served["paralleltrainingjobs"]["shortNames"]
+    assert cluster.request("GET", "/apis/kopf.dev/v1")[0] == 404
+
+
 def test_generate_name_for_objects_and_both_event_apis(cluster):
     cm = cluster.core.create_namespaced_config_map(NS, {"metadata": {"generateName": "gen-"}})
     assert re.fullmatch(r"gen-[a-z0-9]{5}", cm.metadata.name)

@@ -45,9 +45,11 @@ class Cluster:
             if replace is not None:
                 await self._call(f"replace {kind}", replace, manifest["metadata"]["name"], namespace, manifest)
 
-    async def delete_pod(self, name: str, namespace: str) -> None:
+    async def delete_pod(self, name: str, namespace: str, grace_seconds: int | None = None) -> None:
+        """Delete a pod: SIGTERM, then the pod's own grace period (or `grace_seconds`) before SIGKILL."""
         try:
-            await self._call("delete Pod", self.core.delete_namespaced_pod, name, namespace)
+            await self._call("delete Pod", self.core.delete_namespaced_pod, name, namespace,
+                             grace_period_seconds=grace_seconds)
         except ApiException as error:
             if error.status != NOT_FOUND:
                 raise

@@ -67,14 +67,19 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
                     job_pods: kopf.Index, job_specs: kopf.Index, **_: Any) -> None:
     key = (namespace, name)
     waker = memo.wakers.setdefault(key, asyncio.Event())
+    written: dict[str, Any] = {}
     try:
         while not stopped:
             waker.clear()
             started = time.perf_counter()
             pods = list(job_pods.get(key, []))
             config_map = next(iter(job_specs.get(key, [])), None)
-            plan = reconcile(dict(body), pods, config_map, datetime.now(UTC), SETTINGS)
-            await _apply(plan, body, memo.cluster)
+            # The live body can lag behind the operator's own last status patch (the watch event is still on its
+            # way): its own fields are taken as last written. Only the operator writes them, so this is never stale.
+            observed = {**body, "status": {**(body.get("status") or {}), **written}}
+            plan = reconcile(observed, pods, config_map, datetime.now(UTC), SETTINGS)
+            await _apply(plan, observed, memo.cluster)
+            written = plan.status
             memo.phases.set(key, plan.status.get("phase"))
             metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
             if plan.delete_job:
@@ -85,13 +90,13 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
         memo.phases.set(key, None)
 
 
-async def _apply(plan: Plan, body: kopf.Body, cluster: Cluster) -> None:
+async def _apply(plan: Plan, body: dict[str, Any], cluster: Cluster) -> None:
     metadata = body["metadata"]
     namespace, name = metadata["namespace"], metadata["name"]
     for manifest in plan.create:
         await cluster.create(manifest)
     for pod in plan.delete_pods:
-        await cluster.delete_pod(pod, namespace)
+        await cluster.delete_pod(pod, namespace, grace_seconds=0 if plan.kill_at_once else None)
     current = body.get("status") or {}
     changed = {key: value for key, value in plan.status.items() if current.get(key) != value}
     if changed:

@@ -62,6 +62,8 @@ class Plan:
     create: list[dict[str, Any]] = field(default_factory=list)
     """Objects to create; a ConfigMap that exists already is replaced, anything else that exists is kept."""
     delete_pods: list[str] = field(default_factory=list)
+    kill_at_once: bool = False
+    """Delete those pods with no grace period: a hung group cannot write a checkpoint on SIGTERM."""
     delete_job: bool = False
     status: dict[str, Any] = field(default_factory=dict)
     """The operator's status fields (a merge patch of the status subresource)."""
@@ -113,7 +115,7 @@ class _Reconciler:
         elif (resize := self._resize()) is not None:
             self._tear_down("Resizing", resize)
         elif (failure := self._failure()) is not None:
-            self._group_failed(failure)
+            self._group_failed(*failure)
         else:
             self._follow_pods()
         return self._finish()
@@ -191,29 +193,31 @@ class _Reconciler:
             return f"resizing from {running.spec.workers} to {self.spec.workers} ranks from the latest checkpoint"
         return None
 
-    def _failure(self) -> str | None:
-        """Why the running group has failed, if it has. Of several failed ranks the first to end is the cause: the
-        others lost it (their collectives fail when it goes)."""
+    def _failure(self) -> tuple[str, bool] | None:
+        """Why the running group has failed, if it has, and whether it hangs. Of several failed ranks the first to
+        end is the cause: the others lost it (their collectives fail when it goes)."""
         failed = sorted((p for p in self.pods if p.phase == "Failed"), key=lambda p: (p.finished_at, p.rank))
         if failed:
             pod = failed[0]
             detail = f": {pod.termination_message}" if pod.termination_message else ""
-            return f"rank {pod.rank} (pod {pod.name}) exited with code {pod.exit_code}{detail}"
+            return f"rank {pod.rank} (pod {pod.name}) exited with code {pod.exit_code}{detail}", False
         for pod in self.pods:
             if pod.terminating:
-                return f"rank {pod.rank}'s pod {pod.name} was deleted or evicted"
+                return f"rank {pod.rank}'s pod {pod.name} was deleted or evicted", False
         ranks = {p.rank for p in self.pods}
         if self.phase == "Running":
             missing = sorted(set(range(self.spec.workers)) - ranks)
             if missing:
-                return f"rank {missing[0]}'s pod {pod_name(self.job.metadata.name, missing[0])} is gone"
+                return f"rank {missing[0]}'s pod {pod_name(self.job.metadata.name, missing[0])} is gone", False
             running_since = timestamp((condition(self.conditions, "Running") or {}).get("lastTransitionTime"))
             heartbeat = timestamp((self.status.get("progress") or {}).get("lastHeartbeat"))
-            if heartbeat_expired(heartbeat, running_since, self.spec.heartbeat_timeout_seconds, self.now):
-                return f"rank 0 sent no heartbeat for more than {self.spec.heartbeat_timeout_seconds} s"
+            reports = self.spec.training_mode != "custom"  # a custom command reports nothing: no heartbeat to miss
+            if reports and heartbeat_expired(heartbeat, running_since, self.spec.heartbeat_timeout_seconds, self.now):
+                return f"rank 0 sent no heartbeat for more than {self.spec.heartbeat_timeout_seconds} s", True
         return None
 
-    def _group_failed(self, cause: str) -> None:
+    def _group_failed(self, cause: str, hung: bool) -> None:
+        self.result.kill_at_once = hung
         decision = after_failure(restarts_done=self.restarts, backoff_limit=self.spec.backoff_limit,
                                  base_seconds=self.settings.restart_backoff_seconds, cause=cause)
         if decision.action == "fail":
@@ -301,7 +305,7 @@ class _Reconciler:
         self.result.status = {
             "phase": self.phase,
             "conditions": self.conditions,
-            "workers": {"ready": ready, "total": self.spec.workers},
+            "workers": {"ready": ready, "total": self.spec.workers, "summary": f"{ready}/{self.spec.workers}"},
             "master": {"pod": pod_name(name, 0), "address": master_address(name), "port": MASTER_PORT},
             "restarts": self.restarts,
             "message": self.status.get("message", ""),

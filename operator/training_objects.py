@@ -107,9 +107,10 @@ def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, rank: int, *, gr
         resume_from=PurePosixPath(resume_from) if resume_from else None,
     )
     contract_env = [{"name": key, "value": value} for key, value in contract.to_environ().items()]
-    resources = spec.resources.to_dict()
+    resources = {kind: {name: str(quantity) for name, quantity in amounts.items()}  # quantities are strings
+                 for kind, amounts in spec.resources.to_dict().items()}
     if spec.gpus_per_worker > 0:
-        resources.setdefault("limits", {})["nvidia.com/gpu"] = spec.gpus_per_worker
+        resources.setdefault("limits", {})["nvidia.com/gpu"] = str(spec.gpus_per_worker)
     mounts = [{"name": "tandem-spec", "mountPath": SPEC_MOUNT, "readOnly": True},
               {"name": "tandem-checkpoints", "mountPath": CHECKPOINT_MOUNT}]
     volumes = [{"name": "tandem-spec", "configMap": {"name": config_map_name(name)}},

@@ -128,3 +128,26 @@ class CrashOnceAfterCheckpoint(DropoutMLP):
 
 def crash_once_after_checkpoint(at: int = 0, hidden: int = 32, p: float = 0.3) -> nn.Module:
     return CrashOnceAfterCheckpoint(at, hidden, p)
+
+
+class HangOnRankZero(nn.Module):
+    """The digits MLP, except that rank 0's `at`-th training forward never returns: a hung rank, which crashes
+    nothing and reports nothing."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.net = mlp(hidden=16)
+        self.at = at
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if os.environ.get("RANK") == "0" and self.calls == self.at:
+                time.sleep(3600)
+        return self.net(x)
+
+
+def hang_on_rank_zero(at: int) -> nn.Module:
+    return HangOnRankZero(at)
+

@@ -140,7 +140,11 @@ CASES = [
      {"phase": "Restarting", "restarts": 1, "message": "rank 1's pod digits-worker-1 is gone"}),
     ("rank 0 silent past the heartbeat timeout: restart", job(running(heartbeat=400, running_for=500,
                                                                                    started=600)), BOTH_RUNNING, {},
-     {"phase": "Restarting", "restarts": 1, "message": "rank 0 sent no heartbeat for more than 300 s"}),
+     {"phase": "Restarting", "restarts": 1, "message": "rank 0 sent no heartbeat for more than 300 s",
+      "kill_at_once": True}),
+    ("a custom command reports no heartbeat: not a failure", job(running(heartbeat=None, running_for=900, started=950),
+                                                                  trainingMode="custom", custom={"command": ["x"]}),
+     BOTH_RUNNING, {}, {"phase": "Running", "delete": []}),
     ("backoffLimit spent: Failed", job(running(restarts=3)), [pod(0), pod(1, "Failed", exit_code=2)], {},
      {"phase": "Failed", "restarts": 3, "delete": ["digits-worker-0"], "event": "BackoffLimitExceeded",
       "completed": True, "message": "backoffLimit is 3"}),
@@ -199,13 +203,14 @@ def test_reconcile(name, body, pods, changes, expected):
     if "restarts" in expected:
         assert status["restarts"] == expected["restarts"]
     if "ready" in expected:
-        assert status["workers"] == {"ready": expected["ready"], "total": 2}
+        assert status["workers"] == {"ready": expected["ready"], "total": 2, "summary": f"{expected['ready']}/2"}
     if "message" in expected:
         assert expected["message"] in status["message"], status["message"]
     if "event" in expected:
         assert [reason for _, reason, _ in plan.events] == [expected["event"]]
     if "completed" in expected:
         assert status.get("completionTime") == NOW.strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert plan.kill_at_once is expected.get("kill_at_once", False)
     if "delete_job" in expected:
         assert plan.delete_job is expected["delete_job"]
     if "requeue" in expected:
@@ -275,7 +280,7 @@ def test_a_rank_pod_carries_the_worker_contract_and_the_passthrough_settings():
                    "TANDEM_NAMESPACE": "ml", "TANDEM_SPEC": "/etc/tandem/job.json",
                    "TANDEM_CHECKPOINT_DIR": "/var/lib/tandem/checkpoints/digits",
                    "TANDEM_RESUME_FROM": "/var/lib/tandem/checkpoints/digits/step-00000100.pt", "HF_HOME": "/cache"}
-    assert container["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"nvidia.com/gpu": 1}}
+    assert container["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"nvidia.com/gpu": "1"}}
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert spec["securityContext"]["runAsNonRoot"] is True and spec["restartPolicy"] == "Never"

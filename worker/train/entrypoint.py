@@ -7,6 +7,7 @@ run it by hand with the same variables.
 from __future__ import annotations
 
 import os
+import signal
 import traceback
 from pathlib import Path
 from typing import NoReturn
@@ -14,11 +15,6 @@ from typing import NoReturn
 from tandem.api import ParallelTrainingJob
 from tandem.contract import WorkerContract
 from tandem.worker.process_exit import exit_without_teardown
-from tandem.worker.train.process_group import join_group, shutdown_process_group
-from tandem.worker.train.reporting import ConsoleSink, KubernetesStatusSink, StatusFileSink, read_status_file
-from tandem.worker.train.signals import watch_stop_signals
-from tandem.worker.train.trainer import RankContext, seed_everything, train
-from tandem.worker.user_code import build_model, load_dataset
 
 
 def load_job(env: WorkerContract) -> ParallelTrainingJob:
@@ -26,7 +22,12 @@ def load_job(env: WorkerContract) -> ParallelTrainingJob:
 
 
 def run_custom(job: ParallelTrainingJob) -> int:
-    """trainingMode custom: replace this process with the user's command; the contract env is already set."""
+    """trainingMode custom: replace this process with the user's command; the contract env is already set. The
+    stop signals, blocked for Tandem's own trainer, are unblocked first: a blocked mask survives exec, and the
+    command would never see the SIGTERM that stops its pod."""
+    from tandem.worker.train.signals import STOP_SIGNALS
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     command = [*job.spec.custom.command, *job.spec.custom.args]
     os.execvp(command[0], command)
     return 127  # only reached if exec returns, which it does not
@@ -37,6 +38,17 @@ def main() -> int:
     job = load_job(env)
     if job.spec.training_mode == "custom":
         return run_custom(job)
+    return train_rank(env, job)
+
+
+def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
+    """One rank of Tandem's trainer (torch is imported here: a custom command starts without it)."""
+    from tandem.worker.train.process_group import join_group, shutdown_process_group
+    from tandem.worker.train.reporting import ConsoleSink, KubernetesStatusSink, StatusFileSink
+    from tandem.worker.train.signals import watch_stop_signals
+    from tandem.worker.train.trainer import RankContext, seed_everything, train
+    from tandem.worker.user_code import build_model, load_dataset
+
     spec, trainer = job.spec, job.spec.trainer
     device = join_group(env, gpus=spec.gpus_per_worker, require_gpu=trainer.require_gpu)
     seed_everything(trainer.seed, trainer.deterministic)  # the same initial weights on every rank and every run
@@ -72,6 +84,8 @@ def _checkpoint_dir(job: ParallelTrainingJob) -> Path:
 
 
 def _record_failure(env: WorkerContract, error: BaseException) -> None:
+    from tandem.worker.train.reporting import StatusFileSink, read_status_file
+
     status = read_status_file(env.status_file)
     if status is None:
         return

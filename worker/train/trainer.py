@@ -93,7 +93,7 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
     reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps) if context.is_master \
         else None
     if reporter is not None and context.resume_from is not None:
-        reporter.resumed(context.resume_from, step=position.step, epoch=position.epoch + 1)
+        reporter.resumed(context.resume_from, step=position.step, epoch=epoch_shown(position))
     train_step = TrainStep(trainer, mode, optimizer, scaler, schedule, context.device, context.world_size)
     record = StepRecord(position, max_consecutive_bad_steps=trainer.max_consecutive_bad_steps,
                         counts_bad_steps=trainer.mixed_precision != "fp16")
@@ -103,7 +103,7 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
 
     def report_progress() -> None:
         if reporter is not None:
-            reporter.progress(epoch=position.epoch + 1, step=position.step, loss=record.running_loss,
+            reporter.progress(epoch=epoch_shown(position), step=position.step, loss=record.running_loss,
                               samples=position.samples)
 
     def save(final: bool = False) -> None:
@@ -148,6 +148,12 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
                         metrics=metrics, communication=communication)
 
 
+def epoch_shown(position: Position) -> int:
+    """The epoch under way, counted from 1; at an epoch's last step, that epoch (the position has turned to the
+    next, which has not begun)."""
+    return max(1, position.epoch + (1 if position.batches_done else 0))
+
+
 def planned_steps(trainer: TrainerSpec, *, batches_per_epoch: int, position: Position) -> int:
     """The step training ends at: the steps done plus those left in `epochs` from `position`, or `maxSteps` if
     fewer. From a position of this run's own making that is `epochs` worth of steps; after a resume at another
@@ -171,6 +177,6 @@ def final_status(reporter: Reporter, position: Position, *, epochs: int, stopped
     return reporter.final(
         "Suspended" if stopped else "Succeeded",
         f"stopped at step {position.step} on request; checkpoint written" if stopped else "training complete",
-        epoch=min(epochs, position.epoch + (1 if position.batches_done else 0)), metrics=metrics,
+        epoch=min(epochs, epoch_shown(position)), metrics=metrics,
         bytes_sent=communication[0], dense_bytes=communication[1],
     )

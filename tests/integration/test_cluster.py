@@ -14,9 +14,10 @@ from pathlib import Path
 
 import kubernetes
 import pytest
-from cluster import Cluster
-from cluster import store as cluster_store
 from kubernetes.client import ApiException
+
+from devcluster import Cluster
+from devcluster import store as cluster_store
 
 NS = "default"
 GROUP, VERSION, PTJ = "tandem.dev", "v1alpha1", "paralleltrainingjobs"

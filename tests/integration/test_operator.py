@@ -12,9 +12,9 @@ import urllib.request
 import kubernetes_validate
 import pytest
 import yaml
-from cluster import Cluster
 from jobs import ROOT, TESTS
 
+from devcluster import Cluster
 from tandem.operator.training_objects import CHECKPOINT_MOUNT
 
 NS = "default"

@@ -47,7 +47,7 @@ from .emulator import Emulator
 from .kubelet import Kubelet
 from .runs import die_with_parent
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 CRDS = REPO / "crds"
 T = TypeVar("T")
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 never goes via a proxy

@@ -65,7 +65,7 @@ class KubernetesStatusSink:
         try:
             config.load_incluster_config()
         except config.ConfigException:
-            config.load_kube_config()
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # read now, not at import
         self.api = client.CustomObjectsApi()
         self.job, self.namespace = job, namespace
         self.interval, self.timeout = interval, timeout

@@ -13,48 +13,41 @@ from torch.utils.data import TensorDataset
 from tandem.examples.digits import mlp
 from tandem.worker import checkpoint
 
-CRASH_AT_STEP = 3
 
+class FaultOnRank(nn.Module):
+    """The digits MLP, except that on rank `rank` its `at`-th training forward goes wrong: it raises ("raise"), its
+    output is NaN ("nan"), or it never returns ("hang": a hung rank crashes nothing and reports nothing)."""
 
-class CrashOnRankOne(nn.Module):
-    """The digits MLP, except that rank 1's forward raises on its CRASH_AT_STEP-th call."""
-
-    def __init__(self):
+    def __init__(self, rank: int, at: int, fault: str):
         super().__init__()
         self.net = mlp(hidden=16)
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        if os.environ.get("RANK") == "1" and self.calls == CRASH_AT_STEP:
-            raise RuntimeError("injected failure in rank 1's forward pass")
-        return self.net(x)
-
-
-def crash_on_rank_one() -> nn.Module:
-    return CrashOnRankOne()
-
-
-class NanOnRankOne(nn.Module):
-    """The digits MLP, except that rank 1's output is NaN on its `at`-th training forward pass."""
-
-    def __init__(self, at: int):
-        super().__init__()
-        self.net = mlp(hidden=16)
-        self.at = at
+        self.rank, self.at, self.fault = str(rank), at, fault
         self.calls = 0
 
     def forward(self, x):
         out = self.net(x)
-        if self.training:
-            self.calls += 1
-            if os.environ.get("RANK") == "1" and self.calls == self.at:
-                return out * float("nan")
-        return out
+        if not self.training:
+            return out
+        self.calls += 1
+        if os.environ.get("RANK") != self.rank or self.calls != self.at:
+            return out
+        if self.fault == "raise":
+            raise RuntimeError(f"injected failure in rank {self.rank}'s forward pass")
+        if self.fault == "hang":
+            time.sleep(3600)
+        return out * float("nan")
+
+
+def crash_on_rank_one(at: int = 3) -> nn.Module:
+    return FaultOnRank(1, at, "raise")
 
 
 def nan_on_rank_one(at: int) -> nn.Module:
-    return NanOnRankOne(at)
+    return FaultOnRank(1, at, "nan")
+
+
+def hang_on_rank_zero(at: int) -> nn.Module:
+    return FaultOnRank(0, at, "hang")
 
 
 def nan_data(bad_every: int = 0, size: int = 256) -> TensorDataset:
@@ -128,26 +121,3 @@ class CrashOnceAfterCheckpoint(DropoutMLP):
 
 def crash_once_after_checkpoint(at: int = 0, hidden: int = 32, p: float = 0.3) -> nn.Module:
     return CrashOnceAfterCheckpoint(at, hidden, p)
-
-
-class HangOnRankZero(nn.Module):
-    """The digits MLP, except that rank 0's `at`-th training forward never returns: a hung rank, which crashes
-    nothing and reports nothing."""
-
-    def __init__(self, at: int):
-        super().__init__()
-        self.net = mlp(hidden=16)
-        self.at = at
-        self.calls = 0
-
-    def forward(self, x):
-        if self.training:
-            self.calls += 1
-            if os.environ.get("RANK") == "0" and self.calls == self.at:
-                time.sleep(3600)
-        return self.net(x)
-
-
-def hang_on_rank_zero(at: int) -> nn.Module:
-    return HangOnRankZero(at)
-

@@ -51,6 +51,15 @@ DEFAULT_MASTER_PORT = 29500  # torchrun's
 DEFAULT_JOB = "tandem"
 
 
+CHECKPOINT_NAME = "step-{step:08d}.pt"
+"""A checkpoint's file name in its directory: the step it was written at, so names sort as steps do. Rank 0 writes
+them (worker/checkpoint.py); a pool's operator names a pinned one."""
+
+
+def checkpoint_name(step: int) -> str:
+    return CHECKPOINT_NAME.format(step=step)
+
+
 class ContractError(RuntimeError):
     """The worker's environment does not satisfy the contract, or the group it describes cannot form."""
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 import tandem
+from tandem.contract import checkpoint_name
 
 FORMAT = "tandem-checkpoint/1"
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
@@ -38,7 +39,7 @@ class CheckpointError(ValueError):
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
-    return directory / f"step-{step:08d}.pt"
+    return directory / checkpoint_name(step)
 
 
 def build_manifest(**fields: Any) -> dict[str, Any]:

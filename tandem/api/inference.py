@@ -75,6 +75,17 @@ class Autoscaling(ApiModel):
         return self
 
 
+class ModelRepository(ApiModel):
+    """Triton's model-repository API, `POST /v2/repository/models/{m}/load` with a checkpoint: off unless enabled,
+    since any client that reaches the port could otherwise make the server read files."""
+
+    load: bool = False
+    """Accept load requests; when false every load request answers 403."""
+    root: Annotated[str, StringConstraints(min_length=1, pattern=r"^/")] | None = None
+    """The directory whose checkpoints load requests may name (files under it only); default: the directory the
+    server serves from (the followed job's checkpoint directory, or the served checkpoint's directory)."""
+
+
 class InferencePoolSpec(PodSettings):
     """Desired state of an InferencePool."""
 
@@ -94,6 +105,7 @@ class InferencePoolSpec(PodSettings):
     request_timeout_ms: Annotated[int, Field(ge=1)] = 30000
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     autoscaling: Autoscaling | None = None
+    model_repository: ModelRepository = Field(default_factory=ModelRepository)
 
 
 class ModelStatus(ApiModel):

@@ -1,0 +1,188 @@
+"""The Kubernetes objects an InferencePool becomes, built from its spec as plain manifests (pure functions):
+
+- a Deployment of server pods, each running `tandem serve` on the pool's manifest (a ConfigMap, mounted read-only),
+  listening on all the pod's interfaces; probes that tell the truth (startup covers the model's load and warm-up,
+  readiness is the server's own /v2/health/ready, liveness /v2/health/live); a preStop pause so endpoints drop the
+  pod before its drain begins, and a grace period longer than pause and drain together; rolling updates that never
+  go below the ready replicas (maxUnavailable 0);
+- a ClusterIP Service on the pool's port; a PodDisruptionBudget when there is more than one replica; with
+  `spec.autoscaling`, a HorizontalPodAutoscaler on the pool's scale subresource, on pending requests per replica.
+
+Every object is owned by the pool. A model from a ParallelTrainingJob is read from that job's checkpoint claim,
+mounted read-only, at the directory the job's spec names: never from a path copied out of the job's status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import PurePosixPath
+from typing import Any
+
+from tandem.api import API_VERSION, InferencePool, ParallelTrainingJob
+from tandem.contract import checkpoint_name
+from tandem.operator.training_objects import child_name, owner_reference
+
+POOL_LABEL = "tandem.dev/pool"
+SPEC_MOUNT = "/etc/tandem"
+SPEC_FILE = "pool.json"
+MODEL_MOUNT = "/var/lib/tandem/models"
+DRAIN_SECONDS = 25
+"""`tandem serve --grace-period`: how long the queued and running requests may take after SIGTERM."""
+PRE_STOP_SECONDS = 5
+"""How long a stopping server keeps serving before its drain begins, while the endpoints drop it."""
+STARTUP_SECONDS = 600
+"""How long a server may take to load and warm up its model before the kubelet gives up on it."""
+SPEC_HASH = "tandem.dev/spec-hash"
+RUN_AS = 1000
+
+
+def deployment_name(pool: str) -> str:
+    return child_name(pool, "server")
+
+
+def config_map_name(pool: str) -> str:
+    return child_name(pool, "spec")
+
+
+def model_name(pool: InferencePool) -> str:
+    return pool.spec.model.name or pool.metadata.name
+
+
+def endpoint(pool: InferencePool, namespace: str) -> str:
+    """The Service's in-cluster URL of the Open Inference Protocol."""
+    return f"http://{pool.metadata.name}.{namespace}.svc.cluster.local:{pool.spec.port}/v2"
+
+
+def selector(pool: str) -> dict[str, str]:
+    return {POOL_LABEL: pool}
+
+
+def job_checkpoint_directory(job: ParallelTrainingJob) -> str:
+    """Where a job's checkpoints are under the pool's mount of its claim: the job's own checkpoint.directory (its
+    pods mount the claim's root; so does the pool, elsewhere)."""
+    return str(PurePosixPath(MODEL_MOUNT) / job.spec.checkpoint.directory)
+
+
+def _metadata(owner: dict[str, Any], name: str) -> dict[str, Any]:
+    pool = owner["metadata"]["name"]
+    return {"name": name, "namespace": owner["metadata"].get("namespace"),
+            "labels": {**selector(pool), "app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": pool,
+                       "app.kubernetes.io/component": "inference", "app.kubernetes.io/managed-by": "tandem-operator"},
+            "ownerReferences": [owner_reference(owner)]}
+
+
+def served_spec(pool: InferencePool) -> dict[str, Any]:
+    """What a server is started with: the pool's spec less how many servers there are (scaling them, by hand or by
+    the autoscaler, must not restart the ones running)."""
+    return {key: value for key, value in pool.spec.to_dict().items() if key not in ("replicas", "autoscaling")}
+
+
+def spec_config_map(owner: dict[str, Any], pool: InferencePool) -> dict[str, Any]:
+    document = {"apiVersion": API_VERSION, "kind": "InferencePool",
+                "metadata": {"name": pool.metadata.name, "namespace": owner["metadata"].get("namespace")},
+                "spec": served_spec(pool)}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(owner, config_map_name(pool.metadata.name)),
+            "data": {SPEC_FILE: json.dumps(document, sort_keys=True)}}
+
+
+def server_deployment(owner: dict[str, Any], pool: InferencePool, *, job: ParallelTrainingJob | None,
+                      pinned_step: int | None, default_image: str) -> dict[str, Any]:
+    """The server pods. With a model from `job`: its claim mounted read-only, and `--checkpoint` the job's checkpoint
+    directory (followed) or, with `pinned_step`, the checkpoint of that step in it."""
+    name, spec = pool.metadata.name, pool.spec
+    command = ["tandem", "serve", f"{SPEC_MOUNT}/{SPEC_FILE}", "--host", "0.0.0.0", "--port", str(spec.port),
+               "--grace-period", str(DRAIN_SECONDS)]
+    mounts = [{"name": "tandem-spec", "mountPath": SPEC_MOUNT, "readOnly": True}]
+    volumes = [{"name": "tandem-spec", "configMap": {"name": config_map_name(name)}}]
+    if job is not None:
+        directory = job_checkpoint_directory(job)
+        command += ["--checkpoint", directory if pinned_step is None else f"{directory}/{checkpoint_name(pinned_step)}"]
+        mounts.append({"name": "tandem-model", "mountPath": MODEL_MOUNT, "readOnly": True})
+        volumes.append({"name": "tandem-model", "persistentVolumeClaim": {
+            "claimName": job.spec.checkpoint.persistent_volume_claim, "readOnly": True}})
+    resources = {kind: {key: str(quantity) for key, quantity in amounts.items()}
+                 for kind, amounts in spec.resources.to_dict().items()}
+    if spec.gpus_per_replica > 0:
+        resources.setdefault("limits", {})["nvidia.com/gpu"] = str(spec.gpus_per_replica)
+    probe = {"httpGet": {"path": "/v2/health/ready", "port": "http"}, "periodSeconds": 2, "timeoutSeconds": 2}
+    container = {
+        "name": "server",
+        "image": spec.image or default_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": command,
+        "env": [e.to_dict() for e in spec.env],
+        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        "resources": resources,
+        "volumeMounts": [*mounts, *(m.to_dict() for m in spec.volume_mounts)],
+        "startupProbe": {**probe, "failureThreshold": STARTUP_SECONDS // 2},
+        "readinessProbe": {**probe, "failureThreshold": 1},
+        "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"}, "periodSeconds": 10,
+                          "timeoutSeconds": 5, "failureThreshold": 3},
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}},
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+    pod_spec = {
+        "automountServiceAccountToken": False,  # a server needs no API access
+        "terminationGracePeriodSeconds": PRE_STOP_SECONDS + DRAIN_SECONDS + 10,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": [*volumes, *(v.to_dict() for v in spec.volumes)],
+    }
+    optional = {"nodeSelector": spec.node_selector, "tolerations": [t.to_dict() for t in spec.tolerations],
+                "schedulerName": spec.scheduler_name, "priorityClassName": spec.priority_class_name}
+    pod_spec.update({key: value for key, value in optional.items() if value})
+    served = {"spec": served_spec(pool), "command": command}
+    spec_hash = hashlib.sha256(json.dumps(served, sort_keys=True).encode()).hexdigest()[:16]
+    template_metadata = {
+        "labels": _metadata(owner, name)["labels"],
+        "annotations": {SPEC_HASH: spec_hash, "prometheus.io/scrape": "true", "prometheus.io/port": str(spec.port),
+                        "prometheus.io/path": "/metrics"},
+    }
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(owner, deployment_name(name)),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {"metadata": template_metadata, "spec": pod_spec},
+        },
+    }
+
+
+def service(owner: dict[str, Any], pool: InferencePool) -> dict[str, Any]:
+    name = pool.metadata.name
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(owner, name),
+            "spec": {"type": "ClusterIP", "selector": selector(name),
+                     "ports": [{"name": "http", "port": pool.spec.port, "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def disruption_budget(owner: dict[str, Any], pool: InferencePool) -> dict[str, Any]:
+    """At most one server down at a time for a voluntary disruption (a node drain)."""
+    name = pool.metadata.name
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _metadata(owner, deployment_name(name)),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(name)}}}
+
+
+PENDING_METRIC = "tandem_inference_pending_requests"
+"""The server's Prometheus gauge of requests queued or running; a metrics adapter serves it to the autoscaler."""
+
+
+def autoscaler(owner: dict[str, Any], pool: InferencePool) -> dict[str, Any]:
+    """An HPA on the pool's own scale subresource (so `spec.replicas` stays the truth), on pending requests per server
+    pod. Needs a metrics adapter serving the custom metric (e.g. prometheus-adapter; see README)."""
+    scaling, name = pool.spec.autoscaling, pool.metadata.name
+    return {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": _metadata(owner, name),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": "InferencePool", "name": name},
+            "minReplicas": scaling.min_replicas, "maxReplicas": scaling.max_replicas,
+            "metrics": [{"type": "Pods", "pods": {
+                "metric": {"name": PENDING_METRIC},
+                "target": {"type": "AverageValue", "averageValue": f"{scaling.target_queue_depth:g}"}}}],
+        },
+    }

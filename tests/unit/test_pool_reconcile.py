@@ -1,0 +1,243 @@
+"""The InferencePool's decisions (operator/pools.py) and objects (operator/pool_objects.py), without a cluster:
+table-driven cases, one per rule; every object passes kubernetes-validate --strict."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from tandem.operator.pool_objects import MODEL_MOUNT, SPEC_HASH, server_deployment
+from tandem.operator.pools import Served, reconcile_pool
+
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+IMAGE = "registry.example/tandem-worker:1"
+
+
+def ago(seconds: float) -> str:
+    return (NOW - timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def pool(status: dict | None = None, generation: int = 1, **spec: Any) -> dict[str, Any]:
+    body = {"apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool",
+            "metadata": {"name": "digits", "namespace": "ml", "uid": "pool-uid", "generation": generation},
+            "spec": {"replicas": 2, "model": {"fromTrainingJob": {"name": "train", "follow": True},
+                                              "inputShape": [64]}, **spec}}
+    if status is not None:
+        body["status"] = status
+    return body
+
+
+def job(latest: str | None = "/var/lib/tandem/checkpoints/digits/step-00000200.pt", step: int = 200,
+        claim: str | None = "train-checkpoints", directory: str = "digits") -> dict[str, Any]:
+    checkpoint = {"directory": directory, **({"persistentVolumeClaim": claim} if claim else {})}
+    body = {"apiVersion": "tandem.dev/v1alpha1", "kind": "ParallelTrainingJob",
+            "metadata": {"name": "train", "namespace": "ml", "uid": "job-uid"},
+            "spec": {"trainer": {"model": "tandem.examples.digits:mlp", "data": "tandem.examples.digits:train_data"},
+                     "checkpoint": checkpoint}}
+    if latest:
+        body["status"] = {"checkpoint": {"latest": latest, "step": step}}
+    return body
+
+
+def deployment(body: dict[str, Any], ready: int, updated: int | None = None, *, pinned: int | None = None,
+               job_body: dict | None = None) -> dict[str, Any]:
+    from tandem.manifest import parse
+
+    parsed = parse({k: body[k] for k in ("apiVersion", "kind", "metadata", "spec")})
+    source = parse({k: (job_body or job())[k] for k in ("apiVersion", "kind", "metadata", "spec")})
+    created = server_deployment(body, parsed, job=source, pinned_step=pinned, default_image=IMAGE)
+    created["metadata"]["generation"] = 1
+    created["status"] = {"observedGeneration": 1, "replicas": body["spec"]["replicas"], "readyReplicas": ready,
+                         "updatedReplicas": body["spec"]["replicas"] if updated is None else updated}
+    return created
+
+
+def server_pod(name: str, phase: str = "Running", *, crashed: str | None = None) -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": phase}
+    if crashed is not None:
+        status["containerStatuses"] = [{"name": "server", "restartCount": 2, "state": {"waiting": {
+            "reason": "CrashLoopBackOff", "message": "back-off 20s restarting failed container"}},
+            "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": crashed}}}]
+    return {"metadata": {"name": name, "labels": {"tandem.dev/pool": "digits"}}, "status": status}
+
+
+def served(pod: str, step: int) -> Served:
+    return Served(pod, f"{MODEL_MOUNT}/digits/step-{step:08d}.pt", "fromTrainingJob/train", ago(10))
+
+
+def everything(body: dict[str, Any], ready: int = 2, **kw: Any) -> dict[str, dict | None]:
+    from tandem.manifest import parse
+    from tandem.operator.pool_objects import disruption_budget, service, spec_config_map
+
+    parsed = parse({k: body[k] for k in ("apiVersion", "kind", "metadata", "spec")})
+    return {"Deployment": deployment(body, ready, **kw), "ConfigMap": spec_config_map(body, parsed),
+            "Service": service(body, parsed), "PodDisruptionBudget": disruption_budget(body, parsed),
+            "HorizontalPodAutoscaler": None}
+
+
+def kinds(plan) -> list[str]:
+    return [o["kind"] for o in plan.apply]
+
+
+STEADY = pool({"observedGeneration": 1, "phase": "Ready"})
+TWO_SERVING = [served("digits-server-a", 200), served("digits-server-b", 200)]
+
+# (name, pool, children, pods, served, job, expected)
+CASES = [
+    ("new pool from a job with a checkpoint: everything is created", pool(), {}, [], [], job(),
+     {"apply": ["ConfigMap", "Service", "Deployment", "PodDisruptionBudget"], "phase": "Pending"}),
+    ("job missing: a condition, no server, the pool waits", pool(), {}, [], [], None,
+     {"apply": [], "phase": "Pending", "condition": ("ModelSourceMissing", "True", "does not exist")}),
+    ("job without a checkpoint yet: waits", pool(), {}, [], [], job(latest=None),
+     {"apply": [], "condition": ("ModelSourceMissing", "True", "has written no checkpoint yet")}),
+    ("job on an emptyDir: cannot be shared", pool(), {}, [], [], job(claim=None),
+     {"apply": [], "condition": ("ModelSourceMissing", "True", "emptyDir")}),
+    ("the job's checkpoint appears: the pool recovers", pool({"conditions": [{
+        "type": "ModelSourceMissing", "status": "True", "reason": "x", "message": "", "lastTransitionTime": ago(9)}]}),
+     {}, [], [], job(), {"apply": ["ConfigMap", "Service", "Deployment", "PodDisruptionBudget"],
+                         "condition": ("ModelSourceMissing", "False", "")}),
+    ("servers up, none ready: Loading", STEADY, "all-0", [server_pod("a"), server_pod("b")], [], job(),
+     {"apply": [], "phase": "Loading", "condition": ("Available", "False", "0/2")}),
+    ("all ready: Ready, with the model the servers report", STEADY, "all-2", [], TWO_SERVING, job(),
+     {"apply": [], "phase": "Ready", "condition": ("Available", "True", "2/2"),
+      "model": {"source": "fromTrainingJob/train", "checkpoint": f"{MODEL_MOUNT}/digits/step-00000200.pt"}}),
+    ("one of two ready: Degraded", STEADY, "all-1", [], TWO_SERVING[:1], job(),
+     {"phase": "Degraded", "event": "Degraded"}),
+    ("replicas mid-swap serve different checkpoints: a condition says so", STEADY, "all-2", [],
+     [served("digits-server-a", 200), served("digits-server-b", 180)], job(),
+     {"phase": "Ready", "condition": ("CheckpointsDiffer", "True", "digits-server-b: /var/lib/tandem/models/digits/"
+                                                                   "step-00000180.pt")}),
+    ("a server cannot load the model: Failed with the server's own error", STEADY, "all-0",
+     [server_pod("a", crashed="ModelLoadError: /var/lib/tandem/models/digits: no checkpoint")], [], job(),
+     {"phase": "Failed", "condition": ("ModelLoadFailed", "True", "ModelLoadError: /var/lib/tandem/models/digits")}),
+    ("scaled to three: the Deployment follows", pool({"observedGeneration": 1}, generation=2, replicas=3), "all-2",
+     [], TWO_SERVING, job(), {"apply": ["Deployment"], "replicas": 3, "rolls": False}),
+    ("scaled to one: the budget goes", pool({"observedGeneration": 1}, generation=2, replicas=1), "all-1", [],
+     TWO_SERVING[:1], job(), {"apply": ["Deployment"], "delete": [("PodDisruptionBudget", "digits-server")]}),
+    ("batching knobs changed: the Deployment rolls", pool({"observedGeneration": 1}, generation=2, batchLimit=8),
+     "all-2", [], TWO_SERVING, job(), {"apply": ["ConfigMap", "Deployment"], "rolls": True}),
+    ("autoscaling asked: an HPA on the pool's scale subresource", pool({"observedGeneration": 1}, generation=2,
+                                                                        autoscaling={"maxReplicas": 4}),
+     "all-2", [], TWO_SERVING, job(), {"apply": ["HorizontalPodAutoscaler"]}),
+    ("autoscaling dropped: the HPA goes", pool({"observedGeneration": 1}, generation=2), {
+        **everything(STEADY), "HorizontalPodAutoscaler": {"kind": "HorizontalPodAutoscaler", "spec": {}}}, [],
+     TWO_SERVING, job(), {"apply": [], "delete": [("HorizontalPodAutoscaler", "digits")]}),
+    ("nothing changed: nothing is written", STEADY, "all-2", [], TWO_SERVING, job(), {"apply": [], "delete": []}),
+    ("scaled to zero: Pending, said so", pool({"observedGeneration": 1}, generation=2, replicas=0), "all-0", [], [],
+     job(), {"phase": "Pending", "message": "scaled to zero"}),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "children", "pods", "reports", "source", "expected"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_reconcile_pool(name, body, children, pods, reports, source, expected):
+    if isinstance(children, str):  # "all-N": every object as the pool's spec at generation 1 gave it, N ready
+        steady = copy.deepcopy(body)
+        steady["spec"] = copy.deepcopy(STEADY["spec"])
+        children = everything(steady, ready=int(children.split("-")[1]))
+    plan = reconcile_pool(body, children, pods, reports, source, NOW, IMAGE)
+    status = plan.status
+    if "apply" in expected:
+        assert kinds(plan) == expected["apply"]
+    if "delete" in expected:
+        assert plan.delete == expected["delete"]
+    if "phase" in expected:
+        assert status["phase"] == expected["phase"], status["message"]
+    if "condition" in expected:
+        kind, value, text = expected["condition"]
+        [found] = [c for c in status["conditions"] if c["type"] == kind]
+        assert found["status"] == value and text in found["message"], found
+    if "model" in expected:
+        assert {k: status["model"][k] for k in expected["model"]} == expected["model"]
+    if "replicas" in expected:
+        [created] = [o for o in plan.apply if o["kind"] == "Deployment"]
+        assert created["spec"]["replicas"] == expected["replicas"]
+        assert status["replicas"] == children["Deployment"]["status"]["replicas"], "the servers there are, not wanted"
+    if "rolls" in expected:
+        [created] = [o for o in plan.apply if o["kind"] == "Deployment"]
+        template = created["spec"]["template"]["metadata"]["annotations"][SPEC_HASH]
+        assert (template != children["Deployment"]["spec"]["template"]["metadata"]["annotations"][SPEC_HASH]) \
+            == expected["rolls"]
+    if "event" in expected:
+        assert [reason for _, reason, _ in plan.events] == [expected["event"]]
+    if "message" in expected:
+        assert expected["message"] in status["message"]
+
+
+def test_following_points_the_servers_at_the_jobs_directory_from_its_spec_and_mounts_its_claim_read_only():
+    [created] = [o for o in reconcile_pool(pool(), {}, [], [], job(directory="runs/digits"), NOW, IMAGE).apply
+                 if o["kind"] == "Deployment"]
+    pod = created["spec"]["template"]["spec"]
+    [server] = pod["containers"]
+    assert server["command"] == ["tandem", "serve", "/etc/tandem/pool.json", "--host", "0.0.0.0", "--port", "8000",
+                                 "--grace-period", "25", "--checkpoint", f"{MODEL_MOUNT}/runs/digits"]
+    assert {"name": "tandem-model", "persistentVolumeClaim": {"claimName": "train-checkpoints", "readOnly": True}} \
+        in pod["volumes"]
+    assert {"name": "tandem-model", "mountPath": MODEL_MOUNT, "readOnly": True} in server["volumeMounts"]
+
+
+def test_not_following_pins_the_latest_checkpoint_and_keeps_it_until_the_pool_changes():
+    fixed = pool(model={"fromTrainingJob": {"name": "train", "follow": False}, "inputShape": [64]})
+    [created] = [o for o in reconcile_pool(fixed, {}, [], [], job(step=200), NOW, IMAGE).apply
+                 if o["kind"] == "Deployment"]
+    assert created["spec"]["template"]["spec"]["containers"][0]["command"][-1] == \
+        f"{MODEL_MOUNT}/digits/step-00000200.pt"
+    steady = copy.deepcopy(fixed)
+    steady["status"] = {"observedGeneration": 1}
+    children = {"Deployment": {**created, "status": {"readyReplicas": 2, "updatedReplicas": 2}}}
+    later = reconcile_pool(steady, children, [], [], job(step=400, latest="/x/step-00000400.pt"), NOW, IMAGE)
+    assert "Deployment" not in kinds(later), "a newer checkpoint of the job alone moves nothing"
+    changed = copy.deepcopy(steady)
+    changed["metadata"]["generation"] = 2
+    changed["spec"]["batchLimit"] = 16
+    moved = reconcile_pool(changed, children, [], [], job(step=400, latest="/x/step-00000400.pt"), NOW, IMAGE)
+    [rolled] = [o for o in moved.apply if o["kind"] == "Deployment"]
+    assert rolled["spec"]["template"]["spec"]["containers"][0]["command"][-1] == \
+        f"{MODEL_MOUNT}/digits/step-00000400.pt"
+
+
+def test_the_server_pods_probe_the_truth_drain_gracefully_and_never_roll_below_their_replicas():
+    [created] = [o for o in reconcile_pool(pool(gpusPerReplica=1), {}, [], [], job(), NOW, IMAGE).apply
+                 if o["kind"] == "Deployment"]
+    spec = created["spec"]
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    pod = spec["template"]["spec"]
+    [server] = pod["containers"]
+    assert server["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert server["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    assert server["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert server["startupProbe"]["periodSeconds"] * server["startupProbe"]["failureThreshold"] >= 600
+    assert server["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert pod["terminationGracePeriodSeconds"] > 5 + 25, "longer than the preStop pause and the drain together"
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert pod["securityContext"]["runAsNonRoot"] and not server["securityContext"]["allowPrivilegeEscalation"]
+    assert pod["automountServiceAccountToken"] is False
+    annotations = spec["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+    assert SPEC_HASH in annotations
+
+
+def test_the_status_names_the_endpoint_and_selects_exactly_the_server_pods():
+    status = reconcile_pool(pool(), {}, [], [], job(), NOW, IMAGE).status
+    assert status["endpoint"] == "http://digits.ml.svc.cluster.local:8000/v2"
+    assert status["selector"] == "tandem.dev/pool=digits"
+    assert status["readySummary"] == "0/2"
+
+
+def test_an_invalid_pool_gets_a_condition_and_nothing_else():
+    bad = pool(batchLimit=0)
+    plan = reconcile_pool(bad, {}, [], [], job(), NOW, IMAGE)
+    assert plan.apply == [] and plan.delete == []
+    [invalid] = plan.status["conditions"]
+    assert invalid["type"] == "InvalidSpec" and "spec.batchLimit" in invalid["message"]
+
+
+@pytest.mark.parametrize("created", reconcile_pool(
+    pool(autoscaling={"maxReplicas": 4}, schedulerName="volcano", gpusPerReplica=1), {}, [], [], job(), NOW, IMAGE
+).apply, ids=lambda o: o["kind"])
+def test_every_object_is_valid_kubernetes_under_strict_validation(created):
+    kubernetes_validate.validate(created, kubernetes_validate.latest_version(), strict=True)

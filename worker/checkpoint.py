@@ -20,7 +20,6 @@ import os
 import pickle
 import platform
 import re
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from tandem.contract import checkpoint_name
 
 FORMAT = "tandem-checkpoint/1"
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
+_ZIP_MAGIC = b"PK\x03\x04"  # every torch.save file since torch 1.6
 
 
 class CheckpointError(ValueError):
@@ -94,21 +94,32 @@ def latest(directory: Path) -> Path | None:
 
 
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a checkpoint safely (weights_only); CheckpointError says what is wrong with it."""
+    """Read a checkpoint safely (weights_only); CheckpointError says what is wrong with it. Only a zip archive, as
+    torch.save writes, reaches torch.load: any other file would go to torch's legacy format reader, whose
+    weights-only unpickler fails on arbitrary bytes in arbitrary ways."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     try:
+        with open(path, "rb") as file:
+            magic = file.read(len(_ZIP_MAGIC))
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read the checkpoint ({error.strerror or error})") from error
+    if magic != _ZIP_MAGIC:
+        raise CheckpointError(f"{path}: not a Tandem checkpoint: not a zip archive as torch.save writes (another kind "
+                              "of file, or a truncated or corrupt checkpoint)")
+    try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
-        detail = str(error).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+        detail = (str(error).split("WeightsUnpickler error:")[-1].strip().splitlines() or ["?"])[0]
+        detail = detail.split(" Please use `torch.serialization")[0]  # its advice to trust the file: not ours
         if "Unsupported global" in detail:
             raise CheckpointError(
                 f"{path}: refused: it holds pickled objects, not only tensors and plain values, and checkpoints are "
                 f"only read with weights_only ({detail})"
             ) from error
         raise CheckpointError(f"{path}: truncated or corrupt checkpoint ({detail})") from error
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as error:
+    except Exception as error:  # torch's zip reader and unpickler fail on damaged files in many ways
         raise CheckpointError(f"{path}: truncated or corrupt checkpoint ({type(error).__name__}: {error})") from error
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
@@ -116,6 +127,12 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str
     for key in ("manifest", "model"):
         if key not in state:
             raise CheckpointError(f"{path}: incomplete checkpoint: no {key!r} entry")
+    if not isinstance(state["manifest"], dict):
+        raise CheckpointError(f"{path}: damaged checkpoint: its manifest is a {type(state['manifest']).__name__}, "
+                              "not a mapping")
+    if not isinstance(state["model"], dict):
+        raise CheckpointError(f"{path}: damaged checkpoint: its 'model' entry is a {type(state['model']).__name__}, "
+                              "not a state_dict")
     return state
 
 
@@ -138,7 +155,10 @@ def restore_model(model: torch.nn.Module, state_dict: Mapping[str, Any], source:
         if mismatched:
             problems.append(f"shape mismatch {'; '.join(mismatched[:5])}")
         raise CheckpointError(f"{source}: checkpoint does not fit the model: {' | '.join(problems)}")
-    model.load_state_dict(state_dict)
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as error:
+        raise CheckpointError(f"{source}: checkpoint does not fit the model: {error}") from error
 
 
 def load_for_inference(path: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -147,8 +167,15 @@ def load_for_inference(path: str | Path) -> tuple[torch.nn.Module, dict[str, Any
 
     state = load(path)
     manifest = state["manifest"]
-    if "model" not in manifest:
-        raise CheckpointError(f"{path}: the manifest names no model reference to rebuild the architecture")
-    model = build_model(manifest["model"], manifest.get("model_args", {}))
+    reference, args = manifest.get("model"), manifest.get("model_args", {})
+    if not isinstance(reference, str):
+        raise CheckpointError(f"{path}: the manifest names no model reference (module:callable) to rebuild the "
+                              "architecture")
+    if not isinstance(args, dict):
+        raise CheckpointError(f"{path}: the manifest's model_args is a {type(args).__name__}, not a mapping")
+    try:
+        model = build_model(reference, args)
+    except ValueError as error:  # BadReference: cannot import or call it
+        raise CheckpointError(f"{path}: cannot rebuild the checkpoint's model: {error}") from error
     restore_model(model, state["model"], path)
     return model.eval(), manifest

@@ -5,6 +5,8 @@ with a gate (inference_models.Gate), never with sleeps or timed assertions."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 import signal
 import threading
 import time
@@ -196,7 +198,8 @@ def test_a_full_queue_answers_429_with_retry_after_and_every_accepted_request_su
 def test_hot_swap_under_concurrent_load_fails_nothing_and_later_outputs_come_from_the_new_model(served, tmp_path):
     first = write_checkpoint(tmp_path / "a", seed=1, step=1)
     second = write_checkpoint(tmp_path / "b", seed=2, step=2)
-    server = served(make_pool(model={"checkpoint": str(first)}, workersPerReplica=2, queueLimit=128))
+    server = served(make_pool(model={"checkpoint": str(first)}, workersPerReplica=2, queueLimit=128,
+                              modelRepository={"load": True, "root": str(tmp_path)}))
     x = inputs(8, seed=3)
     old, new = reference(x, seed=1), reference(x, seed=2)
     stop = threading.Event()
@@ -244,37 +247,6 @@ def test_hot_swap_under_concurrent_load_fails_nothing_and_later_outputs_come_fro
     assert counts["old"] >= 30 and counts["new"] >= 22, counts
     np.testing.assert_allclose(infer(admin, x), new, rtol=1e-5, atol=1e-6)
     assert admin.get_model_repository_index()[0]["reason"] == str(second)
-
-
-def test_a_checkpoint_that_fails_to_load_leaves_the_old_model_serving(served, tmp_path):
-    good = write_checkpoint(tmp_path / "good", seed=1, step=1)
-    truncated = tmp_path / "truncated.pt"
-    truncated.write_bytes(good.read_bytes()[:200])
-    other_shape = write_checkpoint(tmp_path / "other", seed=1, step=1, features=32)
-    server = served(make_pool(model={"checkpoint": str(good)}))
-    x = inputs(2)
-    cases = [
-        (truncated, "truncated or corrupt checkpoint"),
-        (tmp_path / "missing.pt", "no such checkpoint file"),
-        (other_shape, "a hot swap must keep them"),
-        (tmp_path / "empty-dir", "no checkpoint in this directory"),
-    ]
-    (tmp_path / "empty-dir").mkdir()
-    for path, message in cases:
-        status, _, body = request(server.port, "POST", "/v2/repository/models/digits/load",
-                                  orjson.dumps({"parameters": {"checkpoint": str(path)}}))
-        error = json.loads(body)["error"]
-        assert status == 400 and message in error and f"still serving {good}" in error, error
-        np.testing.assert_allclose(infer(triton.InferenceServerClient(server.url), x), reference(x, seed=1),
-                                   rtol=1e-5, atol=1e-6)
-    # A directory serves its latest checkpoint
-    write_checkpoint(tmp_path / "dir", seed=4, step=3)
-    latest = write_checkpoint(tmp_path / "dir", seed=5, step=9)
-    status, _, body = request(server.port, "POST", "/v2/repository/models/digits/load",
-                              orjson.dumps({"parameters": {"checkpoint": str(tmp_path / "dir")}}))
-    assert status == 200 and json.loads(body)["checkpoint"] == str(latest)
-    np.testing.assert_allclose(infer(triton.InferenceServerClient(server.url), x), reference(x, seed=5),
-                               rtol=1e-5, atol=1e-6)
 
 
 def binary_case(size: int, payload: int, status: int, words: str, header_length: int | None = None):
@@ -337,9 +309,9 @@ BAD_REQUESTS = [
     ("POST", "/v2/models/digits/infer", json_body(np.zeros((1, 64), np.float32), id=5).decode(), {}, 400,
      "id must be a string"),
     ("POST", "/v2/models/digits/infer", "[" + "0," * 600_000 + "0]", {}, 413, "request body too large"),
-    ("POST", "/v2/repository/models/digits/load", "{nope", {}, 400, "malformed JSON in the load request"),
-    ("POST", "/v2/repository/models/digits/load", '{"parameters": {"path": "x"}}', {}, 400,
-     "unknown load parameter(s) path"),
+    # loads are off by default (tests/integration/test_model_repository.py has them on)
+    ("POST", "/v2/repository/models/digits/load", '{"parameters": {"checkpoint": "/etc/passwd"}}', {}, 403,
+     "model repository loads are disabled: set spec.modelRepository.load: true in the InferencePool"),
     ("POST", "/v2/repository/models/digits/unload", "", {}, 400, "unloading is not supported"),
 ]
 
@@ -479,9 +451,13 @@ def test_two_servers_in_one_process_keep_their_own_metrics(served):
         assert family in one
 
 
-def test_following_a_training_jobs_checkpoints_hot_swaps_each_new_one(served, tmp_path):
+def test_following_a_training_jobs_checkpoints_hot_swaps_each_new_one_and_logs_every_swap(served, tmp_path, caplog):
+    """Each load is one line on the server's logger (stderr under tandem serve): the first, each followed swap
+    (from which checkpoint to which, load and warm-up times); a followed checkpoint that fails to load is a
+    warning, and the old model keeps serving."""
+    caplog.set_level(logging.INFO, logger="tandem.serve")
     directory = tmp_path / "checkpoints"
-    write_checkpoint(directory, seed=1, step=10)
+    first = write_checkpoint(directory, seed=1, step=10)
     pool = make_pool(model={"fromTrainingJob": {"name": "digits-train", "follow": True}})
     server = served(pool, str(directory), follow_interval=0.05)
     client = triton.InferenceServerClient(server.url)
@@ -491,6 +467,24 @@ def test_following_a_training_jobs_checkpoints_hot_swaps_each_new_one(served, tm
     wait_until(lambda: server.server.model.loaded.checkpoint == str(newest), what="the new checkpoint served")
     np.testing.assert_allclose(infer(client, x), reference(x, seed=2), rtol=1e-5, atol=1e-6)
     assert client.get_model_repository_index()[0]["reason"] == str(newest)
+    parameters = client.get_model_metadata("digits")["parameters"]
+    assert (parameters["checkpoint"], parameters["source"]) == (str(newest), "fromTrainingJob/digits-train")
+    broken = directory / "step-00000030.pt"  # a newer name, not a checkpoint
+    broken.write_text("not a checkpoint")
+    wait_until(lambda: any(r.levelno == logging.WARNING for r in caplog.records), what="the failed load's warning")
+    np.testing.assert_allclose(infer(client, x), reference(x, seed=2), rtol=1e-5, atol=1e-6)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "tandem.serve"]
+    seconds = r"\d+\.\d\d s"
+    old, new, followed = (re.escape(str(path)) for path in (first, newest, directory))
+    assert re.fullmatch(rf"loaded digits from {old} in {seconds}, warm-up {seconds}", lines[0][1]), lines
+    swaps = [message for _, message in lines if message.startswith("swapped")]
+    assert len(swaps) == 1 and re.fullmatch(
+        rf"swapped digits from {old} to {new} \(followed {followed}\): loaded in {seconds}, warm-up {seconds}",
+        swaps[0]), lines
+    warnings = [message for level, message in lines if level == "WARNING"]
+    assert warnings == [f"not swapping digits to followed checkpoint {broken}, still serving {newest}: {broken}: not "
+                        "a Tandem checkpoint: not a zip archive as torch.save writes (another kind of file, or a "
+                        "truncated or corrupt checkpoint)"]
 
 
 def test_a_pool_that_cannot_be_served_is_refused_with_the_reason(tmp_path, capsys):

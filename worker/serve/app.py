@@ -64,8 +64,8 @@ class InferenceServer:
         self.draining = False
         self.port: int | None = None
         self.max_body = MAX_BODY
-        self.model = ServedModel(spec, model_loading.locate(spec.model, checkpoint), follow_interval=follow_interval,
-                                 on_swap=self._swapped)
+        self.model = ServedModel(spec, model_loading.locate(spec.model, checkpoint), name=self.name,
+                                 follow_interval=follow_interval, on_swap=self._swapped)
         self.routes = Routes(self)
         self.pending = PendingRequests(self.routes.answer, spec.request_timeout_ms / 1000)
         self.loading: asyncio.Task | None = None

@@ -2,6 +2,9 @@
 checkpoint directory such as a ParallelTrainingJob's, or a `module:callable`), building it, and what it takes
 and returns (its Signature), found by running it once on an example. Synchronous and blocking: the server runs
 it on an executor thread (served_model.py).
+
+Also what a load request may read (the pool's spec.modelRepository): nothing unless `load` is on, and then only
+checkpoint files under the repository root, after symlinks and `..` are resolved.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 import torch
 
 from tandem import contract
-from tandem.api.inference import ModelSource
+from tandem.api.inference import ModelRepository, ModelSource
 from tandem.worker import checkpoint as checkpoints
 from tandem.worker.serve.errors import ModelError
 from tandem.worker.serve.protocol import DATATYPES, TORCH_DATATYPE, Signature, TensorSpec
@@ -28,6 +31,14 @@ OUTPUT_NAME = "output"
 
 class ModelLoadError(ValueError):
     """The model cannot be loaded or does not fit what is being served; the message says why."""
+
+
+class LoadForbidden(PermissionError):
+    """A load request the pool's spec.modelRepository does not allow (HTTP 403); the message says why and what to
+    change."""
+
+
+LOADS_DISABLED = "model repository loads are disabled: set spec.modelRepository.load: true in the InferencePool"
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,11 @@ class LoadedModel:
     def loaded_from(self) -> str:
         """Its checkpoint's path, else its source (`callable`, ...): for logs and the repository index."""
         return self.checkpoint or self.source
+
+    def parameters(self) -> dict[str, str | None]:
+        """The model metadata's `parameters`: what each replica serves, for the operator's status.model."""
+        return {"checkpoint": self.checkpoint, "source": self.source,
+                "loaded_at": self.loaded_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 
 def locate(model: ModelSource, checkpoint: str | None = None) -> ModelLocation:
@@ -99,6 +115,42 @@ def current_checkpoint(location: ModelLocation) -> Path | None:
     return location.checkpoint
 
 
+def repository_root(repository: ModelRepository, location: ModelLocation) -> Path | None:
+    """The directory load requests may read checkpoints under: spec.modelRepository.root, else the directory the
+    server serves from (a followed checkpoint directory, or the served checkpoint file's directory); None for a
+    callable with no root set."""
+    if repository.root is not None:
+        return Path(repository.root)
+    if location.directory is not None:
+        return location.directory
+    if location.checkpoint is not None:
+        return location.checkpoint.parent
+    return None
+
+
+def repository_checkpoint(requested: str, root: Path | None) -> Path:
+    """The checkpoint file a load request names, resolved (symlinks and `..`), which must lie under `root`; a
+    directory names its latest checkpoint. LoadForbidden outside the root (or with no root), ModelLoadError for a
+    directory with no checkpoint."""
+    if root is None:
+        raise LoadForbidden("this server serves a callable and has no model repository root, so no checkpoint may "
+                            "be loaded: set spec.modelRepository.root in the InferencePool to the directory whose "
+                            "checkpoints load requests may name")
+    real_root = Path(os.path.realpath(root))
+    path = _under_root(requested, root, real_root)
+    if path.is_dir():
+        path = _under_root(str(latest_in(path)), root, real_root)
+    return path
+
+
+def _under_root(requested: str, root: Path, real_root: Path) -> Path:
+    real = Path(os.path.realpath(requested))
+    if not real.is_relative_to(real_root):
+        resolved = "" if str(real) == requested else f" (it resolves to {real})"
+        raise LoadForbidden(f"{requested}{resolved} is outside the model repository root {root}")
+    return real
+
+
 def latest_in(directory: Path) -> Path:
     """The latest checkpoint in `directory` (a load request may name a directory); ModelLoadError if none."""
     latest = checkpoints.latest(directory)
@@ -124,10 +176,12 @@ def load(location: ModelLocation, model: ModelSource, batch_limit: int,
             raise ModelLoadError(f"no checkpoint in {location.directory} yet")
         try:
             module, manifest = checkpoints.load_for_inference(path)
-        except ValueError as error:  # CheckpointError, or the manifest's model reference failing
+            shape = _checkpoint_shape(path, manifest, model)
+            datatype = _checkpoint_datatype(path, manifest, model)
+        except ValueError as error:  # CheckpointError or ModelLoadError: they name the file and the problem
             raise ModelLoadError(str(error)) from error
-        shape = _checkpoint_shape(path, manifest, model)
-        datatype = _checkpoint_datatype(path, manifest, model)
+        except Exception as error:  # whatever else a damaged checkpoint makes fail: still the file's problem
+            raise ModelLoadError(f"{path}: cannot load this checkpoint: {type(error).__name__}: {error}") from error
     module.eval()
     example = torch.zeros((1, *shape), dtype=DATATYPES[datatype][0])
     output = _probe(module, example, shape)
@@ -146,7 +200,9 @@ def _checkpoint_shape(path: Path, manifest: dict[str, Any], model: ModelSource) 
         return tuple(model.input_shape)
     if not saved:
         raise ModelLoadError(f"{path}: the checkpoint's manifest has no input_shape; set model.inputShape")
-    return tuple(int(d) for d in saved)
+    if not isinstance(saved, list | tuple) or not all(isinstance(d, int) and d > 0 for d in saved):
+        raise ModelLoadError(f"{path}: the checkpoint's input_shape {saved!r} is not a list of positive sizes")
+    return tuple(saved)
 
 
 def _checkpoint_datatype(path: Path, manifest: dict[str, Any], model: ModelSource) -> str:

@@ -3,19 +3,21 @@ configuration, statistics and model repository extensions):
 
     GET  /v2/health/live | /v2/health/ready            200 {"live": true} / {"ready": true}; not ready: 503
     GET  /v2                                           server metadata
-    GET  /v2/models/{m}[/versions/{v}]                 inputs and outputs (shapes with -1 for the batch)
+    GET  /v2/models/{m}[/versions/{v}]                 inputs and outputs (shapes with -1 for the batch); what
+                                                       is served: parameters {checkpoint, source, loaded_at}
     GET  /v2/models/{m}[/versions/{v}]/ready
     POST /v2/models/{m}[/versions/{v}]/infer           JSON tensors or binary tensor data, both directions
     GET  /v2/models/{m}[/versions/{v}]/config          Triton's model configuration (for perf_analyzer)
     GET  /v2/models[/{m}[/versions/{v}]]/stats         Triton's statistics shape
     POST /v2/repository/index
-    POST /v2/repository/models/{m}/load                {"parameters": {"checkpoint": PATH}}: hot swap
+    POST /v2/repository/models/{m}/load                {"parameters": {"checkpoint": PATH}}: hot swap (403 unless
+                                                       spec.modelRepository.load, and for a PATH outside its root)
     GET  /metrics                                      Prometheus
 
-Errors are {"error": "..."} naming the problem: 400 bad request, 404 unknown model/version/endpoint, 405 wrong
-method, 429 queue full (with Retry-After), 503 loading or shutting down, 504 timed out, 500 the model's forward
-failed (only the request that breaks it fails: a failing batch is retried request by request). 413 (body too
-large) is the HTTP layer's.
+Errors are {"error": "..."} naming the problem: 400 bad request, 403 a load the pool's spec.modelRepository
+forbids, 404 unknown model/version/endpoint, 405 wrong method, 429 queue full (with Retry-After), 503 loading or
+shutting down, 504 timed out, 500 the model's forward failed (only the request that breaks it fails: a failing
+batch is retried request by request). 413 (body too large) is the HTTP layer's.
 
 Everything here runs on the event loop and never calls torch: requests are decoded and validated with numpy and
 orjson, inference requests are submitted to ParallelInference and answered when their output comes back.
@@ -24,17 +26,16 @@ orjson, inference requests are submitted to ParallelInference and answered when 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import tandem
-from tandem.worker.serve import triton
+from tandem.worker.serve import model_loading, triton
 from tandem.worker.serve.errors import InferenceTimeout, QueueFullError, ShutDownError
 from tandem.worker.serve.http import Request
 from tandem.worker.serve.metrics import OUTCOMES, registry_for
-from tandem.worker.serve.model_loading import ModelLoadError
+from tandem.worker.serve.model_loading import LOADS_DISABLED, LoadForbidden, ModelLoadError
 from tandem.worker.serve.protocol import HEADER_LENGTH, ProtocolError, decode_request, dumps, encode_response
 from tandem.worker.serve.replicas import warmup_sizes
 
@@ -140,14 +141,19 @@ class Routes:
         if version is not None and version != self.version:
             raise ProtocolError(f"model {name!r} has no version {version!r}; available: {self.version}", 404)
 
-    def _signature(self):
+    def _loaded(self):
         loaded = self.server.model.loaded
         if loaded is None:
             raise ProtocolError(f"model {self.name!r} is not loaded yet", 503)
-        return loaded.signature
+        return loaded
+
+    def _signature(self):
+        return self._loaded().signature
 
     def _model_metadata(self) -> Reply:
-        return _json(self._signature().metadata(self.name, [self.version]))
+        """Inputs and outputs, and in `parameters` what is served: checkpoint, source, loaded_at."""
+        loaded = self._loaded()
+        return _json({**loaded.signature.metadata(self.name, [self.version]), "parameters": loaded.parameters()})
 
     def _model_ready(self) -> Reply:
         ready = self.server.ready
@@ -189,18 +195,25 @@ class Routes:
     # -- model repository -----------------------------------------------------------------------------------
 
     async def _load(self, request: Request) -> None:
+        """A hot swap, if the pool's spec.modelRepository allows it: 403 when loads are off or the checkpoint is
+        outside the repository root, 400 when it cannot be loaded (the old model keeps serving)."""
         model = self.server.model
         try:
-            checkpoint = triton.load_request_checkpoint(request.body)
-            loaded = await model.swap(None if checkpoint is None else Path(checkpoint))
+            if not self.spec.model_repository.load:
+                raise LoadForbidden(LOADS_DISABLED)
+            requested = triton.load_request_checkpoint(request.body)
+            checkpoint = None if requested is None else \
+                model_loading.repository_checkpoint(requested, model.repository_root)
+            loaded = await model.swap(checkpoint, cause="load request")
         except ProtocolError as error:
             reply = _error(error.status, str(error))
+        except LoadForbidden as error:
+            reply = _error(403, str(error))
         except ModelLoadError as error:
             serving = model.loaded.loaded_from if model.loaded else "nothing yet"
             reply = _error(400, f"model {self.name!r} not loaded: {error} (still serving {serving})")
         else:
-            reply = _json({"name": self.name, "version": self.version, "checkpoint": loaded.checkpoint,
-                           "source": loaded.source})
+            reply = _json({"name": self.name, "version": self.version, **loaded.parameters()})
         request.respond(*reply)
 
     def _unload(self) -> Reply:

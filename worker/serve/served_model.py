@@ -2,13 +2,15 @@
 the repository load endpoint, or following a training job's new checkpoints), and stopping its workers.
 
 Loading and warm-up run on executor threads (model_loading.py does the loading); the event loop keeps answering
-requests, on the old model, until a new one is warmed up and switched to atomically.
+requests, on the old model, until a new one is warmed up and switched to atomically. Every load is one line on
+the `tandem.serve` logger: what was loaded (and what it replaced), the load time and the warm-up time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,13 +24,16 @@ log = logging.getLogger("tandem.serve")
 
 
 class ServedModel:
-    """One pool's model: `loaded` (what is served now) and `inference` (the engine serving it), both None until
-    `load()` is done. `on_swap` runs on the event loop after each successful swap."""
+    """One pool's model (`name` in the API): `loaded` (what is served now) and `inference` (the engine serving it),
+    both None until `load()` is done. `on_swap` runs on the event loop after each successful swap.
+    `repository_root`: the directory load requests may name checkpoints under (None: none may be named)."""
 
-    def __init__(self, spec: InferencePoolSpec, location: ModelLocation, *, follow_interval: float = 2.0,
+    def __init__(self, spec: InferencePoolSpec, location: ModelLocation, *, name: str, follow_interval: float = 2.0,
                  on_swap: Callable[[], None] | None = None):
         self.spec = spec
         self.location = location
+        self.name = name
+        self.repository_root = model_loading.repository_root(spec.model_repository, location)
         self.follow_interval = follow_interval
         self.on_swap = on_swap
         self.loaded: LoadedModel | None = None
@@ -46,33 +51,40 @@ class ServedModel:
             log.info("waiting for the first checkpoint in %s", location.directory)
             while model_loading.current_checkpoint(location) is None:
                 await asyncio.sleep(self.follow_interval)
+        started = time.perf_counter()
         loaded = await loop.run_in_executor(None, self._load, None)
+        built = time.perf_counter()
         self.inference = await loop.run_in_executor(None, self._start_inference, loaded)
         self.loaded = loaded
+        log.info("loaded %s from %s in %s, warm-up %s", self.name, loaded.loaded_from, _seconds(built - started),
+                 _seconds(time.perf_counter() - built))
         if location.directory is not None and location.follow:
             self._follower = asyncio.create_task(self._follow())
         return loaded
 
-    async def swap(self, checkpoint: Path | None = None) -> LoadedModel:
+    async def swap(self, checkpoint: Path | None = None, cause: str = "load request") -> LoadedModel:
         """Load `checkpoint` (a file or a directory's latest; None: the location's current model), warm it up, and
         switch to it atomically. Requests keep being served by the old model until the switch and none fails.
-        Raises ModelLoadError (the old model keeps serving)."""
+        Raises ModelLoadError (the old model keeps serving). `cause` is for the log line."""
         if self.inference is None or self.loaded is None:
             raise ModelLoadError("the server's first model is still loading")
         if checkpoint is not None and checkpoint.is_dir():
             checkpoint = model_loading.latest_in(checkpoint)
         loop = asyncio.get_running_loop()
         async with self._swap_lock:
+            started = time.perf_counter()
             loaded = await loop.run_in_executor(None, self._load, checkpoint)
             model_loading.check_compatible(self.loaded.signature, loaded.signature, loaded.loaded_from)
+            built = time.perf_counter()
             try:
                 await loop.run_in_executor(None, self.inference.update_model, loaded.module)
             except Exception as error:  # warm-up of the new replicas failed: the old ones still serve
                 raise ModelLoadError(f"the new model fails its warm-up: {type(error).__name__}: {error}") from error
-            self.loaded = loaded
+            previous, self.loaded = self.loaded, loaded
         if self.on_swap is not None:
             self.on_swap()
-        log.info("now serving %s", loaded.loaded_from)
+        log.info("swapped %s from %s to %s (%s): loaded in %s, warm-up %s", self.name, previous.loaded_from,
+                 loaded.loaded_from, cause, _seconds(built - started), _seconds(time.perf_counter() - built))
         return loaded
 
     async def stop_following(self) -> None:
@@ -101,9 +113,11 @@ class ServedModel:
                 continue
             seen = str(latest)
             try:
-                await self.swap(latest)
-            except ModelLoadError as error:
-                log.error("not switching to %s: %s", latest, error)
+                await self.swap(latest, cause=f"followed {self.location.directory}")
+            except Exception as error:  # anything: a follower that dies would stop following without a word
+                reason = error if isinstance(error, ModelLoadError) else f"{type(error).__name__}: {error}"
+                log.warning("not swapping %s to followed checkpoint %s, still serving %s: %s", self.name, latest,
+                            self.loaded.loaded_from, reason)
 
     def _load(self, checkpoint: Path | None) -> LoadedModel:
         return model_loading.load(self.location, self.spec.model, self.spec.batch_limit, checkpoint)
@@ -113,3 +127,7 @@ class ServedModel:
         return ParallelInference(
             loaded.module, mode=spec.inference_mode, workers=spec.workers_per_replica, batch_limit=spec.batch_limit,
             queue_limit=spec.queue_limit, max_delay_us=spec.max_queue_delay_microseconds, example=loaded.example)
+
+
+def _seconds(elapsed: float) -> str:
+    return f"{elapsed:.2f} s"

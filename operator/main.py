@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 
 WORKER_IMAGE_ENV = "TANDEM_WORKER_IMAGE"
 DEFAULT_WORKER_IMAGE = "tandem-worker:latest"
@@ -25,6 +26,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, metavar="P", help="serve Prometheus metrics on this port")
     parser.add_argument("--health-port", type=int, metavar="P",
                         help="serve kopf's liveness probe on http://0.0.0.0:P/healthz")
+    peering = parser.add_mutually_exclusive_group()
+    peering.add_argument("--peering", metavar="NAME",
+                         help="run as one of several replicas coordinated by kopf's peering object NAME (it must "
+                              "exist: a ClusterKopfPeering, or with --namespace a KopfPeering in each namespace): "
+                              "the replica of highest --priority works, the others stand by")
+    peering.add_argument("--standalone", action="store_true",
+                         help="ignore kopf peering objects (one replica): never pause for another kopf operator")
+    parser.add_argument("--priority", type=int, metavar="N",
+                        help="this replica's peering priority (default with --peering: random, so that replicas never "
+                             "tie: kopf pauses every operator of equal priority)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,5 +52,17 @@ def run(args: argparse.Namespace) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None,
+        **peering_options(args),
     )
     return 0
+
+
+def peering_options(args: argparse.Namespace) -> dict:
+    """kopf.run's peering arguments. Without --peering or --standalone, kopf's own default: peering through an
+    object named `default` where one exists."""
+    if args.standalone:
+        return {"standalone": True}
+    if args.peering:
+        priority = args.priority if args.priority is not None else random.SystemRandom().randrange(1, 2**31)
+        return {"peering_name": args.peering, "priority": priority}
+    return {} if args.priority is None else {"priority": args.priority}

@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup crds bench clean device-wheels
+.PHONY: run test lint setup crds bench clean device-wheels images
 
 setup: $(STAMP)
 
@@ -28,6 +28,21 @@ test: $(STAMP)
 
 crds: $(STAMP)
 	$(BIN)/tandem crds --out crds
+	cp crds/*.yaml charts/tandem/crds/
+	$(BIN)/python -m tandem.api_reference
+
+# The operator and worker images (Dockerfile targets), tagged with the chart's appVersion (= the package's version).
+# Build args (documented at the top of the Dockerfile), e.g. make images DOCKER_BUILD_ARGS="--build-arg TORCH_INDEX_URL=..."
+TANDEM_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+OPERATOR_IMAGE ?= tandem-operator:$(TANDEM_VERSION)
+WORKER_IMAGE ?= tandem-worker:$(TANDEM_VERSION)
+DOCKER ?= docker
+DOCKER_BUILD_ARGS ?=
+images:
+	@command -v $(DOCKER) >/dev/null 2>&1 || { echo "make images: '$(DOCKER)' not found: install Docker (or set DOCKER=podman) to build the images" >&2; exit 1; }
+	@$(DOCKER) info >/dev/null 2>&1 || { echo "make images: '$(DOCKER) info' fails: is the Docker engine running, and may you use it?" >&2; exit 1; }
+	$(DOCKER) build $(DOCKER_BUILD_ARGS) --target operator -t $(OPERATOR_IMAGE) .
+	$(DOCKER) build $(DOCKER_BUILD_ARGS) --target worker -t $(WORKER_IMAGE) .
 
 # For bench/device_check.sh: what the device machine's image lacks of what `tandem run`, `tandem serve` and the
 # benchmarks import (the image has torch, numpy, rich, pyyaml, attrs, prometheus-client, uvloop), for its Python 3.12.

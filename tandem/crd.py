@@ -68,6 +68,8 @@ RESOURCES = {
              "description": "ready/desired replicas"},
             {"name": "Mode", "type": "string", "jsonPath": ".spec.inferenceMode"},
             {"name": "Model", "type": "string", "jsonPath": ".status.model.source"},
+            {"name": "Checkpoint", "type": "string", "jsonPath": ".status.model.checkpoint",
+             "description": "the checkpoint the ready replicas serve"},
             {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],

@@ -11,8 +11,9 @@ end; the fixes, each named here and implemented in the module beside it:
   through writes.py (uid, resourceVersion, creationTimestamp, generation, generateName, status isolation, 409 on a
   stale resourceVersion, schema of custom resources) and lifecycle.py (finalizers, graceful pod deletion,
   ownerReference garbage collection, namespaces, CRDs);
-- `_serve_catalog` (fix: discovery): core/v1, apps/v1, batch/v1, rbac, coordination (leases), events.k8s.io,
-  scheduling, apiextensions (CRDs) and every applied CRD's resources with the subresources it declares;
+- `_serve_catalog` (fix: discovery): core/v1, apps/v1, batch/v1, policy/v1 (PodDisruptionBudgets), autoscaling/v2
+  (HorizontalPodAutoscalers), rbac, coordination (leases), events.k8s.io, scheduling, apiextensions (CRDs) and
+  every applied CRD's resources with the subresources it declares;
   kopf's peering resources are absent, so kopf runs without peering;
 - `_serve_list` / `_serve_watch` (fix: selectors, resourceVersion): label and field selectors; a list reports the
   store's resourceVersion and a watch from it streams exactly the later events (selectors turn MODIFIED into
@@ -27,8 +28,11 @@ end; the fixes, each named here and implemented in the module beside it:
 
 Not emulated: authentication and authorization (every request is allowed, RBAC objects are only stored),
 admission webhooks, server-side apply, `limit`/`continue` paging (a list returns everything), watch bookmarks
-(`allowWatchBookmarks` is ignored), and the built-in controllers other than garbage collection, namespaces and CRDs
-(no Deployment, ReplicaSet, Job or Service endpoints controllers). Events of core/v1 and events.k8s.io/v1 are two
+(`allowWatchBookmarks` is ignored), defaulting of built-in objects (a Deployment's absent `replicas` or `strategy`
+stays absent; its controller reads them with their defaults), and the built-in controllers other than garbage
+collection, namespaces and CRDs: no ReplicaSet, Job, HorizontalPodAutoscaler, disruption or Service endpoints
+controllers (a PodDisruptionBudget or an HPA is only stored). A minimal Deployment controller is deployments.py, a
+client of this API that the harness runs beside the kubelet. Events of core/v1 and events.k8s.io/v1 are two
 separate stores, not one converted between the two APIs.
 
 The API for assertions (any thread): `get(resource, namespace, name)`, `list(resource, namespace=None)`,

@@ -10,9 +10,10 @@
         operator = cluster.spawn([sys.executable, "-m", "kopf", "run", ...], name="operator")  # KUBECONFIG set
 
 On entering: the emulator serves on a real TCP port of 127.0.0.1 (`url`), `kubeconfig` points at it, namespace
-`default` exists, the repository's CRDs (crds/) are applied, and the kubelet runs; all of it on an event loop in a
-background thread. `shutdown()` (on leaving) kills every process (pods' and spawned ones), stops the server and the
-loop and joins the thread, so nothing is left between tests.
+`default` exists, the repository's CRDs (crds/) are applied, and the kubelet and the Deployment controller
+(deployments.py: Deployments keep their pods, owned directly with no ReplicaSets, and roll them) run; all of it on an
+event loop in a background thread. `shutdown()` (on leaving) kills every process (pods' and spawned ones), stops the
+server and the loop and joins the thread, so nothing is left between tests.
 
 Also: `cluster.api` (a configured `kubernetes.client.ApiClient`; `core`, `custom`, `apps` are APIs over it),
 `request(method, path, body, content_type)` for raw HTTP, `apply(manifest)`, `history(...)` (every version of an
@@ -20,6 +21,11 @@ object), `environ()` (the environment for a process of your own against this clu
 `stop_process(name)`, `emulator.bugs` (the emulator's own failures, which should stay empty). Faults can be injected
 with kmock's DSL on `cluster.emulator` (e.g. `cluster.emulator["patch", re.compile(".*/status")] << 503`); while
 any such reaction exists every request goes through kmock's slower matching.
+
+For Deployments and Services: `deployment_pods(namespace, name)` (the pods a Deployment owns, oldest first; each
+pod's own address is `pod["status"]["podIP"]`, where a server told to bind 0.0.0.0 listens: network.py) and
+`endpoints(namespace, service)` (`ip:port` of each ready pod behind a Service, as its Endpoints would list them;
+a Service has no virtual IP here).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import aiohttp.web
 import kubernetes
 import yaml
 
+from .deployments import DeploymentController, controller_uid, is_active, is_ready
 from .emulator import Emulator
 from .kubelet import Kubelet
 from .runs import die_with_parent
@@ -58,16 +65,18 @@ class Cluster:
     def __init__(self, workdir: Path | str | None = None, *, crds: Path | Iterable[Path] | None = CRDS,
                  capacity: Mapping[str, Any] | None = None, node_labels: Mapping[str, str] | None = None,
                  images: Iterable[str] = ("*",), extra_env: Mapping[str, str] | None = None,
-                 namespaces: Iterable[str] = ("default",), kubelet: bool = True) -> None:
+                 namespaces: Iterable[str] = ("default",), kubelet: bool = True, deployments: bool = True) -> None:
         """`capacity` (cpu, memory, nvidia.com/gpu...), `node_labels`, `images` (the allow-list's patterns) and
         `extra_env` (added to every pod's process) configure the kubelet; `kubelet=False` serves the API alone (pods
-        then stay Pending, unscheduled), as a benchmark of the operator may want."""
+        then stay Pending, unscheduled), as a benchmark of the operator may want; `deployments=False` runs no
+        Deployment controller (a Deployment then makes no pods)."""
         self._workdir, self._crds, self._namespaces = workdir, crds, list(namespaces)
-        self._with_kubelet = kubelet
+        self._with_kubelet, self._with_deployments = kubelet, deployments
         self._kubelet_options = {"capacity": capacity, "labels": node_labels, "images": images,
                                  "extra_env": extra_env}
         self._processes: dict[str, tuple[subprocess.Popen, Path]] = {}
         self.kubelet: Kubelet | None = None
+        self.deployments: DeploymentController | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -127,6 +136,9 @@ class Cluster:
             self.kubelet = Kubelet(self.url, self.root, self.kubeconfig, **self._kubelet_options)
             self.emulator.pod_logs, self.emulator.pod_paths = self.kubelet.read_log, self.kubelet.pod_paths
             await self.kubelet.start()
+        if self._with_deployments:
+            self.deployments = DeploymentController(self.url)
+            await self.deployments.start()
 
     def _crd_files(self) -> list[Path]:
         if self._crds is None:
@@ -155,6 +167,8 @@ class Cluster:
             self._tmp = None
 
     async def _stop(self) -> None:
+        if self.deployments is not None:
+            await self.deployments.stop()
         if self.kubelet is not None:
             await self.kubelet.stop()
         if getattr(self, "emulator", None) is not None:
@@ -180,6 +194,37 @@ class Cluster:
 
     def history(self, resource: str, namespace: str | None, name: str) -> list[dict[str, Any] | None]:
         return self.emulator.history(resource, namespace, name)
+
+    def deployment_pods(self, namespace: str, name: str, terminating: bool = False) -> list[dict[str, Any]]:
+        """The pods the Deployment owns, oldest first; without `terminating`, only those not being deleted (nor
+        ended)."""
+        deployment = self.get("deployments", namespace, name)
+        if deployment is None:
+            return []
+        owned = [pod for pod in self.list("pods", namespace) if controller_uid(pod) == deployment["metadata"]["uid"]
+                 and (terminating or is_active(pod))]
+        return sorted(owned, key=lambda pod: (pod["metadata"]["creationTimestamp"], int(pod["metadata"][
+            "resourceVersion"])))
+
+    def endpoints(self, namespace: str, service: str) -> list[str]:
+        """`ip:port` of each ready pod (not terminating) the Service selects, for its first port (a named
+        targetPort resolved through the pod's container ports), sorted."""
+        spec = (self.get("services", namespace, service) or {}).get("spec") or {}
+        selector, ports = spec.get("selector") or {}, spec.get("ports") or []
+        if not selector or not ports:
+            return []
+        target = ports[0].get("targetPort", ports[0]["port"])
+        found = []
+        for pod in self.list("pods", namespace):
+            labels = pod["metadata"].get("labels") or {}
+            if any(labels.get(k) != v for k, v in selector.items()) or not is_active(pod) or not is_ready(pod):
+                continue
+            port = target if isinstance(target, int) else next(
+                (p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports") or []
+                 if p.get("name") == target), None)
+            if port is not None:
+                found.append(f"{pod['status']['podIP']}:{port}")
+        return sorted(found)
 
     def logs(self, namespace: str, pod: str) -> str:
         """The output of the pod's (latest) container run."""

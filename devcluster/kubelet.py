@@ -7,21 +7,28 @@ It lists and watches pods through the API like a kubelet (its own aiohttp client
   scheduler's message; a persistentVolumeClaim must exist (it is Bound on first use, as WaitForFirstConsumer);
 - images: an allow-list of patterns (default: everything); another image stays Pending, waiting with ErrImagePull
   and then ImagePullBackOff, the message naming the image;
-- running (sandbox.py, network.py): Pending/ContainerCreating, then Running with containerStatuses[0].state.running
-  and Ready/ContainersReady True; on exit `terminated` (exitCode, reason Completed/Error, message: the log's tail
-  with FallbackToLogsOnError, podstatus.py), phase Succeeded/Failed for `restartPolicy: Never`; `OnFailure` and
-  `Always` restart the container after a doubling back-off (CrashLoopBackOff, restartCount, lastState);
-- deletion: SIGTERM to the container's main process (as a container's PID 1 gets it), SIGKILL to its whole process
-  group after the grace period (deletionGracePeriodSeconds), then the pod is deleted for good (gracePeriodSeconds=0);
-  a pod removed at once (force deletion) is killed at once;
+- running (sandbox.py, network.py): Pending/ContainerCreating, then Running with containerStatuses[0].state.running;
+  on exit `terminated` (exitCode, reason Completed/Error, message: the log's tail with FallbackToLogsOnError,
+  podstatus.py), phase Succeeded/Failed for `restartPolicy: Never`; `OnFailure` and `Always` restart the container
+  after a doubling back-off (CrashLoopBackOff, restartCount, lastState);
+- probes (probes.py): startupProbe, readinessProbe, livenessProbe (httpGet at the pod's IP, tcpSocket, exec) with
+  their timings and thresholds. containerStatuses[0].started and .ready, and the pod's ContainersReady and Ready
+  conditions, follow them; a running container without probes is started and Ready at once. A startup or liveness
+  probe's failure kills the container as a deletion would (preStop, SIGTERM, SIGKILL after the grace period) and it
+  restarts as its restartPolicy says, with the kubelet's Unhealthy and Killing Events;
+- deletion: the container's `lifecycle.preStop` hook (exec or httpGet) first, then SIGTERM to its main process (as
+  a container's PID 1 gets it), SIGKILL to its whole process group when the grace period
+  (deletionGracePeriodSeconds) is over: the hook's time counts against it, and a hook that outlasts it gets 2 s more
+  after SIGTERM, as the kubelet gives. Meanwhile the pod stays Running and readiness is still probed. Then the pod
+  is deleted for good (gracePeriodSeconds=0); a pod removed at once (force deletion) is killed at once, no hook;
 - output: each container run's stdout+stderr in a log file (`log_path`, `logs`, and the API's `pods/NAME/log`);
 - shutdown: every process group is killed; processes also die with this thread (PR_SET_PDEATHSIG), so none is
   orphaned; a process's end is awaited through a pidfd on the event loop, so no waiter thread outlives a test.
 
 Accessors for tests (any thread): `log_path`, `logs`, `claim_dir`, `pod_dir`, `pid`, and `kill` (a crash).
 `restart_backoff` and `pull_backoff` (seconds) may be set at any time.
-Not emulated: init containers, sidecars and any container but the first, probes (a running container is Ready),
-resource limits (nothing is throttled or OOM-killed), image pulls, node pressure and eviction.
+Not emulated: init containers, sidecars and any container but the first, postStart hooks, grpc probes, resource
+limits (nothing is throttled or OOM-killed), image pulls, node pressure and eviction.
 """
 
 from __future__ import annotations
@@ -35,19 +42,21 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from . import podstatus, sandbox
-from .apiclient import Api, ApiError
+from . import network, podstatus, probes, sandbox
+from .apiclient import Api, ApiError, Informer
 from .network import Network
 from .runs import PodRun, Process, die_with_parent, quietly
 from .scheduling import Node, Scheduler
 
 logger = logging.getLogger(__name__)
+
+
 class Kubelet:
     def __init__(self, url: str, root: Path, kubeconfig: Path, *, node_name: str = "tandem-node",
                  capacity: Mapping[str, Any] | None = None, labels: Mapping[str, str] | None = None,
@@ -57,13 +66,16 @@ class Kubelet:
         self.node, self.network = Node(node_name, capacity, labels), Network()
         self.images, self.extra_env = list(images), dict(extra_env or {})
         self.pull_backoff, self.restart_backoff = pull_backoff, restart_backoff
-        self.pods: dict[str, dict[str, Any]] = {}  # every pod by uid: the kubelet's informer cache
+        self.informer = Informer(self.api, "/api/v1/pods", self._observe)
+        self.pods: dict[str, dict[str, Any]] = self.informer.objects  # every pod by uid
         self.runs: dict[str, PodRun] = {}  # the pods on this node, by uid
         self.done: dict[tuple[str, str], PodRun] = {}  # the last run of each removed pod, for its logs
         self.scheduler = Scheduler(self.api, self.node, self.pods)
         self.pod_paths: dict[str, list[tuple[str, str]]] = {}  # pod token -> (local directory, mount path)
         self._tasks: list[asyncio.Task] = []
         self._lock = threading.Lock()
+        self._probes: aiohttp.ClientSession | None = None  # probes' and hooks' HTTP client
+        self._events: set[asyncio.Task] = set()  # Events being written
 
     # -- accessors for tests (any thread) -------------------------------------------------------------------------
     def _find(self, namespace: str, name: str) -> PodRun | None:
@@ -114,59 +126,38 @@ class Kubelet:
             await self.api.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {
                 "name": self.node.name, "labels": self.node.labels}})
         await self.api.patch_status(path, self.node.manifest())
-        version = await self._list_pods()
-        self._tasks = [asyncio.create_task(self._watch_pods(version), name="kubelet watch"),
-                       asyncio.create_task(self.scheduler.run(), name="scheduler")]
+        self._probes = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))  # no keep-alive
+        await self.informer.start()
+        self._tasks = [asyncio.create_task(self.scheduler.run(), name="scheduler")]
 
     async def stop(self) -> None:
         with self._lock:
             runs = list(self.runs.values())
         for run in runs:
             self._kill(run, signal.SIGKILL)
-        tasks = [*self._tasks, *(run.task for run in runs if run.task)]
+        tasks = [*self._tasks, *self._events, *(run.task for run in runs if run.task)]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for run in runs:
             if run.process is not None:
                 await run.process.wait()
+        await self.informer.stop()
+        if self._probes is not None:
+            await self._probes.close()
         await self.api.close()
 
-    # -- the pods, as the API tells -------------------------------------------------------------------------------
-    async def _list_pods(self) -> str:
-        listing = await self.api.request("GET", "/api/v1/pods")
-        seen = {pod["metadata"]["uid"] for pod in listing["items"]}
-        for uid in set(self.pods) - seen:
-            self._observe("DELETED", self.pods[uid])
-        for pod in listing["items"]:
-            self._observe("ADDED", pod)
-        return listing["metadata"]["resourceVersion"]
-
-    async def _watch_pods(self, version: str) -> None:
-        while True:
-            try:
-                async for event in self.api.watch("/api/v1/pods", version):
-                    if event["type"] == "ERROR":
-                        version = await self._list_pods()
-                        break
-                    self._observe(event["type"], event["object"])
-                    version = event["object"]["metadata"]["resourceVersion"]
-            except (aiohttp.ClientError, ApiError) as error:
-                logger.warning("kubelet: the pod watch failed (%s); watching again", error)
-                await asyncio.sleep(0.2)
-
+    # -- the pods, as the API tells (`informer` holds them in `pods`) ----------------------------------------------
     def _observe(self, type_: str, pod: dict[str, Any]) -> None:
         uid, meta, spec = pod["metadata"]["uid"], pod["metadata"], pod.get("spec", {})
         run = self.runs.get(uid)
         self.scheduler.kick.set()
         if type_ == "DELETED":
-            self.pods.pop(uid, None)
             self.scheduler.pending.pop(uid, None)
             if run:
                 run.pod, run.removed = pod, True
                 run.changed.set()
             return
-        self.pods[uid] = pod
         if not spec.get("nodeName"):
             if spec.get("schedulerName", "default-scheduler") == "default-scheduler" \
                     and not meta.get("deletionTimestamp"):
@@ -256,6 +247,7 @@ class Kubelet:
         env, master = {}, None
         for key, value in own.items():
             env[key], name = self.network.resolve(namespace, sandbox.rewrite_paths(value, mapped), known)
+            env[key] = network.bind_to_pod(env[key], ip)
             master = name if key == "MASTER_ADDR" else master
         if master is not None and env.get("MASTER_PORT"):
             env["MASTER_PORT"] = str(self.network.group_port(master, env["MASTER_PORT"], run.uid))
@@ -265,8 +257,8 @@ class Kubelet:
                **self.extra_env, **env, "KUBECONFIG": str(kubeconfig)}
         for variable in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
             env.pop(variable, None)
-        return sandbox.Launch(sandbox.command(container, env, mapped), env,
-                              sandbox.working_directory(container, mapped, home))
+        argv = [network.bind_to_pod(part, ip) for part in sandbox.command(container, env, mapped)]
+        return sandbox.Launch(argv, env, sandbox.working_directory(container, mapped, home), mapped)
 
     def _pod_kubeconfig(self, run: PodRun, home: Path, mapped: list[tuple[str, Path]]) -> Path:
         """The cluster's kubeconfig with the pod's own bearer token: the emulator maps the local directories in
@@ -303,38 +295,97 @@ class Kubelet:
                 output.write(f"{message}\n".encode())
                 self.network.release(run.uid)
                 return podstatus.terminated(128, started, reason="StartError", message=message)
-        run.process = process
+        run.process, run.stop = process, None
+        target = probes.Target(container, run.book.ip, launch, self._probes)
+        prober = probes.Prober(target, on_change=lambda: self._probed(run, prober),
+                               on_kill=lambda kill: self._stop_for(run, kill),
+                               on_event=lambda *event: self._event(run, *event))
+        run.started, run.ready = prober.started, prober.ready
         container_id = f"tandem://{run.uid[:8]}-{restarts}"
         await self._report(run, podstatus.running(started), phase="Running", restarts=restarts,
                            last_state=last_state, container_id=container_id)
-        await self._supervise(run, process)
+        probing = asyncio.create_task(prober.run(), name=f"probes {run.path}")
+        try:
+            await self._supervise(run, process, target)
+        finally:
+            probing.cancel()
+            await asyncio.gather(probing, return_exceptions=True)
+            run.started = run.ready = False
         self.network.release(run.uid)
         code = process.returncode if process.returncode >= 0 else 128 - process.returncode
         fallback = container.get("terminationMessagePolicy") == "FallbackToLogsOnError" and code != 0
         return podstatus.terminated(code, started, message=podstatus.log_tail(log) if fallback else None,
                                     container_id=container_id)
 
-    async def _supervise(self, run: PodRun, process: Process) -> None:
-        """Wait for the process to end; on deletion SIGTERM it, and SIGKILL its group when the grace is over."""
+    @staticmethod
+    def _probed(run: PodRun, prober: probes.Prober) -> None:
+        """What the probes found changed: the run's next status tells it (see `_until`)."""
+        run.started, run.ready = prober.started, prober.ready
+        run.changed.set()
+
+    def _stop_for(self, run: PodRun, kill: probes.Kill) -> None:
+        """A probe failed: the container must go (unless the pod is going anyway)."""
+        if run.stop is None and not run.deleting:
+            run.stop = kill
+            self._event(run, "Normal", "Killing", kill.message)
+            run.changed.set()
+
+    async def _supervise(self, run: PodRun, process: Process, target: probes.Target) -> None:
+        """Wait for the process to end, writing what the probes find; when the pod is deleted, or a probe killed the
+        container, stop it: the preStop hook, SIGTERM, and SIGKILL to its group when the grace period is over."""
         exited = asyncio.ensure_future(process.wait())
-        asked_at = deadline = None
-        killed = False
-        while not exited.done():
-            run.changed.clear()
-            if run.deleting and not killed:
-                if asked_at is None:
-                    asked_at = time.monotonic()
-                    with quietly():
-                        os.kill(process.pid, signal.SIGTERM)
-                deadline = asked_at + run.grace
-                if time.monotonic() >= deadline:
-                    self._kill(run, signal.SIGKILL)
-                    killed = True
-            timeout = None if deadline is None or killed else max(deadline - time.monotonic(), 0)
-            changed = asyncio.ensure_future(run.changed.wait())
-            await asyncio.wait({exited, changed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            changed.cancel()
+        await self._until(run, exited, lambda: 0.0 if run.deleting or run.stop else None)
+        if not exited.done():
+            await self._stop(run, process, exited, target)
         self._kill(run, signal.SIGKILL, leftovers=True)  # what the main process left behind goes with the container
+
+    async def _stop(self, run: PodRun, process: Process, exited: asyncio.Future, target: probes.Target) -> None:
+        asked = time.monotonic()
+
+        def grace() -> float:
+            if run.deleting or run.stop.grace is None:
+                return run.grace
+            return run.stop.grace
+
+        hook = (target.container.get("lifecycle") or {}).get("preStop")
+        overran = False
+        if hook and grace() > 0:
+            hooked = asyncio.ensure_future(target.check(hook, None))
+            either = asyncio.ensure_future(asyncio.wait({hooked, exited}, return_when=asyncio.FIRST_COMPLETED))
+            overran = not await self._until(run, either, lambda: asked + grace())
+            either.cancel()
+            if hooked.done() and hooked.exception() is None and not hooked.result()[0]:
+                self._event(run, "Warning", "FailedPreStopHook", f"PreStopHook failed: {hooked.result()[1]}")
+            hooked.cancel()
+            await asyncio.gather(hooked, return_exceptions=True)
+        if process.returncode is None:  # (an ended process's number may be reused)
+            with quietly():
+                os.kill(process.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+
+        def kill_at() -> float:
+            deadline = asked + grace()
+            return deadline if run.removed or not overran else max(deadline, signalled + 2)
+
+        if not await self._until(run, exited, kill_at):
+            self._kill(run, signal.SIGKILL)
+            await exited
+
+    async def _until(self, run: PodRun, future: asyncio.Future, deadline: Callable[[], float | None]) -> bool:
+        """Wait for `future` until `deadline()` (a time.monotonic() instant; None: no limit), read again whenever the
+        pod changes; meanwhile write what the probes find. Returns whether `future` is done."""
+        while not future.done():
+            run.changed.clear()
+            if (run.started, run.ready) != run.reported and run.last_report is not None:
+                await self._report(run, **run.last_report)
+            end = deadline()
+            remaining = None if end is None else end - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            changed = asyncio.ensure_future(run.changed.wait())
+            await asyncio.wait({future, changed}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+        return True
 
     def _kill(self, run: PodRun, sig: int, leftovers: bool = False) -> None:
         """Signal the container's process group: while its main process runs, or (`leftovers`) right after it
@@ -358,10 +409,34 @@ class Kubelet:
                       last_state: dict | None = None, container_id: str | None = None) -> None:
         if run.removed:
             return
+        run.last_report = {"state": state, "phase": phase, "restarts": restarts, "last_state": last_state,
+                           "container_id": container_id}
+        run.reported = (run.started, run.ready)
         status = run.book.status(state, phase=phase, restarts=restarts, last_state=last_state,
-                                 container_id=container_id)
+                                 container_id=container_id, started=run.started, ready=run.ready)
         try:
             await self.api.patch_status(run.path, status)
         except ApiError as error:
             if error.status != 404:
                 logger.warning("kubelet: status of %s: %s", run.path, error)
+
+    def _event(self, run: PodRun, type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event about the pod's container, as the kubelet writes them (in the background)."""
+        meta, container = run.pod["metadata"], run.pod["spec"]["containers"][0]["name"]
+        now = podstatus.timestamp()
+        event = {"metadata": {"generateName": f"{meta['name']}."}, "type": type_, "reason": reason,
+                 "message": message, "count": 1, "firstTimestamp": now, "lastTimestamp": now,
+                 "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": meta["namespace"],
+                                    "name": meta["name"], "uid": meta["uid"],
+                                    "fieldPath": f"spec.containers{{{container}}}"},
+                 "source": {"component": "kubelet", "host": self.node.name},
+                 "reportingComponent": "kubelet", "reportingInstance": self.node.name}
+        task = asyncio.get_running_loop().create_task(self._post_event(meta["namespace"], event))
+        self._events.add(task)
+        task.add_done_callback(self._events.discard)
+
+    async def _post_event(self, namespace: str, event: dict[str, Any]) -> None:
+        try:
+            await self.api.request("POST", f"/api/v1/namespaces/{namespace}/events", event)
+        except (ApiError, aiohttp.ClientError) as error:
+            logger.warning("kubelet: event %s: %s", event["reason"], error)

@@ -9,9 +9,15 @@
 - ports (an emulation of separate network namespaces): on a cluster every pod may bind the same port, MASTER_PORT
   29500; here they would all collide (torch's TCPStore binds the port on every interface). So the pods that share a
   MASTER_ADDR naming a pod get one free port in MASTER_PORT instead of the one in their spec, chosen when the first
-  of them starts and kept while any of them runs: a group restarted after all its pods ended gets a fresh port.
+  of them starts and kept while any of them runs: a group restarted after all its pods ended gets a fresh port;
+- binding all interfaces (the same emulation): a server asked to listen on 0.0.0.0 would take the port on every
+  pod's address, and the next pod of its Deployment, asked the same, could not start. So `bind_to_pod` rewrites an
+  argument of the container's command/args, or an env value, that is `0.0.0.0` (also `--host=0.0.0.0`,
+  `0.0.0.0:8000`) to the pod's own address: two pods of one Deployment both listen on port 8000, each on its podIP,
+  where probes and tests reach them.
 
-Not emulated: Services' virtual IPs and load balancing (a Service's own name is not rewritten), network policies.
+Not emulated: Services' virtual IPs and load balancing (a Service's own name is not rewritten), network policies, a
+process that binds 0.0.0.0 (or a fixed port on 127.0.0.1) by itself rather than because an argument said so.
 """
 
 from __future__ import annotations
@@ -39,6 +45,16 @@ def dns_name(namespace: str, token: str) -> DnsName | None:
         if len(parts) == 3:
             return parts[2], parts[0], parts[1]
     return None
+
+
+_ALL_INTERFACES = re.compile(r"(.*=)?0\.0\.0\.0(:\d+)?")
+
+
+def bind_to_pod(value: str, ip: str) -> str:
+    """`value` (one argument, or one env value) with an all-interfaces address (`0.0.0.0`, `--host=0.0.0.0`,
+    `0.0.0.0:8000`) made the pod's own address; any other value as it is."""
+    match = _ALL_INTERFACES.fullmatch(value)
+    return f"{match[1] or ''}{ip}{match[2] or ''}" if match else value
 
 
 def free_port(taken: set[int] = frozenset()) -> int:

@@ -6,7 +6,8 @@ finishedAt). With `terminationMessagePolicy: FallbackToLogsOnError` a non-zero e
 container's log, at most 80 lines and 2048 bytes: the kubelet's MaxContainerTerminationMessageLogLines and
 MaxContainerTerminationMessageLogLength (its 4096-byte limit is for messages written to the termination file).
 Conditions PodScheduled, Initialized, ContainersReady and Ready keep their lastTransitionTime until their status
-changes.
+changes. A running container is `started` and `ready` as its probes say (probes.py); ContainersReady and Ready follow
+`ready`.
 """
 
 from __future__ import annotations
@@ -84,15 +85,16 @@ class StatusBook:
         return condition
 
     def status(self, state: dict[str, Any], *, phase: str, restarts: int = 0,
-               last_state: dict[str, Any] | None = None, container_id: str | None = None) -> dict[str, Any]:
-        ready = "running" in state
+               last_state: dict[str, Any] | None = None, container_id: str | None = None, started: bool = True,
+               ready: bool = True) -> dict[str, Any]:
+        started, ready = "running" in state and started, "running" in state and started and ready
         name, image = self.container["name"], self.container.get("image", "")
         not_ready = ("PodCompleted", None) if phase in ("Succeeded", "Failed") else \
             ("ContainersNotReady", f"containers with unready status: [{name}]")
         container_status = {
             "name": name, "image": image, "imageID": "" if "waiting" in state and restarts == 0 else
             f"{image}@sha256:{hashlib.sha256(image.encode()).hexdigest()}",
-            "ready": ready, "started": ready, "restartCount": restarts, "state": state, "lastState": last_state or {},
+            "ready": ready, "started": started, "restartCount": restarts, "state": state, "lastState": last_state or {},
         }
         if container_id:
             container_status["containerID"] = container_id

@@ -55,6 +55,11 @@ class PodRun:
     logs: list[Path] = field(default_factory=list)
     book: podstatus.StatusBook | None = None
     task: asyncio.Task | None = None
+    started: bool = False  # the running container's startup probe succeeded (or it has none)
+    ready: bool = False  # ... and its readiness probe says ready (or it has none)
+    stop: Any = None  # a probe's `Kill`: the container must go, though the pod stays
+    last_report: dict[str, Any] | None = None  # the arguments of the last status written
+    reported: tuple[bool, bool] = (False, False)  # (started, ready) as last written
 
     @property
     def deleting(self) -> bool:

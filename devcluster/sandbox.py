@@ -2,7 +2,8 @@
 
 - command: `command` + `args` with `$(VAR)` expanded from the container's env as Kubernetes does; `python`,
   `python3` (any `python3.X`) become this interpreter (`sys.executable`), so the test's virtualenv is used, and
-  the virtualenv's bin directory leads PATH (so `tandem` is found);
+  the virtualenv's bin directory leads PATH (so `tandem` is found); exec probes and hooks run the same way
+  (`executable`, no `$(VAR)` expansion), and the kubelet makes `0.0.0.0` the pod's address (network.py);
 - environment: the process starts from a minimal environment, as a container does (PATH, HOME and TMPDIR in the
   pod's directory, LANG, HOSTNAME = the pod's hostname), plus the kubelet's `extra_env`, then the container's
   `envFrom` and `env`: `value` (with `$(VAR)`), `valueFrom.fieldRef` (metadata.name, namespace, uid, labels['k'],
@@ -33,7 +34,7 @@ import os
 import re
 import sys
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ class Launch:
     argv: list[str]
     env: dict[str, str]
     cwd: Path
+    mapped: list[tuple[str, Path]] = field(default_factory=list)  # (mount path, local directory): for exec hooks
 
 
 def pod_dir(root: Path, pod: Mapping[str, Any]) -> Path:
@@ -204,12 +206,18 @@ def base_environment(pod: Mapping[str, Any], home: Path, kubeconfig: Path, gpus:
 
 
 def command(container: Mapping[str, Any], env: Mapping[str, str], mapped: list[tuple[str, Path]]) -> list[str]:
-    argv = [rewrite_paths(expand(str(part), env), mapped)
-            for part in [*(container.get("command") or []), *(container.get("args") or [])]]
     if not container.get("command"):
         raise NotReady("CreateContainerError", "the test kubelet runs a container's explicit `command` (it knows "
                                                "no image entrypoints)")
-    if re.fullmatch(r"python(3(\.\d+)?)?", Path(argv[0]).name):
+    return executable([expand(str(part), env) for part in [*container["command"], *(container.get("args") or [])]],
+                      mapped)
+
+
+def executable(parts: list[str], mapped: list[tuple[str, Path]]) -> list[str]:
+    """A command as this machine runs it (a container's, or an exec probe's or hook's): mount paths rewritten to their
+    directories, `python` this interpreter."""
+    argv = [rewrite_paths(str(part), mapped) for part in parts]
+    if argv and re.fullmatch(r"python(3(\.\d+)?)?", Path(argv[0]).name):
         argv[0] = sys.executable
     return argv
 

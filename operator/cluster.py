@@ -1,6 +1,7 @@
-"""Carrying out a Plan through the Kubernetes API (the `kubernetes` client, called from worker threads so the
-operator's event loop never blocks): create the objects (an existing one is kept, a ConfigMap replaced), delete
-pods, patch the operator's status fields, delete a finished job. Every API error is counted for /metrics."""
+"""Carrying out a plan through the Kubernetes API (the `kubernetes` client, called from worker threads so the
+operator's event loop never blocks): create a job's objects (an existing one is kept, a ConfigMap replaced), put a
+pool's objects as they should be (create, or replace the version seen), delete objects, patch the operator's status
+fields, delete a finished job. Every API error is counted for /metrics."""
 
 from __future__ import annotations
 
@@ -34,17 +35,59 @@ class Cluster:
         self.core = client.CoreV1Api(api)
         self.rbac = client.RbacAuthorizationV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        apps, policy, autoscaling = client.AppsV1Api(api), client.PolicyV1Api(api), client.AutoscalingV2Api(api)
+        core, rbac = self.core, self.rbac
+        self._writers: dict[str, tuple[Callable, Callable, Callable]] = {  # kind: (create, replace, delete)
+            "Pod": (core.create_namespaced_pod, core.replace_namespaced_pod, core.delete_namespaced_pod),
+            "Service": (core.create_namespaced_service, core.replace_namespaced_service,
+                        core.delete_namespaced_service),
+            "ConfigMap": (core.create_namespaced_config_map, core.replace_namespaced_config_map,
+                          core.delete_namespaced_config_map),
+            "ServiceAccount": (core.create_namespaced_service_account, core.replace_namespaced_service_account,
+                               core.delete_namespaced_service_account),
+            "Role": (rbac.create_namespaced_role, rbac.replace_namespaced_role, rbac.delete_namespaced_role),
+            "RoleBinding": (rbac.create_namespaced_role_binding, rbac.replace_namespaced_role_binding,
+                            rbac.delete_namespaced_role_binding),
+            "Deployment": (apps.create_namespaced_deployment, apps.replace_namespaced_deployment,
+                           apps.delete_namespaced_deployment),
+            "PodDisruptionBudget": (policy.create_namespaced_pod_disruption_budget,
+                                    policy.replace_namespaced_pod_disruption_budget,
+                                    policy.delete_namespaced_pod_disruption_budget),
+            "HorizontalPodAutoscaler": (autoscaling.create_namespaced_horizontal_pod_autoscaler,
+                                        autoscaling.replace_namespaced_horizontal_pod_autoscaler,
+                                        autoscaling.delete_namespaced_horizontal_pod_autoscaler),
+        }
 
     async def create(self, manifest: dict[str, Any]) -> None:
+        """Create an object; one that exists is kept, except a ConfigMap, which is replaced."""
         kind, namespace = manifest["kind"], manifest["metadata"]["namespace"]
-        create, replace = self._writers(kind)
+        create, replace, _ = self._writers[kind]
         try:
             await self._call(f"create {kind}", create, namespace, manifest)
         except ApiException as error:
             if error.status != CONFLICT:
                 raise
-            if replace is not None:
+            if kind == "ConfigMap":
                 await self._call(f"replace {kind}", replace, manifest["metadata"]["name"], namespace, manifest)
+
+    async def put(self, manifest: dict[str, Any], existing: dict[str, Any] | None) -> None:
+        """Make an object as `manifest` says: create it, or replace `existing` (the version the decision saw; if it
+        has changed since, the API answers 409 and the next pass decides again)."""
+        kind, metadata = manifest["kind"], manifest["metadata"]
+        create, replace, _ = self._writers[kind]
+        if existing is None:
+            await self._call(f"create {kind}", create, metadata["namespace"], manifest)
+            return
+        versioned = {**manifest, "metadata": {**metadata,
+                                              "resourceVersion": existing["metadata"].get("resourceVersion")}}
+        await self._call(f"replace {kind}", replace, metadata["name"], metadata["namespace"], versioned)
+
+    async def delete(self, kind: str, name: str, namespace: str) -> None:
+        try:
+            await self._call(f"delete {kind}", self._writers[kind][2], name, namespace)
+        except ApiException as error:
+            if error.status != NOT_FOUND:
+                raise
 
     async def delete_pod(self, name: str, namespace: str, grace_seconds: int | None = None) -> None:
         """Delete a pod: SIGTERM, then the pod's own grace period (or `grace_seconds`) before SIGKILL."""
@@ -66,17 +109,6 @@ class Cluster:
         except ApiException as error:
             if error.status != NOT_FOUND:
                 raise
-
-    def _writers(self, kind: str) -> tuple[Callable, Callable | None]:
-        """(create, replace-or-None) for a kind: only a ConfigMap is replaced when it exists."""
-        return {
-            "Pod": (self.core.create_namespaced_pod, None),
-            "Service": (self.core.create_namespaced_service, None),
-            "ConfigMap": (self.core.create_namespaced_config_map, self.core.replace_namespaced_config_map),
-            "ServiceAccount": (self.core.create_namespaced_service_account, None),
-            "Role": (self.rbac.create_namespaced_role, None),
-            "RoleBinding": (self.rbac.create_namespaced_role_binding, None),
-        }[kind]
 
     @staticmethod
     async def _call(what: str, method: Callable, *args: Any, **kwargs: Any) -> Any:

@@ -37,6 +37,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = 0  # the Events the decisions ask for; kopf posts nothing else (loggers stay off)
     memo.cluster = Cluster(login())
     memo.wakers = {}
+    memo.pool_wakers = {}
+    memo.pool_sources = {}
     memo.phases = metrics.PhaseCount()
 
 
@@ -54,12 +56,13 @@ def job_specs(namespace: str, name: str, labels: dict[str, str], body: kopf.Body
 
 @kopf.on.event("v1", "pods", labels={JOB_LABEL: kopf.PRESENT})
 def pod_changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
-    _wake(memo, namespace, labels[JOB_LABEL])
+    wake(memo, namespace, labels[JOB_LABEL])
 
 
 @kopf.on.event(GROUP, VERSION, JOBS)
 def job_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    _wake(memo, namespace, name)
+    wake(memo, namespace, name)
+    wake_pools_of(memo, namespace, name)
 
 
 @kopf.daemon(GROUP, VERSION, JOBS, cancellation_timeout=10)
@@ -84,7 +87,7 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
             metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
             if plan.delete_job:
                 return
-            await _sleep(waker, stopped, plan.requeue_after)
+            await sleep(waker, stopped, plan.requeue_after)
     finally:
         memo.wakers.pop(key, None)
         memo.phases.set(key, None)
@@ -109,7 +112,7 @@ async def _apply(plan: Plan, body: dict[str, Any], cluster: Cluster) -> None:
         await cluster.delete_custom(JOBS, name, namespace)
 
 
-async def _sleep(waker: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float | None) -> None:
+async def sleep(waker: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float | None) -> None:
     """Until something about the job changes, the daemon is stopped, or `seconds` pass."""
     waits = [asyncio.ensure_future(waker.wait()), asyncio.ensure_future(stopped.wait())]
     try:
@@ -119,7 +122,15 @@ async def _sleep(waker: asyncio.Event, stopped: kopf.DaemonStopped, seconds: flo
             wait.cancel()
 
 
-def _wake(memo: kopf.Memo, namespace: str, job: str) -> None:
-    waker = getattr(memo, "wakers", {}).get((namespace, job))
+def wake(memo: kopf.Memo, namespace: str, name: str, wakers: str = "wakers") -> None:
+    """Wake the daemon of the job (or, with wakers="pool_wakers", the pool) `name`."""
+    waker = getattr(memo, wakers, {}).get((namespace, name))
     if waker is not None:
         waker.set()
+
+
+def wake_pools_of(memo: kopf.Memo, namespace: str, job: str) -> None:
+    """Wake the pools that serve from a job: its checkpoint, or the job itself, may have come or gone."""
+    for (pool_namespace, pool), source in list(getattr(memo, "pool_sources", {}).items()):
+        if pool_namespace == namespace and source == job:
+            wake(memo, namespace, pool, "pool_wakers")

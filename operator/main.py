@@ -1,4 +1,5 @@
-"""`tandem operator`: the kopf operator for ParallelTrainingJobs, in every namespace or the ones named.
+"""`tandem operator`: the kopf operator for ParallelTrainingJobs and InferencePools, in every namespace or the
+ones named.
 
 It logs in with in-cluster credentials, else KUBECONFIG. Several replicas coordinate through kopf's peering when
 the peering resources exist (the Helm chart installs them); a single replica runs without them.
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     import kopf
     from prometheus_client import start_http_server
 
-    from tandem.operator import handlers
+    from tandem.operator import handlers, pool_handlers  # noqa: F401 (registers the pools' handlers)
     from tandem.operator.training import Settings
 
     handlers.SETTINGS = Settings(worker_image=args.worker_image, restart_backoff_seconds=args.restart_backoff_seconds)

@@ -31,6 +31,7 @@ from tandem.operator.pool_objects import (
     deployment_name,
     disruption_budget,
     endpoint,
+    model_name,
     server_deployment,
     service,
     spec_config_map,
@@ -135,6 +136,15 @@ def reconcile_pool(body: dict[str, Any], children: dict[str, dict[str, Any] | No
         plan.status["model"] = model
     plan.requeue_after = WATCH_SECONDS
     return plan
+
+
+def serving_address(body: dict[str, Any]) -> tuple[str, int] | None:
+    """(the model's name, the port) a pool's servers answer on; None for an invalid pool."""
+    try:
+        pool = _parse(body)
+    except ManifestError:
+        return None
+    return model_name(pool), pool.spec.port
 
 
 def _parse(body: dict[str, Any]) -> InferencePool:

@@ -38,7 +38,8 @@ RULES = [
     ("tandem.worker.process_exit", ["tandem.worker.train", "tandem.worker.serve", "tandem.operator"]),
 ]
 TORCH_FREE = ["tandem.api", "tandem.contract", "tandem.restart_policy", "tandem.manifest", "tandem.crd",
-              "tandem.operator.training", "tandem.operator.handlers", "tandem.operator.main"]
+              "tandem.operator.training", "tandem.operator.handlers", "tandem.operator.main", "tandem.operator.pools",
+              "tandem.operator.pool_handlers"]
 
 
 def module_files(layer: str, packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:

@@ -1,0 +1,162 @@
+"""The kopf layer for InferencePools: thin handlers around the pure decisions (pools.py).
+
+Each pool gets one daemon that reconciles it whenever something it depends on changes (the pool, one of its objects
+or server pods, the ParallelTrainingJob it serves from) and every few seconds: read the pool's objects, its pods and
+its job from kopf's in-memory indices, ask each ready server what it serves, decide, apply.
+
+How the operator learns which checkpoint each replica serves: it asks each ready server pod (`GET
+/v2/models/{m}` on the pod's IP; the answer's `parameters` carry `checkpoint`, `source` and `loaded_at`). Chosen over
+servers annotating their own pods because (1) a server then needs no API credentials at all (its pods mount no
+ServiceAccount token, so a compromised server cannot write to the API), (2) what is reported is what the process
+answering inference requests holds, not what it last managed to write, and (3) only ready pods are asked, so a
+replica that stopped answering drops out of the status by itself. The cost: the operator must reach the server
+pods' port (a NetworkPolicy that isolates them must admit the operator's pods; see README).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from tandem.api import GROUP, VERSION
+from tandem.operator import handlers, metrics
+from tandem.operator.handlers import sleep, wake
+from tandem.operator.pool_objects import POOL_LABEL
+from tandem.operator.pools import PoolPlan, Served, reconcile_pool, serving_address
+
+POOLS = "inferencepools"
+JOBS = "paralleltrainingjobs"
+CHILD_KINDS = {
+    ("apps", "v1", "deployments"): "Deployment",
+    ("", "v1", "configmaps"): "ConfigMap",
+    ("", "v1", "services"): "Service",
+    ("policy", "v1", "poddisruptionbudgets"): "PodDisruptionBudget",
+    ("autoscaling", "v2", "horizontalpodautoscalers"): "HorizontalPodAutoscaler",
+}
+ASK_SECONDS = 2.0
+log = logging.getLogger("tandem.operator")
+
+
+def _index_children(group: str, version: str, plural: str) -> None:
+    """One index per kind of a pool's objects: {(namespace, pool): [object]}, and a waker on each change."""
+
+    api_version = f"{group}/{version}" if group else version
+
+    @kopf.index(api_version, plural, labels={POOL_LABEL: kopf.PRESENT}, id=f"pool_{plural}")
+    def index(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
+        return {(namespace, labels[POOL_LABEL]): dict(body)}
+
+    @kopf.on.event(api_version, plural, labels={POOL_LABEL: kopf.PRESENT}, id=f"pool_{plural}_changed")
+    def changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
+        wake(memo, namespace, labels[POOL_LABEL], "pool_wakers")
+
+
+for _group, _version, _plural in CHILD_KINDS:
+    _index_children(_group, _version, _plural)
+
+
+@kopf.index("v1", "pods", labels={POOL_LABEL: kopf.PRESENT})
+def pool_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
+    return {(namespace, labels[POOL_LABEL]): dict(body)}
+
+
+@kopf.on.event("v1", "pods", labels={POOL_LABEL: kopf.PRESENT})
+def pool_pod_changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
+    wake(memo, namespace, labels[POOL_LABEL], "pool_wakers")
+
+
+@kopf.index(GROUP, VERSION, JOBS)
+def training_jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
+    return {(namespace, name): dict(body)}
+
+
+@kopf.on.event(GROUP, VERSION, POOLS)
+def pool_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    wake(memo, namespace, name, "pool_wakers")
+
+
+@kopf.daemon(GROUP, VERSION, POOLS, cancellation_timeout=10)
+async def serve_pool(name: str, namespace: str, body: kopf.Body, spec: kopf.Spec, stopped: kopf.DaemonStopped,
+                     memo: kopf.Memo, pool_pods: kopf.Index, training_jobs: kopf.Index, **indices: Any) -> None:
+    key = (namespace, name)
+    waker = memo.pool_wakers.setdefault(key, asyncio.Event())
+    written: dict[str, Any] = {}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ASK_SECONDS)) as session:
+            while not stopped:
+                waker.clear()
+                started = time.perf_counter()
+                source = ((spec.get("model") or {}).get("fromTrainingJob") or {}).get("name")
+                memo.pool_sources[key] = source
+                children = {kind: next(iter(indices[f"pool_{plural}"].get(key, [])), None)
+                            for (_, _, plural), kind in CHILD_KINDS.items()}
+                pods = list(pool_pods.get(key, []))
+                job = next(iter(training_jobs.get((namespace, source), [])), None) if source else None
+                observed = {**body, "status": {**(body.get("status") or {}), **written}}
+                served = await _ask_servers(session, observed, pods)
+                plan = reconcile_pool(observed, children, pods, served, job, datetime.now(UTC),
+                                      handlers.SETTINGS.worker_image)
+                try:
+                    await _apply(plan, observed, children, memo.cluster)
+                    written = plan.status
+                except ApiException as error:  # a conflict or a refusal: decided again on the next pass
+                    log.warning("pool %s/%s: %s %s", namespace, name, error.status, error.reason)
+                metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+                await sleep(waker, stopped, plan.requeue_after)
+    finally:
+        memo.pool_wakers.pop(key, None)
+        memo.pool_sources.pop(key, None)
+
+
+async def _ask_servers(session: aiohttp.ClientSession, body: dict[str, Any],
+                       pods: list[dict[str, Any]]) -> list[Served]:
+    """What each ready, not terminating server pod says it serves; one that does not answer is left out."""
+    address = serving_address(body)
+    if address is None:
+        return []
+    model, port = address
+    ready = [p for p in pods if _ready(p)]
+    answers = await asyncio.gather(*(_ask(session, p, model, port) for p in ready))
+    return [served for served in answers if served is not None]
+
+
+async def _ask(session: aiohttp.ClientSession, pod: dict[str, Any], model: str, port: int) -> Served | None:
+    name = pod["metadata"]["name"]
+    try:
+        async with session.get(f"http://{pod['status']['podIP']}:{port}/v2/models/{model}") as response:
+            if response.status != 200:
+                return None
+            parameters = (await response.json()).get("parameters") or {}
+    except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+        log.info("server pod %s did not say what it serves: %s", name, error)
+        return None
+    return Served(name, parameters.get("checkpoint"), str(parameters.get("source", "")),
+                  str(parameters.get("loaded_at", "")))
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    return (not pod["metadata"].get("deletionTimestamp") and bool(status.get("podIP"))
+            and any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []))
+
+
+async def _apply(plan: PoolPlan, body: dict[str, Any], children: dict[str, dict[str, Any] | None], cluster) -> None:
+    metadata = body["metadata"]
+    namespace, name = metadata["namespace"], metadata["name"]
+    for manifest in plan.apply:
+        await cluster.put(manifest, children.get(manifest["kind"]))
+    for kind, child in plan.delete:
+        await cluster.delete(kind, child, namespace)
+    current = body.get("status") or {}
+    changed = {key: value for key, value in plan.status.items() if current.get(key) != value}
+    if changed:
+        await cluster.patch_status(POOLS, name, namespace, changed)
+    for kind, reason, message in plan.events:
+        kopf.event(body, type=kind, reason=reason, message=message)

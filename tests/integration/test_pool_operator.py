@@ -1,0 +1,262 @@
+"""InferencePools end to end: `tandem operator` as a real process (kopf) against the emulated API server; the
+Deployments it creates are run by the harness's Deployment controller, and every server pod by the test kubelet as
+a real `tandem serve` process (probes, preStop and rolling updates as devcluster/ emulates them). Clients are
+`tritonclient.http` and plain HTTP against the pods' addresses. Mocked: nothing of Tandem's; Services have no
+virtual IP here (clients call a pod), and where a test plays rank 0 (writing a job's checkpoint status) it says so.
+
+A claim is a local directory here, and the kubelet rewrites mount paths in a server's arguments to it: a checkpoint
+path a server reports over HTTP (and the operator copies into the pool's status) names that directory, where on a
+cluster it names the mount. `on_cluster` maps it back before comparing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import kubernetes_validate
+import numpy as np
+import pytest
+import tritonclient.http as triton
+import yaml
+from jobs import ROOT, TESTS
+
+from devcluster import Cluster
+from tandem.operator.pool_objects import MODEL_MOUNT
+
+NS = "default"
+GROUP, VERSION = "tandem.dev", "v1alpha1"
+POOLS, JOBS = "inferencepools", "paralleltrainingjobs"
+READY = 90  # seconds for server pods to start (torch import, load, warm-up) on a busy 2-core machine
+SLEEP = ["python", "-c", "import time; time.sleep(600)"]
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with Cluster(tmp_path_factory.mktemp("cluster"), extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
+        cluster.spawn([sys.executable, "-m", "tandem.cli", "operator", "--namespace", NS,
+                       "--restart-backoff-seconds", "0", "--worker-image", "tandem-worker:test"],
+                      name="operator", cwd=ROOT)
+        yield cluster
+
+
+def pool_manifest(name: str, model: dict, replicas: int = 1, **spec) -> dict:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferencePool", "metadata": {"name": name},
+            "spec": {"replicas": replicas, "workersPerReplica": 1, "model": model, "batchLimit": 8,
+                     "port": 8000, **spec}}
+
+
+def create(cluster: Cluster, plural: str, document: dict) -> dict:
+    return cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, plural, document)
+
+
+def status(cluster: Cluster, plural: str, name: str) -> dict:
+    return (cluster.get(f"{GROUP}/{VERSION}/{plural}", NS, name) or {}).get("status") or {}
+
+
+def condition(found: dict, kind: str) -> dict:
+    return next((c for c in found.get("conditions") or [] if c["type"] == kind), {})
+
+
+def wait_pool(cluster: Cluster, name: str, check, what: str, timeout: float = READY) -> dict:
+    try:
+        return cluster.wait_for(lambda: (s := status(cluster, POOLS, name)) and check(s) and s, timeout, what)
+    except TimeoutError:
+        print(cluster.process_log("operator")[-4000:])
+        for pod in server_pods(cluster, name):
+            print(pod["metadata"]["name"], pod.get("status"), cluster.logs(NS, pod["metadata"]["name"])[-3000:])
+        raise AssertionError(f"{name}: not {what}: {status(cluster, POOLS, name)}") from None
+
+
+def server_pods(cluster: Cluster, pool: str) -> list[dict]:
+    return [p for p in cluster.list("pods", NS) if p["metadata"].get("labels", {}).get("tandem.dev/pool") == pool
+            and not p["metadata"].get("deletionTimestamp")]
+
+
+def address(cluster: Cluster, pool: str) -> str:
+    [pod] = [p for p in server_pods(cluster, pool) if p.get("status", {}).get("podIP")][:1]
+    return f"{pod['status']['podIP']}:8000"
+
+
+def claim(cluster: Cluster, name: str) -> None:
+    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+                   "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+
+
+def on_cluster(cluster: Cluster, claim_name: str, path: str | None) -> str | None:
+    """A path a server reports, as it reads on a cluster (see the module's docstring)."""
+    local = os.path.realpath(cluster.kubelet.claim_dir(NS, claim_name))
+    return None if path is None else path.replace(local, MODEL_MOUNT)
+
+
+def served_checkpoint(cluster: Cluster, pool: str, claim_name: str) -> str | None:
+    return on_cluster(cluster, claim_name, status(cluster, POOLS, pool).get("model", {}).get("checkpoint"))
+
+
+def infer(host: str, values: list[float]) -> list[float]:
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": values}]})
+    request = urllib.request.Request(f"http://{host}/v2/models/digits/infer", body.encode(),
+                                     {"Content-Type": "application/json"})
+    with _NO_PROXY.open(request, timeout=30) as response:
+        return json.loads(response.read())["outputs"][0]["data"]
+
+
+class Client(threading.Thread):
+    """Sends inference requests one after another until stopped; counts answers, keeps every failure, and notes
+    each checkpoint the server says it serves between them."""
+
+    def __init__(self, host: str) -> None:
+        super().__init__(daemon=True)
+        self.host, self.stop, self.answered, self.failures = host, threading.Event(), 0, []
+        self.checkpoints: list[str] = []
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                infer(self.host, [0.5] * 64)
+                self.answered += 1
+                with _NO_PROXY.open(f"http://{self.host}/v2/models/digits", timeout=30) as response:
+                    checkpoint = json.loads(response.read())["parameters"]["checkpoint"]
+                if checkpoint not in self.checkpoints:
+                    self.checkpoints.append(checkpoint)
+            except (OSError, urllib.error.HTTPError) as error:
+                self.failures.append(repr(error))
+
+
+def test_a_pool_follows_its_training_job_and_swaps_each_checkpoint_without_failing_a_request(cluster):
+    """The contract end to end: the digits job trains on two gloo ranks in pods; once it has a checkpoint, a pool
+    `fromTrainingJob {follow: true}` starts a real `tandem serve` on the job's claim, read-only; a client sends
+    requests while the job writes newer checkpoints and succeeds; the pool's status ends on the job's last
+    checkpoint, as the server reports it, and no request failed. Then tritonclient gets an answer."""
+    document = yaml.safe_load((ROOT / "examples" / "digits-train.yaml").read_text())
+    document["spec"]["checkpoint"].update({"persistentVolumeClaim": "digits-checkpoints", "everySteps": 20})
+    claim(cluster, "digits-checkpoints")
+    create(cluster, JOBS, document)
+    pool = pool_manifest("digits", {"fromTrainingJob": {"name": "digits-train", "follow": True}})
+    create(cluster, POOLS, pool)
+    cluster.wait_for(lambda: status(cluster, JOBS, "digits-train").get("checkpoint", {}).get("latest"), READY,
+                     "the job's first checkpoint")
+    first = wait_pool(cluster, "digits", lambda s: s.get("phase") == "Ready" and s.get("model"), "Ready")
+    assert first["model"]["source"] == "fromTrainingJob/digits-train"
+    first_checkpoint = on_cluster(cluster, "digits-checkpoints", first["model"]["checkpoint"])
+    assert first_checkpoint.startswith(f"{MODEL_MOUNT}/runs/digits-train/checkpoints/step-")
+    client = Client(address(cluster, "digits"))
+    client.start()
+    try:
+        cluster.wait_for(lambda: status(cluster, JOBS, "digits-train").get("phase") == "Succeeded", 180,
+                         "the job to succeed")
+        last = f"{MODEL_MOUNT}/runs/digits-train/checkpoints/step-00000230.pt"
+        final = wait_pool(cluster, "digits", lambda s: served_checkpoint(cluster, "digits", "digits-checkpoints")
+                          == last, "serving the job's last checkpoint", timeout=30)
+    finally:
+        client.stop.set()
+        client.join(timeout=30)
+    assert client.answered > 0 and client.failures == [], client.failures[:5]
+    assert len(client.checkpoints) >= 2, "the server swapped at least once while the client sent requests"
+    assert final["readyReplicas"] == 1 and final["endpoint"] == f"http://digits.{NS}.svc.cluster.local:8000/v2"
+    assert condition(final, "Available")["status"] == "True"
+    server = triton.InferenceServerClient(address(cluster, "digits"))
+    inputs = triton.InferInput("input", [2, 64], "FP32")
+    inputs.set_data_from_numpy(np.zeros((2, 64), dtype=np.float32))
+    assert server.infer("digits", [inputs]).as_numpy("output").shape == (2, 10)
+    metadata = server.get_model_metadata("digits")
+    assert on_cluster(cluster, "digits-checkpoints", metadata["parameters"]["checkpoint"]) == last
+    [pod] = server_pods(cluster, "digits")
+    log = cluster.logs(NS, pod["metadata"]["name"])
+    assert "step-00000230.pt" in log, "the server logs its swaps"
+
+
+def test_a_pool_becomes_its_objects_scales_through_its_scale_subresource_and_deleting_it_removes_them(cluster):
+    pool = pool_manifest("objects", {"callable": "tandem.examples.digits:mlp", "inputShape": [64], "name": "digits"},
+                         replicas=2, autoscaling={"minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 8})
+    create(cluster, POOLS, pool)
+    ready = wait_pool(cluster, "objects", lambda s: s.get("phase") == "Ready", "Ready")
+    assert ready["readySummary"] == "2/2" and ready["model"]["source"] == "callable"
+    assert "checkpoint" not in ready["model"]
+    cluster.wait_for(lambda: "Ready" in [e["reason"] for e in cluster.list("events", NS)
+                                         if e["involvedObject"]["name"] == "objects"], 10, "the pool's Ready Event")
+    created = {kind: cluster.get(kind, NS, name) for kind, name in [
+        ("deployments", "objects-server"), ("services", "objects"), ("configmaps", "objects-spec"),
+        ("poddisruptionbudgets", "objects-server"), ("horizontalpodautoscalers", "objects")]}
+    for kind, found in created.items():
+        assert found is not None, kind
+        clean = {k: v for k, v in found.items() if k != "status"}
+        clean["metadata"] = {k: found["metadata"][k] for k in ("name", "namespace", "labels", "ownerReferences")}
+        kubernetes_validate.validate(clean, kubernetes_validate.latest_version(), strict=True)
+        assert found["metadata"]["ownerReferences"][0]["kind"] == "InferencePool"
+    template = created["deployments"]["spec"]["template"]["metadata"]["annotations"]["tandem.dev/spec-hash"]
+
+    scale = {"spec": {"replicas": 1}}
+    cluster.custom.patch_namespaced_custom_object_scale(GROUP, VERSION, NS, POOLS, "objects", scale)
+    cluster.wait_for(lambda: cluster.get("deployments", NS, "objects-server")["spec"]["replicas"] == 1
+                     and cluster.get("poddisruptionbudgets", NS, "objects-server") is None, 30,
+                     "the Deployment to follow the scale and the budget to go")
+    after = cluster.get("deployments", NS, "objects-server")
+    assert after["spec"]["template"]["metadata"]["annotations"]["tandem.dev/spec-hash"] == template, \
+        "scaling does not restart the servers"
+    wait_pool(cluster, "objects", lambda s: s.get("replicas") == 1 and s.get("phase") == "Ready", "scaled to 1")
+
+    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "objects")
+    cluster.wait_for(lambda: all(cluster.get(kind, NS, name) is None for kind, name in [
+        ("deployments", "objects-server"), ("services", "objects"), ("configmaps", "objects-spec"),
+        ("horizontalpodautoscalers", "objects")]) and not server_pods(cluster, "objects"), 60,
+        "the pool's objects and pods to go")
+
+
+def test_a_missing_job_or_checkpoint_is_a_condition_and_the_pool_recovers_pinned_to_the_latest(cluster, tmp_path):
+    """The job appears after the pool, then its first checkpoint: the test plays rank 0 (copies a digits checkpoint
+    onto the claim and writes the job's status.checkpoint), since only that matters to the pool. The pool does
+    not follow: it pins the checkpoint latest when it starts, and a newer one moves nothing."""
+    create(cluster, POOLS, pool_manifest("late", {"fromTrainingJob": {"name": "later", "follow": False}}))
+    missing = wait_pool(cluster, "late", lambda s: condition(s, "ModelSourceMissing").get("status") == "True",
+                        "waiting for its job", timeout=20)
+    assert "does not exist" in condition(missing, "ModelSourceMissing")["message"] and missing["phase"] == "Pending"
+    claim(cluster, "later-data")
+    create(cluster, JOBS, {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob",
+                           "metadata": {"name": "later"},
+                           "spec": {"workers": 1, "trainingMode": "custom", "custom": {"command": SLEEP},
+                                    "trainer": {"model": "tandem.examples.digits:mlp",
+                                                "data": "tandem.examples.digits:train_data"},
+                                    "checkpoint": {"directory": "ckpt", "persistentVolumeClaim": "later-data"}}})
+    waiting = wait_pool(cluster, "late", lambda s: "no checkpoint yet" in
+                        condition(s, "ModelSourceMissing").get("message", ""), "waiting for a checkpoint", timeout=20)
+    assert not server_pods(cluster, "late") and waiting["phase"] == "Pending"
+
+    source = cluster.kubelet.claim_dir(NS, "digits-checkpoints") / "runs/digits-train/checkpoints"
+    target = cluster.kubelet.claim_dir(NS, "later-data") / "ckpt"
+    target.mkdir(parents=True)
+    shutil.copy(source / "step-00000200.pt", target / "step-00000200.pt")
+    write_checkpoint_status(cluster, "later", 200)
+    ready = wait_pool(cluster, "late", lambda s: s.get("phase") == "Ready" and s.get("model"), "Ready")
+    assert condition(ready, "ModelSourceMissing")["status"] == "False"
+    assert served_checkpoint(cluster, "late", "later-data") == f"{MODEL_MOUNT}/ckpt/step-00000200.pt"
+    deployment = cluster.get("deployments", NS, "late-server")
+    shutil.copy(source / "step-00000230.pt", target / "step-00000230.pt")
+    write_checkpoint_status(cluster, "later", 230)
+    cluster.wait_for(lambda: status(cluster, JOBS, "later").get("checkpoint", {}).get("step") == 230, 10, "rank 0")
+    assert cluster.get("deployments", NS, "late-server")["spec"] == deployment["spec"], "pinned: nothing moves"
+    assert served_checkpoint(cluster, "late", "later-data") == f"{MODEL_MOUNT}/ckpt/step-00000200.pt"
+
+
+def write_checkpoint_status(cluster: Cluster, job: str, step: int) -> None:
+    cluster.custom.patch_namespaced_custom_object_status(GROUP, VERSION, NS, JOBS, job, {"status": {"checkpoint": {
+        "latest": f"/var/lib/tandem/checkpoints/ckpt/step-{step:08d}.pt", "step": step}}})
+
+
+def test_a_model_that_cannot_load_fails_the_pool_with_the_servers_own_error(cluster):
+    create(cluster, POOLS, pool_manifest("broken", {"checkpoint": "/nowhere/step-00000001.pt", "inputShape": [64]}))
+    failed = wait_pool(cluster, "broken", lambda s: s.get("phase") == "Failed", "Failed")
+    assert "/nowhere/step-00000001.pt" in condition(failed, "ModelLoadFailed")["message"]
+    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "broken")
+
+
+def test_operator_log_has_no_errors(cluster):
+    log = cluster.process_log("operator")
+    problems = [line for line in log.splitlines() if "Traceback" in line or "[ERROR" in line]
+    assert not problems, "\n".join(problems)

@@ -241,3 +241,27 @@ def test_an_invalid_pool_gets_a_condition_and_nothing_else():
 ).apply, ids=lambda o: o["kind"])
 def test_every_object_is_valid_kubernetes_under_strict_validation(created):
     kubernetes_validate.validate(created, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_the_specs_pod_settings_pass_through_to_the_server_pods():
+    settings = {
+        "image": "registry.example/custom:2", "imagePullPolicy": "Always",
+        "resources": {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8Gi"}},
+        "env": [{"name": "OMP_NUM_THREADS", "value": "2"}], "nodeSelector": {"pool": "inference"},
+        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "volumes": [{"name": "cache", "emptyDir": {}}], "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+        "schedulerName": "volcano", "priorityClassName": "serving",
+    }
+    [created] = [o for o in reconcile_pool(pool(**settings), {}, [], [], job(), NOW, IMAGE).apply
+                 if o["kind"] == "Deployment"]
+    pod = created["spec"]["template"]["spec"]
+    [server] = pod["containers"]
+    assert (server["image"], server["imagePullPolicy"]) == ("registry.example/custom:2", "Always")
+    assert server["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
+    assert server["env"] == settings["env"]
+    assert {"name": "cache", "mountPath": "/cache", "readOnly": False} in server["volumeMounts"]
+    assert pod["nodeSelector"] == {"pool": "inference"} and pod["tolerations"] == settings["tolerations"]
+    assert {"name": "cache", "emptyDir": {}} in pod["volumes"]
+    assert (pod["schedulerName"], pod["priorityClassName"]) == ("volcano", "serving")
+    assert "nvidia.com/gpu" not in server["resources"]["limits"], "no GPU asked, none in the limits"
+    kubernetes_validate.validate(created, kubernetes_validate.latest_version(), strict=True)

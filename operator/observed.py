@@ -1,5 +1,5 @@
-"""What the operator reads from the cluster, reduced to the facts its decisions use: a rank pod's state, and
-Kubernetes-style conditions kept with their transition times."""
+"""What the operator reads from the cluster, reduced to the facts its decisions use: a resource parsed by the API
+models, a rank pod's state, and Kubernetes-style conditions kept with their transition times."""
 
 from __future__ import annotations
 
@@ -7,12 +7,23 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from tandem.manifest import Resource, parse
 from tandem.operator.training_objects import GROUP_LABEL, RANK_LABEL
 
 MESSAGE_TAIL = 600
 """Characters of a failed rank's termination message carried into the job's status."""
 WAITING_FAILURES = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
                     "CreateContainerError", "CrashLoopBackOff"}
+
+
+def parse_resource(body: dict[str, Any]) -> Resource:
+    """A ParallelTrainingJob or InferencePool as the API models read it (its status and the rest of its metadata
+    left out). Raises ManifestError naming each field wrong."""
+    metadata = body.get("metadata", {})
+    document = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+                "metadata": {"name": metadata.get("name"), "namespace": metadata.get("namespace")},
+                "spec": body.get("spec")}
+    return parse(document, source=f"{body.get('kind')} {metadata.get('name')}")
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from datetime import datetime
 from typing import Any
 
 from tandem.api import InferencePool, ParallelTrainingJob
-from tandem.manifest import ManifestError, parse
-from tandem.operator.observed import WAITING_FAILURES, condition, observe_pod, with_condition
+from tandem.manifest import ManifestError
+from tandem.operator.observed import WAITING_FAILURES, condition, observe_pod, parse_resource, with_condition
 from tandem.operator.pool_objects import (
     SPEC_HASH,
     autoscaler,
@@ -72,7 +72,7 @@ def reconcile_pool(body: dict[str, Any], children: dict[str, dict[str, Any] | No
     phase_before = status.get("phase") or "Pending"
     plan = PoolPlan()
     try:
-        pool = _parse(body)
+        pool = parse_resource(body)
     except ManifestError as error:
         message = "; ".join(error.problems)
         conditions = with_condition(conditions, "InvalidSpec", True, "InvalidSpec", message, now)
@@ -141,18 +141,10 @@ def reconcile_pool(body: dict[str, Any], children: dict[str, dict[str, Any] | No
 def serving_address(body: dict[str, Any]) -> tuple[str, int] | None:
     """(the model's name, the port) a pool's servers answer on; None for an invalid pool."""
     try:
-        pool = _parse(body)
+        pool = parse_resource(body)
     except ManifestError:
         return None
     return model_name(pool), pool.spec.port
-
-
-def _parse(body: dict[str, Any]) -> InferencePool:
-    metadata = body.get("metadata", {})
-    document = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-                "metadata": {"name": metadata.get("name"), "namespace": metadata.get("namespace")},
-                "spec": body.get("spec")}
-    return parse(document, source=f"InferencePool {metadata.get('name')}")
 
 
 def _model_job(pool: InferencePool, job: dict[str, Any] | None) -> tuple[ParallelTrainingJob | None, str | None]:

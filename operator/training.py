@@ -28,8 +28,8 @@ from datetime import datetime
 from typing import Any
 
 from tandem.api import ParallelTrainingJob
-from tandem.manifest import ManifestError, parse
-from tandem.operator.observed import condition, isoformat, observe_pod, timestamp, with_condition
+from tandem.manifest import ManifestError
+from tandem.operator.observed import condition, isoformat, observe_pod, parse_resource, timestamp, with_condition
 from tandem.operator.training_objects import (
     MASTER_PORT,
     applied_job,
@@ -94,7 +94,7 @@ class _Reconciler:
 
     def plan(self) -> Plan:
         try:
-            self.job = _parse(self.body)
+            self.job = parse_resource(self.body)
         except ManifestError as error:
             return self._invalid(error.problems)
         self.spec = self.job.spec
@@ -318,13 +318,6 @@ class _Reconciler:
             self.result.requeue_after = min(self.result.requeue_after or left, left)
         return self.result
 
-
-def _parse(body: dict[str, Any]) -> ParallelTrainingJob:
-    metadata = body.get("metadata", {})
-    document = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-                "metadata": {"name": metadata.get("name"), "namespace": metadata.get("namespace")},
-                "spec": body.get("spec")}
-    return parse(document, source=f"{body.get('kind')} {metadata.get('name')}")
 
 
 def _group_spec(job: ParallelTrainingJob) -> dict[str, Any]:

@@ -319,6 +319,5 @@ class _Reconciler:
         return self.result
 
 
-
 def _group_spec(job: ParallelTrainingJob) -> dict[str, Any]:
     return {key: value for key, value in job.spec.to_dict().items() if key not in POLICY_FIELDS}

@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup crds bench clean device-wheels images
+.PHONY: run test lint setup crds bench clean device-wheels images e2e
 
 setup: $(STAMP)
 
@@ -22,9 +22,10 @@ run: $(STAMP)
 	$(BIN)/tandem validate examples/*.yaml
 	$(BIN)/tandem run examples/digits-train.yaml
 
+# -rs: every skip's reason is shown (here, the kind end-to-end test's: it runs only with `make e2e`).
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -rs
 
 crds: $(STAMP)
 	$(BIN)/tandem crds --out crds
@@ -43,6 +44,13 @@ images:
 	@$(DOCKER) info >/dev/null 2>&1 || { echo "make images: '$(DOCKER) info' fails: is the Docker engine running, and may you use it?" >&2; exit 1; }
 	$(DOCKER) build $(DOCKER_BUILD_ARGS) --target operator -t $(OPERATOR_IMAGE) .
 	$(DOCKER) build $(DOCKER_BUILD_ARGS) --target worker -t $(WORKER_IMAGE) .
+
+# The end-to-end test on kind (tests/e2e/test_kind.py): builds both images (tagged :e2e; the worker with CPU torch),
+# creates a kind cluster of its own, helm-installs the chart, trains the digits job on a PVC, serves it, uninstalls,
+# and deletes the cluster. Needs docker with a running engine, kind, kubectl, and helm (or helm-python-sdk, which
+# the test extra installs); skipped with the reason otherwise. 10-30 minutes, most of it the first image build.
+e2e: $(STAMP)
+	TANDEM_E2E=1 $(BIN)/python -m pytest -v -s -rs tests/e2e
 
 # For bench/device_check.sh: what the device machine's image lacks of what `tandem run`, `tandem serve` and the
 # benchmarks import (the image has torch, numpy, rich, pyyaml, attrs, prometheus-client, uvloop), for its Python 3.12.

@@ -72,9 +72,10 @@ def observe_pod(pod: dict[str, Any]) -> RankPod:
             reason, message = waiting.get("reason") or "ContainerCreating", waiting.get("message") or ""
         else:
             reason = "ContainerCreating"
-    termination = " ".join(part for part in (terminated.get("reason"), terminated.get("message")) if part)
-    if phase == "Failed" and not termination:
-        termination = " ".join(part for part in (status.get("reason"), status.get("message")) if part)
+    ended = terminated if terminated.get("reason") or terminated.get("message") or phase != "Failed" else status
+    # The reason (OOMKilled, Evicted, Error) is kept whole; of the message (the log's tail), its end.
+    termination = " ".join(part for part in (ended.get("reason"), (ended.get("message") or "").strip()[-MESSAGE_TAIL:])
+                           if part)
     return RankPod(
         rank=int(labels.get(RANK_LABEL, -1)),
         name=metadata.get("name", ""),
@@ -83,7 +84,7 @@ def observe_pod(pod: dict[str, Any]) -> RankPod:
         ready=conditions.get("Ready", {}).get("status") == "True",
         terminating=bool(metadata.get("deletionTimestamp")),
         exit_code=terminated.get("exitCode"),
-        termination_message=termination.strip()[-MESSAGE_TAIL:],
+        termination_message=termination,
         pending_reason=reason,
         pending_message=message,
         finished_at=terminated.get("finishedAt") or "",

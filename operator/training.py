@@ -28,6 +28,7 @@ from datetime import datetime
 from typing import Any
 
 from tandem.api import ParallelTrainingJob
+from tandem.contract import RESUME_LATEST
 from tandem.manifest import ManifestError
 from tandem.operator.observed import condition, isoformat, observe_pod, parse_resource, timestamp, with_condition
 from tandem.operator.training_objects import (
@@ -271,9 +272,17 @@ class _Reconciler:
         self.result.requeue_after = WAIT_SECONDS
 
     def _pod(self, job: ParallelTrainingJob, rank: int) -> dict[str, Any]:
-        return worker_pod(self.body, job, rank, group=self.restarts,
-                              resume_from=(self.status.get("checkpoint") or {}).get("latest"),
-                              default_image=self.settings.worker_image)
+        return worker_pod(self.body, job, rank, group=self.restarts, resume_from=self._resume_from(job),
+                          default_image=self.settings.worker_image)
+
+    def _resume_from(self, job: ParallelTrainingJob) -> str | None:
+        """Where a group starts: the latest checkpoint rank 0 recorded; before any, with `checkpoint.resume`, the
+        latest the claim holds (RESUME_LATEST: the ranks look); on an emptyDir always afresh (the previous group's
+        checkpoints went with its pods)."""
+        if job.spec.checkpoint.persistent_volume_claim is None:
+            return None
+        recorded = (self.status.get("checkpoint") or {}).get("latest")
+        return recorded or (RESUME_LATEST if job.spec.checkpoint.resume else None)
 
     def _fail(self, reason: str, message: str) -> None:
         self._delete(p for p in self.live)

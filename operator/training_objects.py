@@ -17,7 +17,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from tandem.api import API_VERSION, GROUP, ParallelTrainingJob
-from tandem.contract import WorkerContract
+from tandem.contract import RESUME_LATEST, WorkerContract
 
 JOB_LABEL = "tandem.dev/job"
 RANK_LABEL = "tandem.dev/rank"
@@ -96,7 +96,8 @@ def _metadata(owner: dict[str, Any], name: str, **extra: Any) -> dict[str, Any]:
 
 def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, rank: int, *, group: int, resume_from: str | None,
              default_image: str) -> dict[str, Any]:
-    """The pod of one rank, running `tandem worker train` with the worker contract's environment."""
+    """The pod of one rank, running `tandem worker train` with the worker contract's environment. `resume_from`: a
+    checkpoint's path, RESUME_LATEST (the ranks look in the checkpoint directory), or None (afresh)."""
     name = job.metadata.name
     spec = job.spec
     contract = WorkerContract(
@@ -104,7 +105,8 @@ def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, rank: int, *, gr
         master_addr=master_address(name), master_port=MASTER_PORT, job=name,
         namespace=owner["metadata"].get("namespace"), spec_path=PurePosixPath(SPEC_MOUNT) / SPEC_FILE,
         checkpoint_dir=PurePosixPath(checkpoint_directory(job)),
-        resume_from=PurePosixPath(resume_from) if resume_from else None,
+        resume_from=PurePosixPath(resume_from) if resume_from and resume_from != RESUME_LATEST else None,
+        resume_latest=resume_from == RESUME_LATEST,
     )
     contract_env = [{"name": key, "value": value} for key, value in contract.to_environ().items()]
     resources = {kind: {name: str(quantity) for name, quantity in amounts.items()}  # quantities are strings

@@ -14,7 +14,9 @@ and by hand. The names are torchrun's where torchrun has one:
     TANDEM_NAMESPACE            its namespace, on a cluster
     TANDEM_SPEC                 path of the job as JSON (the whole resource, or its spec): required
     TANDEM_CHECKPOINT_DIR       where rank 0 writes checkpoints (default: spec.checkpoint.directory)
-    TANDEM_RESUME_FROM          the latest complete checkpoint to resume from; empty or unset: start afresh
+    TANDEM_RESUME_FROM          the complete checkpoint to resume from; `latest`: the latest complete checkpoint in
+                                TANDEM_CHECKPOINT_DIR when there is one (a new job on a claim that holds some, as
+                                `checkpoint.resume: true` asks), else start afresh; empty or unset: start afresh
     TANDEM_STATUS_FILE          `tandem run` only: where rank 0 publishes its status for the launcher to show
 
 Ranks other than 0 wait for the master's TCP port (not just its name) with a bounded timeout before joining;
@@ -44,6 +46,8 @@ NAMESPACE = "TANDEM_NAMESPACE"
 SPEC = "TANDEM_SPEC"
 CHECKPOINT_DIR = "TANDEM_CHECKPOINT_DIR"
 RESUME_FROM = "TANDEM_RESUME_FROM"
+RESUME_LATEST = "latest"
+"""TANDEM_RESUME_FROM's value for "the latest complete checkpoint in the checkpoint directory, if any"."""
 STATUS_FILE = "TANDEM_STATUS_FILE"
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -80,6 +84,8 @@ class WorkerContract:
     spec_path: Path | None = None
     checkpoint_dir: Path | None = None
     resume_from: Path | None = None
+    resume_latest: bool = False
+    """Resume from the latest complete checkpoint in `checkpoint_dir`, if any (when `resume_from` is None)."""
     status_file: Path | None = None
 
     def __post_init__(self) -> None:
@@ -129,7 +135,8 @@ class WorkerContract:
             namespace=env.get(NAMESPACE) or None,
             spec_path=Path(required(SPEC)),
             checkpoint_dir=path(CHECKPOINT_DIR),
-            resume_from=path(RESUME_FROM),
+            resume_from=None if env.get(RESUME_FROM) == RESUME_LATEST else path(RESUME_FROM),
+            resume_latest=env.get(RESUME_FROM) == RESUME_LATEST,
             status_file=path(STATUS_FILE),
         )
 
@@ -140,7 +147,7 @@ class WorkerContract:
             RANK: str(self.rank), WORLD_SIZE: str(self.world_size),
             LOCAL_RANK: str(self.local_rank), LOCAL_WORLD_SIZE: str(self.local_world_size),
             MASTER_ADDR: self.master_addr, MASTER_PORT: str(self.master_port),
-            JOB: self.job, RESUME_FROM: str(self.resume_from or ""),
+            JOB: self.job, RESUME_FROM: str(self.resume_from or (RESUME_LATEST if self.resume_latest else "")),
         }
         optional = {NAMESPACE: self.namespace, SPEC: self.spec_path, CHECKPOINT_DIR: self.checkpoint_dir,
                     STATUS_FILE: self.status_file}

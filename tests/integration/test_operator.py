@@ -131,6 +131,27 @@ def test_digits_trains_to_success_and_a_killed_rank_restarts_the_group_from_its_
                                "port": 29500}
 
 
+def test_a_new_job_on_a_claim_that_holds_checkpoints_resumes_from_the_latest(cluster):
+    """checkpoint.resume (default true) on a cluster as in `tandem run`: a new job whose checkpoint directory on its
+    claim already holds checkpoints (here the previous test's) starts from the latest of them; its ranks are told to
+    look (TANDEM_RESUME_FROM=latest), since the operator cannot read the claim."""
+    document = yaml.safe_load((ROOT / "examples" / "digits-train.yaml").read_text())
+    document["metadata"]["name"] = "digits-again"
+    document["spec"]["checkpoint"].update({"persistentVolumeClaim": "digits-checkpoints"})
+    assert (cluster.kubelet.claim_dir(NS, "digits-checkpoints") / "runs/digits-train/checkpoints"
+            / "step-00000230.pt").is_file(), "the previous test's checkpoints"
+    create(cluster, document)
+    cluster.wait_for(lambda: len(pods(cluster, "digits-again")) == 2, 10, "the ranks")
+    for pod in pods(cluster, "digits-again"):
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert env["TANDEM_RESUME_FROM"] == "latest"
+    final = wait_phase(cluster, "digits-again", "Succeeded", timeout=90)
+    assert final["progress"]["step"] == 230 and final["restarts"] == 0
+    assert final["checkpoint"]["latest"] == f"{CHECKPOINT_MOUNT}/runs/digits-train/checkpoints/step-00000230.pt"
+    assert "loss -" in cluster.logs(NS, "digits-again-worker-0"), "resumed at the end: no step trained"
+    delete(cluster, "digits-again")
+
+
 def test_a_job_becomes_exactly_its_objects_and_deleting_it_removes_them(cluster):
     claim(cluster, "objects-data")
     create(cluster, custom_job("objects", checkpoint={"directory": "ckpt", "persistentVolumeClaim": "objects-data"}))

@@ -119,7 +119,8 @@ def test_printer_columns_resolve_against_a_sample_status():
     columns = {c["name"]: _jsonpath(pool, c["jsonPath"]) for c in RESOURCES["InferencePool"].printer_columns}
     assert columns == {
         "Phase": "Ready", "Ready": "1/2", "Mode": "batched", "Model": "fromTrainingJob/digits-train",
-        "Endpoint": "http://digits.default.svc:8000", "Age": "2026-11-29T10:00:00Z",
+        "Checkpoint": "/ckpt/step-00000100.pt", "Endpoint": "http://digits.default.svc:8000",
+        "Age": "2026-11-29T10:00:00Z",
     }
 
 
@@ -259,6 +260,8 @@ def test_crds_command_writes_one_file_per_crd_with_out(tmp_path, capsys):
 def test_the_readme_example_manifest_validates():
     readme = (ROOT / "README.md").read_text()
     blocks = [b.split("```", 1)[0] for b in readme.split("```yaml\n")[1:]]
-    assert blocks, "the README shows an annotated manifest"
-    for block in blocks:
-        assert parse(yaml.safe_load(block))
+    documents = [document for block in blocks for document in yaml.safe_load_all(block)]
+    manifests = [d for d in documents if isinstance(d, dict) and str(d.get("apiVersion", "")).startswith("tandem.dev/")]
+    assert manifests, "the README shows an annotated manifest"
+    for manifest in manifests:
+        assert parse(manifest)

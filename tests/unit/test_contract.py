@@ -22,7 +22,10 @@ def test_a_rank_reads_the_contract_with_torchruns_defaults():
     assert env.spec_path == Path("/etc/tandem/spec.json") and env.namespace is None
     assert not env.is_master
     fresh = WorkerContract.from_environ({**CONTRACT, "TANDEM_RESUME_FROM": ""})
-    assert fresh.resume_from is None
+    assert fresh.resume_from is None and not fresh.resume_latest
+    latest = WorkerContract.from_environ({**CONTRACT, "TANDEM_RESUME_FROM": "latest"})
+    assert latest.resume_from is None and latest.resume_latest
+    assert latest.to_environ()["TANDEM_RESUME_FROM"] == "latest"
 
 
 def test_what_a_launcher_writes_is_what_a_rank_reads():

@@ -65,14 +65,14 @@ def restarting(seconds: float, restarts: int = 0, reason: str = "Restarting") ->
     return running(restarts=restarts, phase="Restarting", conditions=conditions(Restarting=("True", reason, seconds)))
 
 
-def pod(rank: int, phase: str = "Running", *, exit_code: int | None = None, message: str = "",
+def pod(rank: int, phase: str = "Running", *, exit_code: int | None = None, message: str = "", reason: str = "",
         terminating: bool = False, waiting: tuple[str, str] | None = None,
         unschedulable: str | None = None, finished: float = 1) -> dict[str, Any]:
     status: dict[str, Any] = {"phase": phase, "conditions": [{"type": "Ready",
                                                              "status": "True" if phase == "Running" else "False"}]}
     if exit_code is not None:
         status["containerStatuses"] = [{"name": "worker", "state": {"terminated": {
-            "exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error", "message": message,
+            "exitCode": exit_code, "reason": reason or ("Completed" if exit_code == 0 else "Error"), "message": message,
             "finishedAt": ago(finished)}}}]
     if waiting is not None:
         status["containerStatuses"] = [{"name": "worker", "state": {"waiting": {"reason": waiting[0],
@@ -106,8 +106,20 @@ BOTH_RUNNING = [pod(0), pod(1)]
 
 # (name, job, pods, config map changes or None (none yet) or {} (as the job), expected)
 CASES = [
-    ("new job: a group is created", job(), [], None,
-     {"phase": "Pending", "create": GROUP, "event": "Created"}),
+    ("new job: a group is created; the ranks resume from the claim's latest checkpoint, if any", job(), [], None,
+     {"phase": "Pending", "create": GROUP, "event": "Created", "resume": "latest"}),
+    ("new job with checkpoint.resume false: afresh", job(checkpoint={"directory": "digits", "resume": False,
+                                                                       "persistentVolumeClaim": "checkpoints"}),
+     [], None, {"phase": "Pending", "create": GROUP, "resume": ""}),
+    ("new job on an emptyDir: afresh", job(checkpoint={"directory": "digits"}), [], None,
+     {"phase": "Pending", "create": GROUP, "resume": ""}),
+    ("restart on an emptyDir: afresh, not from a checkpoint that went with the old pods",
+     job(restarting(11, restarts=1), checkpoint={"directory": "digits"}), [], {},
+     {"phase": "Pending", "create": GROUP, "group": "1", "resume": ""}),
+    ("restart before any checkpoint, resume false: afresh", job(
+        {**restarting(11, restarts=1), "checkpoint": {}},
+        checkpoint={"directory": "digits", "resume": False, "persistentVolumeClaim": "checkpoints"}), [], {},
+     {"phase": "Pending", "create": GROUP, "group": "1", "resume": ""}),
     ("pods scheduled but not running: pending with the kubelet's reason", job(running()), [pod(0, "Pending"), pod(1)],
      {}, {"phase": "Pending", "message": "rank 0 (pod digits-worker-0): ContainerCreating"}),
     ("unschedulable: the scheduler's message", job({"phase": "Pending"}),
@@ -129,6 +141,9 @@ CASES = [
      [pod(0), pod(1, "Failed", exit_code=1, message="RuntimeError: boom")], {},
      {"phase": "Restarting", "restarts": 1, "delete": ["digits-worker-0", "digits-worker-1"], "event": "Restarting",
       "message": "rank 1 (pod digits-worker-1) exited with code 1: Error RuntimeError: boom; restart 1 of 3"}),
+    ("a rank killed for memory with a long log: the reason is kept, and the log's end", job(running()),
+     [pod(0), pod(1, "Failed", exit_code=137, reason="OOMKilled", message="x" * 5000 + " last line")], {},
+     {"phase": "Restarting", "message": "exited with code 137: OOMKilled " + "x" * 590 + " last line"}),
     ("two ranks failed: the first to end is the cause", job(running()),
      [pod(0, "Failed", exit_code=1, message="Connection closed by peer", finished=1),
       pod(1, "Failed", exit_code=1, message="RuntimeError: boom", finished=2)], {},

@@ -43,6 +43,7 @@ def main() -> int:
 
 def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
     """One rank of Tandem's trainer (torch is imported here: a custom command starts without it)."""
+    from tandem.worker.checkpoint import latest
     from tandem.worker.train.process_group import join_group, shutdown_process_group
     from tandem.worker.train.reporting import ConsoleSink, KubernetesStatusSink, StatusFileSink
     from tandem.worker.train.signals import watch_stop_signals
@@ -60,10 +61,10 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
         sinks = [StatusFileSink(env.status_file)] if env.status_file else [ConsoleSink(env.job)]
         if env.namespace:  # on a cluster: the job's status subresource too
             sinks.append(KubernetesStatusSink(env.job, env.namespace))
+    checkpoint_dir = env.checkpoint_dir or _checkpoint_dir(job)
     context = RankContext(
-        rank=env.rank, world_size=env.world_size, device=device, job=env.job,
-        checkpoint_dir=env.checkpoint_dir or _checkpoint_dir(job),
-        resume_from=env.resume_from, sinks=sinks,
+        rank=env.rank, world_size=env.world_size, device=device, job=env.job, checkpoint_dir=checkpoint_dir,
+        resume_from=env.resume_from or (latest(checkpoint_dir) if env.resume_latest else None), sinks=sinks,
     )
     watch_stop_signals(context)
     try:

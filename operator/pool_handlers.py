@@ -29,7 +29,7 @@ from tandem.api import GROUP, VERSION
 from tandem.operator import handlers, metrics
 from tandem.operator.handlers import sleep, wake
 from tandem.operator.pool_objects import POOL_LABEL
-from tandem.operator.pools import PoolPlan, Served, reconcile_pool, serving_address
+from tandem.operator.pools import PoolPlan, Served, Sources, reconcile_pool, sources
 
 POOLS = "inferencepools"
 JOBS = "paralleltrainingjobs"
@@ -83,7 +83,7 @@ def pool_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.daemon(GROUP, VERSION, POOLS, cancellation_timeout=10)
-async def serve_pool(name: str, namespace: str, body: kopf.Body, spec: kopf.Spec, stopped: kopf.DaemonStopped,
+async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.DaemonStopped,
                      memo: kopf.Memo, pool_pods: kopf.Index, training_jobs: kopf.Index, **indices: Any) -> None:
     key = (namespace, name)
     waker = memo.pool_wakers.setdefault(key, asyncio.Event())
@@ -93,14 +93,14 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, spec: kopf.Spec
             while not stopped:
                 waker.clear()
                 started = time.perf_counter()
-                source = ((spec.get("model") or {}).get("fromTrainingJob") or {}).get("name")
-                memo.pool_sources[key] = source
+                observed = {**body, "status": {**(body.get("status") or {}), **written}}
+                reads = sources(observed)
+                memo.pool_sources[key] = reads.job if reads else None
                 children = {kind: next(iter(indices[f"pool_{plural}"].get(key, [])), None)
                             for (_, _, plural), kind in CHILD_KINDS.items()}
                 pods = list(pool_pods.get(key, []))
-                job = next(iter(training_jobs.get((namespace, source), [])), None) if source else None
-                observed = {**body, "status": {**(body.get("status") or {}), **written}}
-                served = await _ask_servers(session, observed, pods)
+                job = next(iter(training_jobs.get((namespace, reads.job), [])), None) if reads and reads.job else None
+                served = await _ask_servers(session, reads, pods) if reads else []
                 plan = reconcile_pool(observed, children, pods, served, job, datetime.now(UTC),
                                       handlers.SETTINGS.worker_image)
                 try:
@@ -115,15 +115,10 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, spec: kopf.Spec
         memo.pool_sources.pop(key, None)
 
 
-async def _ask_servers(session: aiohttp.ClientSession, body: dict[str, Any],
-                       pods: list[dict[str, Any]]) -> list[Served]:
+async def _ask_servers(session: aiohttp.ClientSession, reads: Sources, pods: list[dict[str, Any]]) -> list[Served]:
     """What each ready, not terminating server pod says it serves; one that does not answer is left out."""
-    address = serving_address(body)
-    if address is None:
-        return []
-    model, port = address
     ready = [p for p in pods if _ready(p)]
-    answers = await asyncio.gather(*(_ask(session, p, model, port) for p in ready))
+    answers = await asyncio.gather(*(_ask(session, p, reads.model, reads.port) for p in ready))
     return [served for served in answers if served is not None]
 
 

@@ -138,13 +138,23 @@ def reconcile_pool(body: dict[str, Any], children: dict[str, dict[str, Any] | No
     return plan
 
 
-def serving_address(body: dict[str, Any]) -> tuple[str, int] | None:
-    """(the model's name, the port) a pool's servers answer on; None for an invalid pool."""
+@dataclass(frozen=True)
+class Sources:
+    """What a pool's decision reads besides its own objects: the job it serves from, and where its servers answer."""
+
+    job: str | None
+    model: str
+    port: int
+
+
+def sources(body: dict[str, Any]) -> Sources | None:
+    """None for a pool its spec does not parse (its InvalidSpec condition says why)."""
     try:
         pool = parse_resource(body)
     except ManifestError:
         return None
-    return model_name(pool), pool.spec.port
+    source = pool.spec.model.from_training_job
+    return Sources(source.name if source else None, model_name(pool), pool.spec.port)
 
 
 def _model_job(pool: InferencePool, job: dict[str, Any] | None) -> tuple[ParallelTrainingJob | None, str | None]:

@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 
 from tandem.operator.pool_objects import MODEL_MOUNT, SPEC_HASH, server_deployment
-from tandem.operator.pools import Served, reconcile_pool
+from tandem.operator.pools import Served, Sources, reconcile_pool, sources
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 IMAGE = "registry.example/tandem-worker:1"
@@ -265,3 +265,13 @@ def test_the_specs_pod_settings_pass_through_to_the_server_pods():
     assert (pod["schedulerName"], pod["priorityClassName"]) == ("volcano", "serving")
     assert "nvidia.com/gpu" not in server["resources"]["limits"], "no GPU asked, none in the limits"
     kubernetes_validate.validate(created, kubernetes_validate.latest_version(), strict=True)
+
+
+@pytest.mark.parametrize(("name", "body", "expected"), [
+    ("from a job", pool(), Sources("train", "digits", 8000)),
+    ("a callable, named, on another port", pool(model={"callable": "tandem.examples.digits:mlp", "name": "mnist",
+                                                       "inputShape": [64]}, port=9000), Sources(None, "mnist", 9000)),
+    ("invalid: nothing to read", pool(batchLimit=0), None),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_what_a_pools_decision_reads_besides_its_objects(name, body, expected):
+    assert sources(body) == expected

@@ -71,16 +71,23 @@ class Cluster:
                 await self._call(f"replace {kind}", replace, manifest["metadata"]["name"], namespace, manifest)
 
     async def put(self, manifest: dict[str, Any], existing: dict[str, Any] | None) -> None:
-        """Make an object as `manifest` says: create it, or replace `existing` (the version the decision saw; if it
-        has changed since, the API answers 409 and the next pass decides again)."""
+        """Make an object as `manifest` says: create it, or replace `existing` (the version the decision saw). A
+        409 means the decision saw an older state than the API holds (the watch has not caught up with a write, often
+        the operator's own): nothing is written, and the next pass decides on the newer state."""
         kind, metadata = manifest["kind"], manifest["metadata"]
         create, replace, _ = self._writers[kind]
-        if existing is None:
-            await self._call(f"create {kind}", create, metadata["namespace"], manifest)
-            return
-        versioned = {**manifest, "metadata": {**metadata,
-                                              "resourceVersion": existing["metadata"].get("resourceVersion")}}
-        await self._call(f"replace {kind}", replace, metadata["name"], metadata["namespace"], versioned)
+        try:
+            if existing is None:
+                await self._call(f"create {kind}", create, metadata["namespace"], manifest)
+            else:
+                versioned = {**manifest, "metadata": {**metadata,
+                                                      "resourceVersion": existing["metadata"].get("resourceVersion")}}
+                await self._call(f"replace {kind}", replace, metadata["name"], metadata["namespace"], versioned)
+        except ApiException as error:
+            if error.status != CONFLICT:
+                raise
+            log.debug("%s %s/%s changed since it was read: decided again next time", kind, metadata["namespace"],
+                      metadata["name"])
 
     async def delete(self, kind: str, name: str, namespace: str) -> None:
         try:

@@ -113,8 +113,10 @@ def reconcile_pool(body: dict[str, Any], children: dict[str, dict[str, Any] | No
         conditions = with_condition(conditions, "CheckpointsDiffer", False, "Same", "every ready replica serves one "
                                     "checkpoint", now)
     replicas = pool.spec.replicas
-    rolling = observed and (updated < replicas or int(observed.get("metadata", {}).get("generation", 0) or 0)
-                            > int(counts.get("observedGeneration") or 0))
+    replacing = any(o["kind"] == "Deployment" for o in plan.apply) and bool(observed)
+    # A Deployment without a status yet is one just created: its servers are loading, not rolling.
+    rolling = replacing or bool(counts) and (updated < replicas or int(observed["metadata"].get("generation", 0) or 0)
+                                             > int(counts.get("observedGeneration") or 0))
     progressing = bool(rolling) or (ready < replicas and load_failure is None)
     conditions = with_condition(conditions, "Progressing", progressing, "Rolling" if rolling else
                                 ("Loading" if progressing else "Complete"),

@@ -18,6 +18,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 import kubernetes_validate
 import numpy as np
@@ -111,17 +112,25 @@ class Client(threading.Thread):
     """Sends inference requests one after another until stopped; counts answers, keeps every failure, and notes
     each checkpoint the server says it serves between them."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, hosts: Callable[[], list[str]]) -> None:
+        """`hosts`: where to send the next request (as a Service would: its ready endpoints)."""
         super().__init__(daemon=True)
-        self.host, self.stop, self.answered, self.failures = host, threading.Event(), 0, []
+        self.hosts, self.stop, self.answered, self.failures = hosts, threading.Event(), 0, []
         self.checkpoints: list[str] = []
+        self.served_by: set[str] = set()
 
     def run(self) -> None:
         while not self.stop.is_set():
+            hosts = self.hosts()
+            if not hosts:
+                self.failures.append("no ready endpoint")
+                continue
+            host = hosts[self.answered % len(hosts)]
             try:
-                infer(self.host, [0.5] * 64)
+                infer(host, [0.5] * 64)
                 self.answered += 1
-                with _NO_PROXY.open(f"http://{self.host}/v2/models/digits", timeout=30) as response:
+                self.served_by.add(host)
+                with _NO_PROXY.open(f"http://{host}/v2/models/digits", timeout=30) as response:
                     checkpoint = json.loads(response.read())["parameters"]["checkpoint"]
                 if checkpoint not in self.checkpoints:
                     self.checkpoints.append(checkpoint)
@@ -146,7 +155,8 @@ def test_a_pool_follows_its_training_job_and_swaps_each_checkpoint_without_faili
     assert first["model"]["source"] == "fromTrainingJob/digits-train"
     first_checkpoint = on_cluster(cluster, "digits-checkpoints", first["model"]["checkpoint"])
     assert first_checkpoint.startswith(f"{MODEL_MOUNT}/runs/digits-train/checkpoints/step-")
-    client = Client(address(cluster, "digits"))
+    serving = address(cluster, "digits")
+    client = Client(lambda: [serving])
     client.start()
     try:
         cluster.wait_for(lambda: status(cluster, JOBS, "digits-train").get("phase") == "Succeeded", 180,
@@ -207,6 +217,34 @@ def test_a_pool_becomes_its_objects_scales_through_its_scale_subresource_and_del
         ("deployments", "objects-server"), ("services", "objects"), ("configmaps", "objects-spec"),
         ("horizontalpodautoscalers", "objects")]) and not server_pods(cluster, "objects"), 60,
         "the pool's objects and pods to go")
+
+
+def test_changing_the_batching_rolls_the_servers_without_failing_a_request(cluster):
+    """A new batchLimit rolls the Deployment: the new server is started and ready before the old one is deleted
+    (maxUnavailable 0), and the old one keeps serving through its preStop pause while the endpoints drop it, then
+    drains. A client that sends each request to the Service's ready endpoints (as kube-proxy would) sees no failure."""
+    create(cluster, POOLS, pool_manifest("rolling", {"callable": "tandem.examples.digits:mlp", "inputShape": [64],
+                                                     "name": "digits"}))
+    wait_pool(cluster, "rolling", lambda s: s.get("phase") == "Ready", "Ready")
+    [before] = server_pods(cluster, "rolling")
+    client = Client(lambda: cluster.endpoints(NS, "rolling"))
+    client.start()
+    try:
+        cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "rolling", {"spec": {"batchLimit": 4}})
+        cluster.wait_for(lambda: cluster.get("pods", NS, before["metadata"]["name"]) is None, READY,
+                         "the old server to go")
+        rolled = wait_pool(cluster, "rolling", lambda s: s.get("phase") == "Ready" and s.get("observedGeneration") == 2,
+                           "Ready on the new spec")
+    finally:
+        client.stop.set()
+        client.join(timeout=30)
+    assert client.failures == [] and client.answered > 0, client.failures[:5]
+    assert len(client.served_by) == 2, "requests went to the old server, then to the new one"
+    [after] = server_pods(cluster, "rolling")
+    config = json.loads(cluster.get("configmaps", NS, "rolling-spec")["data"]["pool.json"])
+    assert config["spec"]["batchLimit"] == 4 and rolled["readySummary"] == "1/1"
+    assert after["metadata"]["name"] != before["metadata"]["name"]
+    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "rolling")
 
 
 def test_a_missing_job_or_checkpoint_is_a_condition_and_the_pool_recovers_pinned_to_the_latest(cluster, tmp_path):

@@ -275,3 +275,12 @@ def test_the_specs_pod_settings_pass_through_to_the_server_pods():
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_what_a_pools_decision_reads_besides_its_objects(name, body, expected):
     assert sources(body) == expected
+
+
+def test_a_deployment_just_created_is_loading_not_rolling_so_the_status_is_written_once():
+    created = reconcile_pool(pool(), {}, [], [], job(), NOW, IMAGE)
+    children = {o["kind"]: {**o, "metadata": {**o["metadata"], "generation": 1}} for o in created.apply}
+    later = reconcile_pool(pool(created.status), children, [], [], job(), NOW, IMAGE)
+    progressing = [c for c in later.status["conditions"] if c["type"] == "Progressing"]
+    assert progressing[0]["reason"] == "Loading" and later.apply == []
+    assert later.status == created.status, "nothing new to write"

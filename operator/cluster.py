@@ -32,6 +32,7 @@ def login() -> client.ApiClient:
 
 class Cluster:
     def __init__(self, api: client.ApiClient):
+        self.api = api
         self.core = client.CoreV1Api(api)
         self.rbac = client.RbacAuthorizationV1Api(api)
         self.custom = client.CustomObjectsApi(api)
@@ -70,24 +71,28 @@ class Cluster:
             if kind == "ConfigMap":
                 await self._call(f"replace {kind}", replace, manifest["metadata"]["name"], namespace, manifest)
 
-    async def put(self, manifest: dict[str, Any], existing: dict[str, Any] | None) -> None:
-        """Make an object as `manifest` says: create it, or replace `existing` (the version the decision saw). A
-        409 means the decision saw an older state than the API holds (the watch has not caught up with a write, often
-        the operator's own): nothing is written, and the next pass decides on the newer state."""
+    async def put(self, manifest: dict[str, Any], existing: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Make an object as `manifest` says: create it, or replace `existing` (the version the decision saw), and
+        return it as the API now holds it. A 409 means the decision saw an older state than the API holds (the watch
+        has not caught up with a write, often the operator's own): nothing is written (None), and the next pass
+        decides on the newer state."""
         kind, metadata = manifest["kind"], manifest["metadata"]
         create, replace, _ = self._writers[kind]
         try:
             if existing is None:
-                await self._call(f"create {kind}", create, metadata["namespace"], manifest)
+                written = await self._call(f"create {kind}", create, metadata["namespace"], manifest)
             else:
                 versioned = {**manifest, "metadata": {**metadata,
                                                       "resourceVersion": existing["metadata"].get("resourceVersion")}}
-                await self._call(f"replace {kind}", replace, metadata["name"], metadata["namespace"], versioned)
+                written = await self._call(f"replace {kind}", replace, metadata["name"], metadata["namespace"],
+                                           versioned)
         except ApiException as error:
             if error.status != CONFLICT:
                 raise
             log.debug("%s %s/%s changed since it was read: decided again next time", kind, metadata["namespace"],
                       metadata["name"])
+            return None
+        return self.api.sanitize_for_serialization(written)
 
     async def delete(self, kind: str, name: str, namespace: str) -> None:
         try:

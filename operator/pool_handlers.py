@@ -41,6 +41,7 @@ CHILD_KINDS = {
     ("autoscaling", "v2", "horizontalpodautoscalers"): "HorizontalPodAutoscaler",
 }
 ASK_SECONDS = 2.0
+INDEX_LAG_SECONDS = 30.0
 log = logging.getLogger("tandem.operator")
 
 
@@ -88,6 +89,7 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
     key = (namespace, name)
     waker = memo.pool_wakers.setdefault(key, asyncio.Event())
     written: dict[str, Any] = {}
+    put = RecentlyPut()
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ASK_SECONDS)) as session:
             while not stopped:
@@ -96,15 +98,15 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
                 observed = {**body, "status": {**(body.get("status") or {}), **written}}
                 reads = sources(observed)
                 memo.pool_sources[key] = reads.job if reads else None
-                children = {kind: next(iter(indices[f"pool_{plural}"].get(key, [])), None)
-                            for (_, _, plural), kind in CHILD_KINDS.items()}
+                children = put.over({kind: next(iter(indices[f"pool_{plural}"].get(key, [])), None)
+                                     for (_, _, plural), kind in CHILD_KINDS.items()})
                 pods = list(pool_pods.get(key, []))
                 job = next(iter(training_jobs.get((namespace, reads.job), [])), None) if reads and reads.job else None
                 served = await _ask_servers(session, reads, pods) if reads else []
                 plan = reconcile_pool(observed, children, pods, served, job, datetime.now(UTC),
                                       handlers.SETTINGS.worker_image)
                 try:
-                    await _apply(plan, observed, children, memo.cluster)
+                    await _apply(plan, observed, children, memo.cluster, put)
                     written = plan.status
                 except ApiException as error:  # a conflict or a refusal: decided again on the next pass
                     log.warning("pool %s/%s: %s %s", namespace, name, error.status, error.reason)
@@ -142,11 +144,34 @@ def _ready(pod: dict[str, Any]) -> bool:
             and any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []))
 
 
-async def _apply(plan: PoolPlan, body: dict[str, Any], children: dict[str, dict[str, Any] | None], cluster) -> None:
+class RecentlyPut:
+    """The objects a pool's daemon created, until kopf's indices show them: a pass woken by the event of its own
+    first create would otherwise read the indices before they hold the rest, and create those again (409s)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, tuple[dict[str, Any], float]] = {}
+
+    def over(self, indexed: dict[str, dict[str, Any] | None]) -> dict[str, dict[str, Any] | None]:
+        """The indices' objects, with one this daemon created in the last INDEX_LAG_SECONDS where they show none
+        (after that, an object missing from the index is taken as deleted)."""
+        now = time.monotonic()
+        self.objects = {kind: (o, at) for kind, (o, at) in self.objects.items()
+                        if indexed.get(kind) is None and now - at < INDEX_LAG_SECONDS}
+        return {kind: indexed.get(kind) or (self.objects.get(kind) or (None,))[0] for kind in indexed}
+
+    def add(self, written: dict[str, Any]) -> None:
+        self.objects[written["kind"]] = (written, time.monotonic())
+
+
+async def _apply(plan: PoolPlan, body: dict[str, Any], children: dict[str, dict[str, Any] | None], cluster,
+                 put: RecentlyPut) -> None:
     metadata = body["metadata"]
     namespace, name = metadata["namespace"], metadata["name"]
     for manifest in plan.apply:
-        await cluster.put(manifest, children.get(manifest["kind"]))
+        existing = children.get(manifest["kind"])
+        written = await cluster.put(manifest, existing)
+        if written is not None and existing is None:
+            put.add(written)
     for kind, child in plan.delete:
         await cluster.delete(kind, child, namespace)
     current = body.get("status") or {}

@@ -284,3 +284,20 @@ def test_a_deployment_just_created_is_loading_not_rolling_so_the_status_is_writt
     progressing = [c for c in later.status["conditions"] if c["type"] == "Progressing"]
     assert progressing[0]["reason"] == "Loading" and later.apply == []
     assert later.status == created.status, "nothing new to write"
+
+
+def test_objects_a_pool_daemon_created_stand_in_for_the_index_until_it_shows_them(monkeypatch):
+    from tandem.operator import pool_handlers
+
+    clock = [100.0]
+    monkeypatch.setattr(pool_handlers.time, "monotonic", lambda: clock[0])
+    put = pool_handlers.RecentlyPut()
+    created = {"kind": "Deployment", "metadata": {"name": "digits-server", "resourceVersion": "7"}}
+    put.add(created)
+    assert put.over({"Deployment": None, "Service": None}) == {"Deployment": created, "Service": None}
+    indexed = {**created, "status": {"readyReplicas": 1}}
+    assert put.over({"Deployment": indexed}) == {"Deployment": indexed}, "the index wins once it has the object"
+    assert put.over({"Deployment": None}) == {"Deployment": None}, "then gone from the index means deleted"
+    put.add(created)
+    clock[0] += pool_handlers.INDEX_LAG_SECONDS
+    assert put.over({"Deployment": None}) == {"Deployment": None}, "an index that never shows it: deleted meanwhile"

@@ -107,14 +107,17 @@ class Averaging(ApiModel):
 
 
 class TargetSparsity(ApiModel):
-    """The band, as a fraction of gradient entries sent per step, that the adaptive threshold aims for."""
+    """The band, as a fraction of gradient entries sent per step (over all ranks), that the adaptive threshold aims
+    for: above `max` it rises, below `min` it falls (DL4J's band is 1e-4..1e-2)."""
 
     model_config = {"json_schema_extra": {"x-kubernetes-validations": [
         {"rule": "self.min <= self.max", "message": "targetSparsity.min must not exceed targetSparsity.max"},
     ]}}
 
-    min: Annotated[float, Field(gt=0, le=1)] = 1e-4
-    max: Annotated[float, Field(gt=0, le=1)] = 1e-2
+    min: Annotated[float, Field(gt=0, le=1)] = 1e-5
+    """Below this the threshold falls by thresholdDecay a step. Low on purpose: as training converges the
+    gradients shrink and fewer entries pass; a threshold that followed them down would spend bytes on noise."""
+    max: Annotated[float, Field(gt=0, le=1)] = 5e-3
 
     @model_validator(mode="after")
     def _ordered(self) -> TargetSparsity:
@@ -130,14 +133,55 @@ class ResidualClip(ApiModel):
     every: Annotated[int, Field(ge=1)] = 5
 
 
+class MomentumCorrection(ApiModel):
+    """Deep Gradient Compression's momentum correction: each rank accumulates its own velocity, not the raw
+    gradient, and the optimizer runs without momentum (the exchanged updates carry it). For optimizer sgd; adam
+    and adamw keep their own moments and exchange raw gradients."""
+
+    enabled: bool = True
+    momentum: Annotated[float, Field(ge=0, lt=1)] | None = 0.7
+    """The velocity's own momentum. Its input is scaled by (1 - momentum) / (1 - optimizer.momentum), so a steady
+    gradient moves the weights as far per step as the optimizer's momentum would. Lower than the optimizer's
+    because the residual already accumulates: a long velocity on top of it pushes entries long after they were
+    sent. null: the optimizer's momentum (DGC exactly)."""
+    masking: bool = False
+    """Momentum factor masking (DGC): zero the velocity of every entry a rank sent."""
+
+
+class SparsityWarmup(ApiModel):
+    """Start with a wider target band and narrow it geometrically to targetSparsity over `steps` steps (DGC's
+    exponential warm-up): the first steps, where a model moves most, send more entries."""
+
+    steps: Annotated[int, Field(ge=0)] = 0
+    """0: no warm-up (the default: with per-parameter calibration a warm-up bought no accuracy for its bytes,
+    bench/RESULTS.md)."""
+    initial_sparsity: Annotated[float, Field(gt=0, le=1)] = 1 / 16
+    """The band's top at the first step (1/16: as many entries as fit before the bucket goes as a bitmap)."""
+
+
 class SharedGradients(ApiModel):
-    """trainingMode sharedGradients: Strom-style threshold encoding with error feedback (DL4J SHARED_GRADIENTS)."""
+    """trainingMode sharedGradients: Strom-style threshold encoding with error feedback (DL4J SHARED_GRADIENTS),
+    with Deep Gradient Compression's corrections. DL4J's algorithm: momentumCorrection.enabled false,
+    calibration off, warmup.steps 0, targetSparsity 1e-4..1e-2."""
 
     initial_threshold: Annotated[float, Field(gt=0)] = 1e-3
+    """The first step's threshold with calibration off (DL4J AdaptiveThresholdAlgorithm's)."""
+    calibration: Literal["perParameter", "shared", "off"] = "perParameter"
+    """How the first step sets the threshold from the gradients themselves (one float per rank and parameter,
+    exchanged once). shared: one threshold, the mean over ranks of the value that the top targetSparsity.max
+    (warm-up's top during a warm-up) of each rank's entries reach. perParameter: that threshold, and each
+    parameter's own ratio to it, fixed from then on (as DGC selects per layer: a global threshold starves the
+    parameters whose gradients are small but matter, such as batch norm's); the threshold then adapts for all.
+    off: the threshold climbs from initialThreshold, sending near-dense bitmaps meanwhile (DL4J)."""
     target_sparsity: TargetSparsity = Field(default_factory=TargetSparsity)
     threshold_decay: Annotated[float, Field(gt=0, lt=1)] = DL4J_THRESHOLD_DECAY
     """Multiplicative threshold step when the encoded fraction leaves the target band."""
     residual_clip: ResidualClip = Field(default_factory=ResidualClip)
+    momentum_correction: MomentumCorrection = Field(default_factory=MomentumCorrection)
+    local_gradient_clip: Annotated[float, Field(gt=0)] | None = None
+    """DGC's local gradient clipping: each rank scales each parameter's gradient down to this L2 norm before
+    accumulating it. null: off."""
+    warmup: SparsityWarmup = Field(default_factory=SparsityWarmup)
 
 
 class Custom(ApiModel):
@@ -244,11 +288,18 @@ class ProgressStatus(ApiModel):
 
 
 class CommunicationStatus(ApiModel):
-    """Gradient-exchange volume, summed over ranks."""
+    """Gradient-exchange volume, summed over ranks (at the end of training), and what sharedGradients'
+    compression is doing (while it trains)."""
 
     bytes_sent: Annotated[int, Field(ge=0)] = 0
     dense_bytes: Annotated[int, Field(ge=0)] = 0
     """What a dense fp32 all-reduce of the same gradients would have sent."""
+    threshold: float | None = None
+    """sharedGradients: the threshold now (the same on every rank)."""
+    sent_fraction: Annotated[float, Field(ge=0, le=1)] | None = None
+    """sharedGradients: the fraction of gradient entries sent, over all ranks and steps so far."""
+    bitmap_steps: Annotated[int, Field(ge=0)] | None = None
+    """sharedGradients: steps whose exchange went (in part) as 2-bit bitmaps rather than index lists."""
 
 
 class CheckpointRecord(ApiModel):

@@ -182,6 +182,72 @@ def test_fallback_is_decided_from_shared_counts_and_every_update_is_the_exact_me
     run_on_ranks(check_fallback_padding_and_nan, world_size=2)
 
 
+CORRECTED = {"momentum_correction": True, "optimizer_momentum": 0.9, "momentum": 0.7, "momentum_masking": True,
+             "local_gradient_clip": 2.0, "calibration": "perParameter", "warmup_steps": 3, "warmup_sparsity": 0.05,
+             "max_sparsity": 0.01, "residual_clip_every": 1000}
+
+
+def _top(values: torch.Tensor, fraction: float) -> float:
+    return float(values.abs().topk(math.ceil(fraction * values.numel())).values.min())
+
+
+def check_corrections_by_hand(rank: int) -> None:
+    """Every technique on at once, each exchange checked against the algorithm worked by hand on each parameter:
+    local clipping, the velocity and its gain, the per-parameter calibration (the threshold the mean of the ranks'
+    bucket values, each parameter's ratio the mean of theirs over it, at the warm-up's band top), masking of
+    exactly the sent entries, and the kept residuals and velocities."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(64, 64))
+    state = ThresholdCompression(**CORRECTED)
+    model.register_comm_hook(state, threshold_hook)
+    parameters = list(model.parameters())
+    residuals = [torch.zeros(p.numel()) for p in parameters]
+    velocities = [torch.zeros(p.numel()) for p in parameters]
+    ratios = [1.0, 1.0]
+    generator = torch.Generator().manual_seed(100 + rank)
+    for step in range(5):
+        inputs = torch.randn(8, 64, generator=generator)
+        local = [gradient.flatten() for gradient in _local_gradients(model, inputs)]
+        accumulated = []
+        for index, gradient in enumerate(local):
+            norm = float(gradient.norm())
+            clipped = gradient * (2.0 / norm) if norm > 2.0 else gradient
+            velocities[index] = 0.7 * velocities[index] + 3.0 * clipped  # gain (1 - 0.7) / (1 - 0.9)
+            accumulated.append(residuals[index] + velocities[index])
+        if step == 0:  # the warm-up's band top at step 0 is 0.05
+            mine = torch.tensor([_top(torch.cat(accumulated), 0.05), *(_top(a, 0.05) for a in accumulated)])
+            rows = torch.stack(_all_gather(mine)).tolist()
+            means = [sum(column) / 2 for column in zip(*rows, strict=True)]
+            tau = means[0]
+            ratios = [max(mean, 0.01 * means[0]) / tau for mean in means[1:]]
+            assert state.threshold == 1e-3, "calibrated before the first exchange"
+        else:
+            tau = state.threshold
+        model(inputs).square().sum().backward()
+        if step == 0:
+            assert state.threshold == tau and state.calibrated
+        for index, parameter in enumerate(parameters):
+            threshold = torch.full((parameter.numel(),), ratios[index], dtype=torch.float32) * tau
+            signs = ternary_signs(accumulated[index], threshold)
+            residuals[index] = accumulated[index] - signs.float() * threshold
+            velocities[index] = velocities[index].masked_fill(signs != 0, 0.0)
+            sign_sums = torch.stack(_all_gather(signs)).sum(dim=0, dtype=torch.int32)
+            torch.testing.assert_close(parameter.grad.flatten(), sign_sums.float() * (threshold / 2), rtol=0, atol=0)
+        model.zero_grad()
+        kept = state.state_dict()
+        for index, parameter in enumerate(parameters):
+            key = state._parameter_keys[id(parameter)]
+            assert kept["ratios"][key] == ratios[index]
+            torch.testing.assert_close(kept["residuals"][key], residuals[index], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(kept["velocities"][key], velocities[index], rtol=1e-5, atol=1e-6)
+    assert ratios[0] != ratios[1], "the weight and the bias should have their own thresholds"
+    assert state.step == 5
+
+
+def test_every_correction_on_two_ranks_matches_the_algorithm_by_hand() -> None:
+    run_on_ranks(check_corrections_by_hand, world_size=2)
+
+
 class LayoutRecordingCompression(ThresholdCompression):
     """The hook state, also noting each exchanged bucket's size, so a test can see DDP rebuild its buckets."""
 

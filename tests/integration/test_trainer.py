@@ -42,8 +42,12 @@ def test_each_mode_trains_digits_to_near_its_measured_accuracy_with_its_example(
     communication = status["communication"]
     assert communication["denseBytes"] > 0
     if document["spec"]["trainingMode"] == "sharedGradients":
-        # Measured: 0.296% of the dense bytes.
-        assert communication["bytesSent"] <= 0.004 * communication["denseBytes"], communication
+        # Measured: 0.131% of the dense bytes (issue 13's target: 0.15%), 0.104% of the entries, no bitmap step.
+        assert communication["bytesSent"] <= 0.0015 * communication["denseBytes"], communication
+        assert 0 < communication["sentFraction"] <= 0.0015 and communication["bitmapSteps"] <= 3, communication
+        assert communication["threshold"] > 0, communication
+    else:
+        assert {"threshold", "sentFraction", "bitmapSteps"}.isdisjoint(communication), communication
 
 
 def _train_recording_synchronised_replicas(rank: int, mode: str, average_optimizer_state: bool):
@@ -62,7 +66,9 @@ def _train_recording_synchronised_replicas(rank: int, mode: str, average_optimiz
     def record(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, synchronised: bool) -> None:
         if synchronised:
             parameters = list(model.parameters())
-            momentum = [optimizer.state[p]["momentum_buffer"] for p in parameters]
+            # Under sharedGradients' momentum correction the optimizer runs without momentum (each rank keeps its
+            # own velocity, in the compression state): nothing of it to compare then.
+            momentum = [optimizer.state[p].get("momentum_buffer", torch.zeros(0)) for p in parameters]
             snapshots.append((torch.cat([p.detach().flatten() for p in parameters]).clone(),
                               torch.cat([m.flatten() for m in momentum]).clone()))
 

@@ -4,9 +4,10 @@ what a checkpoint needs, the bytes exchanged, and the mode's own per-rank state.
 it runs.
 
 - allReduce: DistributedDataParallel's gradient all-reduce, every step.
-- sharedGradients: DDP with the threshold-encoding communication hook (compression.py): error-feedback residuals
-  and an adaptive threshold per rank, checkpointed per rank (at another world size the residuals are reset and
-  the threshold kept).
+- sharedGradients: DDP with the threshold-encoding communication hook (compression.py): error-feedback residuals,
+  momentum-correction velocities and an adaptive threshold per rank, checkpointed per rank (at another world size
+  the residuals and velocities are reset and the threshold kept); under momentum correction the optimizer runs
+  without momentum.
 - averaging: ranks step on their own replicas; every `frequency` steps parameters, buffers and (by default)
   optimizer state are averaged (averaging.py). Between averagings the replicas differ: a checkpoint then holds
   their average as the model and each rank's own replica besides, and training carries on from the replicas.
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from tandem.api import ParallelTrainingJobSpec
+from tandem.api.training import Optimizer
 from tandem.worker.train.averaging import average_replicas
 from tandem.worker.train.nonfinite import StepRecord
 from tandem.worker.train.state import to_host
@@ -58,6 +60,14 @@ class DataParallel:
         dense = self.steps * self.bytes_per_step
         return dense, dense
 
+    def optimizer_settings(self, optimizer: Optimizer) -> Optimizer:
+        """The optimizer this mode's ranks run, from the spec's."""
+        return optimizer
+
+    def compression_report(self) -> dict[str, float | int] | None:
+        """What status.communication shows while training, besides the byte totals (the same on every rank)."""
+        return None
+
     def for_checkpoint(self, step: int, optimizer: torch.optim.Optimizer, *, final: bool) -> AbstractContextManager:
         """Around writing a checkpoint: yields this rank's own replica state when replicas differ (else None)."""
         return nullcontext()
@@ -76,25 +86,26 @@ class DataParallel:
 
 
 class SharedGradients(DataParallel):
-    """sharedGradients: DDP with the threshold-encoding hook; residuals and threshold are each rank's own."""
+    """sharedGradients: DDP with the threshold-encoding hook; residuals, velocities and threshold are each rank's
+    own (the threshold is the same on every rank)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, spec: ParallelTrainingJobSpec):
         super().__init__(model, device)
         from tandem.worker.train.compression import ThresholdCompression, threshold_hook
 
-        shared = spec.shared_gradients
-        self.compression = ThresholdCompression(
-            initial_threshold=shared.initial_threshold,
-            min_sparsity=shared.target_sparsity.min,
-            max_sparsity=shared.target_sparsity.max,
-            threshold_decay=shared.threshold_decay,
-            residual_clip_factor=shared.residual_clip.factor,
-            residual_clip_every=shared.residual_clip.every,
-        )
+        self.compression = ThresholdCompression(**compression_settings(spec))
         self.module.register_comm_hook(self.compression, threshold_hook)
+
+    def optimizer_settings(self, optimizer: Optimizer) -> Optimizer:
+        if not self.compression.settings.momentum_correction:
+            return optimizer
+        return without_momentum(optimizer)
 
     def communication(self) -> tuple[int, int]:
         return self.compression.bytes_sent, self.compression.dense_bytes
+
+    def compression_report(self) -> dict[str, float | int] | None:
+        return self.compression.report()
 
     def state_dict(self) -> dict[str, Any]:
         return {"compression": self.compression.state_dict()}
@@ -104,22 +115,56 @@ class SharedGradients(DataParallel):
             self.compression.load_state_dict(state["compression"])
 
     def reset_for_world_size(self, saved: list[dict[str, Any]], rank: int) -> list[str]:
-        """The residuals are reset: each was one old rank's error feedback, and the old ranks are not this run's.
-        The threshold (the same on every rank) is kept: it follows the size of one rank's accumulated gradient, the
-        mean over that rank's own batch, which the number of ranks does not change; reset to initialThreshold it
-        would send nearly dense bitmaps for dozens of steps while it climbs back. The byte counters' sums carry
-        on, held by rank 0, so the job's communication totals stay whole."""
+        """The residuals and velocities are reset: each was one old rank's own, and the old ranks are not this
+        run's. The threshold (the same on every rank) is kept: it follows the size of one rank's accumulated
+        gradient, the mean over that rank's own batch, which the number of ranks does not change; reset to
+        initialThreshold it would send nearly dense bitmaps for dozens of steps while it climbs back. The byte
+        counters' sums carry on, held by rank 0, so the job's communication totals stay whole; the counts of
+        entries and bitmap steps (the same on every rank) carry on as they were."""
         states = [state["compression"] for state in saved if "compression" in state]
         if not states:
             return []
         first = states[0]
         self.compression.load_state_dict({
-            "threshold": first["threshold"], "step": first["step"], "bitmap_exchanges": first["bitmap_exchanges"],
+            **{key: value for key, value in first.items() if key not in ("residuals", "velocities")},
             "bytes_sent": sum(int(s["bytes_sent"]) for s in states) if rank == 0 else 0,
             "dense_bytes": sum(int(s["dense_bytes"]) for s in states) if rank == 0 else 0,
             "residuals": {},
+            "velocities": {},
         })
-        return [f"sharedGradients residuals (the threshold, {float(first['threshold']):.3g}, is kept)"]
+        reset = "residuals and velocities" if self.compression.settings.momentum_correction else "residuals"
+        return [f"sharedGradients {reset} (the threshold, {float(first['threshold']):.3g}, is kept)"]
+
+
+def without_momentum(optimizer: Optimizer) -> Optimizer:
+    """The optimizer under momentum correction, where the exchanged updates carry the momentum: without its own,
+    and with its weight decay (applied on every rank to the parameters they share, so never exchanged) divided by
+    1 - momentum, the factor by which momentum would have scaled it in the steady state."""
+    return optimizer.model_copy(update={"momentum": 0.0,
+                                        "weight_decay": optimizer.weight_decay / (1 - optimizer.momentum)})
+
+
+def compression_settings(spec: ParallelTrainingJobSpec) -> dict[str, Any]:
+    """spec.sharedGradients as the hook's settings (compression.Settings)."""
+    shared, optimizer = spec.shared_gradients, spec.trainer.optimizer
+    correction = shared.momentum_correction
+    return {
+        "initial_threshold": shared.initial_threshold,
+        "calibration": shared.calibration,
+        "min_sparsity": shared.target_sparsity.min,
+        "max_sparsity": shared.target_sparsity.max,
+        "threshold_decay": shared.threshold_decay,
+        "residual_clip_factor": shared.residual_clip.factor,
+        "residual_clip_every": shared.residual_clip.every,
+        # Adam and AdamW keep per-entry moments of their own: their gradients are exchanged as they are.
+        "momentum_correction": correction.enabled and optimizer.name == "sgd",
+        "optimizer_momentum": optimizer.momentum if optimizer.name == "sgd" else 0.0,
+        "momentum": correction.momentum,
+        "momentum_masking": correction.masking,
+        "local_gradient_clip": shared.local_gradient_clip,
+        "warmup_steps": shared.warmup.steps,
+        "warmup_sparsity": shared.warmup.initial_sparsity,
+    }
 
 
 class Averaging:
@@ -157,6 +202,12 @@ class Averaging:
 
     def communication(self) -> tuple[int, int]:
         return self.bytes_sent, self.steps * self.bytes_per_step
+
+    def optimizer_settings(self, optimizer: Optimizer) -> Optimizer:
+        return optimizer
+
+    def compression_report(self) -> dict[str, float | int] | None:
+        return None
 
     def replicas_differ(self, step: int) -> bool:
         """Between averagings the replicas differ; their optimizer states always do when not averaged."""

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
@@ -162,8 +163,11 @@ class Reporter:
     """Rank 0's status: updated every step, published at most every `interval` seconds, and at once for
     checkpoints and phase changes."""
 
-    def __init__(self, sinks: list[Sink], *, workers: int, total_steps: int, interval: float = 2.0):
+    def __init__(self, sinks: list[Sink], *, workers: int, total_steps: int, interval: float = 2.0,
+                 compression: Callable[[], dict[str, float | int] | None] | None = None):
         self.sinks = sinks
+        self.compression = compression
+        """What the mode's compression reports for status.communication (read only when the status is published)."""
         self.interval = interval
         self.status = ParallelTrainingJobStatus(phase="Running", start_time=now())
         self.status.workers.ready = self.status.workers.total = workers
@@ -191,6 +195,10 @@ class Reporter:
 
     def refresh(self) -> None:
         """Apply the latest recorded step to the status (once: later edits of the status stick)."""
+        report = self.compression() if self.compression is not None else None
+        if report:
+            communication = self.status.communication
+            self.status.communication = communication.model_copy(update=report)
         if self._latest is None:
             return
         clock, epoch, step, loss, samples = self._latest

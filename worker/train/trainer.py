@@ -77,7 +77,7 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
     seed_everything(trainer.seed, trainer.deterministic)
     model.to(context.device)
     mode = training_mode(spec, model, context.device, context.world_size)
-    optimizer = build_optimizer(model.parameters(), trainer.optimizer)
+    optimizer = build_optimizer(model.parameters(), mode.optimizer_settings(trainer.optimizer))
     loader = training_loader(train_set, rank=context.rank, world_size=context.world_size,
                              batch_size=trainer.batch_size_per_worker, seed=trainer.seed)
     schedule = LearningRateSchedule(optimizer, trainer, total_steps=0)  # planned once the position is known
@@ -90,8 +90,8 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
         checkpointer.resume(state, context.resume_from)
     position = state.position
     schedule.total_steps = total_steps = planned_steps(trainer, batches_per_epoch=len(loader), position=position)
-    reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps) if context.is_master \
-        else None
+    reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps,
+                        compression=mode.compression_report) if context.is_master else None
     if reporter is not None and context.resume_from is not None:
         reporter.resumed(context.resume_from, step=position.step, epoch=epoch_shown(position))
     train_step = TrainStep(trainer, mode, optimizer, scaler, schedule, context.device, context.world_size)

@@ -169,7 +169,8 @@ def test_a_job_becomes_exactly_its_objects_and_deleting_it_removes_them(cluster)
             kubernetes_validate.validate(created, kubernetes_validate.latest_version(), strict=True)
     rank0 = cluster.get("pods", NS, "objects-worker-0")
     env = {e["name"]: e.get("value") for e in rank0["spec"]["containers"][0]["env"]}
-    assert env["MASTER_ADDR"] == "objects-worker-0.objects-workers" and env["TANDEM_RESUME_FROM"] == ""
+    assert env["MASTER_ADDR"] == "objects-worker-0.objects-workers"
+    assert env["TANDEM_RESUME_FROM"] == "latest", "a new job on a claim resumes from what it holds, if anything"
     assert {"name": "tandem-checkpoints", "persistentVolumeClaim": {"claimName": "objects-data"}} in \
         rank0["spec"]["volumes"]
     assert status(cluster, "objects")["selector"] == "tandem.dev/job=objects"

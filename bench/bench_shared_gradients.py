@@ -51,7 +51,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "one shared threshold (calibration shared)": {"calibration": "shared"},
     "no calibration": {"calibration": "off"},
     "+ warm-up (25 steps from 1/16)": {"warmup": {"steps": 25}},
-    "+ warm-up, one shared threshold": {"calibration": "shared", "warmup": {"steps": 25}},
     "DL4J's band (1e-4..1e-2)": {"targetSparsity": {"min": 1e-4, "max": 1e-2}},
     "no residual clipping": {"residualClip": {"factor": 1e6}},
     "+ local gradient clipping (1.0)": {"localGradientClip": 1.0},

@@ -38,7 +38,7 @@ def test_every_python_block_is_one_of_the_examples_tested_here():
 
 def test_the_parallel_wrapper_example(tmp_path):
     accuracy = float(run_python(block_using("ParallelWrapper("), tmp_path).strip().splitlines()[-1])
-    # The README's model is not seeded; sharedGradients for 30 epochs measured 0.978-0.981 over seeds 0-2
+    # The README's model is not seeded; sharedGradients for 30 epochs measured 0.972-0.981 over seeds 0-2
     # (bench/RESULTS.md).
     assert accuracy >= 0.95
 

@@ -22,7 +22,7 @@ from tandem.worker import checkpoint
 
 # Each example's eval accuracy as measured (the runs are seeded, so they repeat), and the floor asked of it.
 EXAMPLES = {"digits-train.yaml": 0.95, "digits-train-shared.yaml": 0.96, "digits-train-averaging.yaml": 0.97}
-MEASURED = {"digits-train.yaml": 0.969, "digits-train-shared.yaml": 0.981, "digits-train-averaging.yaml": 0.992}
+MEASURED = {"digits-train.yaml": 0.969, "digits-train-shared.yaml": 0.978, "digits-train-averaging.yaml": 0.992}
 
 
 @pytest.mark.parametrize("example", EXAMPLES)

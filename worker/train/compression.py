@@ -413,6 +413,7 @@ class ThresholdCompression:
         self._velocities: dict[int, torch.Tensor] = {}
         self._ratios: dict[int, float] = {}
         """Per-parameter calibration: each parameter's threshold is threshold * its ratio (1 when absent)."""
+        self._entry_ratios: dict[tuple, torch.Tensor] = {}
         self._parameter_keys: dict[int, int] = {}
         self._calibrating = False
         self._step_buckets = 0
@@ -467,6 +468,7 @@ class ThresholdCompression:
         self._residuals = {int(key): residual for key, residual in state["residuals"].items()}
         self._velocities = {int(key): velocity for key, velocity in state.get("velocities", {}).items()}
         self._ratios = {int(key): float(ratio) for key, ratio in state.get("ratios", {}).items()}
+        self._entry_ratios = {}
         self._parameter_keys = {}
 
     def _gather(self, store: dict[int, torch.Tensor], keys: list[int], sizes: list[int],
@@ -531,13 +533,19 @@ class ThresholdCompression:
             self.calibrated = self._calibrating = True
         for key, mean in zip(keys, means[1:], strict=False):
             self._ratios[key] = max(mean, self.settings.parameter_floor * means[0]) / self.threshold
+        self._entry_ratios = {}
 
     def thresholds(self, keys: list[int], sizes: list[int], device: torch.device) -> Threshold:
         """The threshold for each entry of a bucket: one float, or with per-parameter ratios one per entry."""
         if not any(key in self._ratios for key in keys):
             return self.threshold
-        ratios = torch.tensor([self._ratios.get(key, 1.0) for key in keys], dtype=torch.float32, device=device)
-        return ratios.repeat_interleave(torch.tensor(sizes, device=device)) * self.threshold
+        layout = (tuple(keys), device)
+        ratios = self._entry_ratios.get(layout)
+        if ratios is None:  # the ratios are fixed once calibrated: one vector per bucket layout
+            per_parameter = torch.tensor([self._ratios.get(key, 1.0) for key in keys], dtype=torch.float32)
+            ratios = per_parameter.repeat_interleave(torch.tensor(sizes)).to(device)
+            self._entry_ratios[layout] = ratios
+        return ratios * self.threshold
 
     def keep(self, encoded: Encoded, keys: list[int], sizes: list[int], threshold: Threshold | None = None) -> None:
         """Store an encoding's residual (clipped on a clipping step, against the threshold it was encoded at) and

@@ -161,8 +161,13 @@ def restore_model(model: torch.nn.Module, state_dict: Mapping[str, Any], source:
         raise CheckpointError(f"{source}: checkpoint does not fit the model: {error}") from error
 
 
-def load_for_inference(path: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The checkpoint's model, rebuilt from its manifest's reference, weights loaded, in eval mode."""
+def load_for_inference(
+    path: str | Path, reference_required: str | None = None,
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The checkpoint's model, rebuilt from its manifest's reference, weights loaded, in eval mode. With
+    `reference_required`, a manifest naming another module:callable is refused before anything is imported: the
+    reference is code the server would run, and a file someone may place under a server's model repository must
+    not choose it."""
     from tandem.worker.user_code import build_model
 
     state = load(path)
@@ -171,6 +176,10 @@ def load_for_inference(path: str | Path) -> tuple[torch.nn.Module, dict[str, Any
     if not isinstance(reference, str):
         raise CheckpointError(f"{path}: the manifest names no model reference (module:callable) to rebuild the "
                               "architecture")
+    if reference_required is not None and reference != reference_required:
+        raise CheckpointError(f"{path}: the checkpoint's model is {reference}, but this server serves "
+                              f"{reference_required}: a swap may change the weights and the model's arguments, not "
+                              "the code that builds it (start a server for that model instead)")
     if not isinstance(args, dict):
         raise CheckpointError(f"{path}: the manifest's model_args is a {type(args).__name__}, not a mapping")
     try:

@@ -112,8 +112,13 @@ REFUSED = [
     refused("weights of another architecture", lambda repo: saved(repo / "other.pt", {
         "format": checkpoint.FORMAT, "manifest": manifest(), "model": seeded_mlp(2, hidden=8).state_dict()}), 400,
         "checkpoint does not fit the model: shape mismatch 0.bias (8,) vs model (16,)"),
-    refused("another signature", lambda repo: write_checkpoint(repo / "other-shape", seed=1, step=1, features=32), 400,
-            "a hot swap must keep them"),
+    refused("another model's code", lambda repo: saved(repo / "code.pt", {
+        "format": checkpoint.FORMAT, "manifest": {**manifest(), "model": "os:getcwd"},
+        "model": seeded_mlp(2).state_dict()}), 400,
+        "the checkpoint's model is os:getcwd, but this server serves tandem.examples.digits:mlp"),
+    refused("a checkpoint of another model's code", lambda repo: write_checkpoint(repo / "other", seed=1, step=1,
+                                                                                 features=32), 400,
+            "the checkpoint's model is torch.nn:Linear, but this server serves tandem.examples.digits:mlp"),
     refused("a damaged manifest", lambda repo: saved(repo / "manifest.pt", {
         "format": checkpoint.FORMAT, "manifest": {**manifest(), "input_shape": "64"},
         "model": seeded_mlp(2).state_dict()}), 400, "the checkpoint's input_shape '64' is not a list"),
@@ -163,6 +168,18 @@ def test_load_requests_are_refused_unless_enabled_and_under_the_root_and_a_check
     client.close()
 
 
+def test_a_swap_keeps_the_served_models_inputs_and_outputs(served, tmp_path):
+    """The same code (torch.nn:Linear) with other arguments may be swapped in, but not with other outputs."""
+    repo = tmp_path / "linear"
+    first = write_checkpoint(repo, seed=1, step=1, features=32)  # Linear(32, 10)
+    server = served(make_pool(model={"checkpoint": str(first)}, modelRepository={"load": True}))
+    fewer = saved(repo / "fewer-classes.pt", {"format": checkpoint.FORMAT, "manifest": checkpoint.build_manifest(
+        model="torch.nn:Linear", model_args={"in_features": 32, "out_features": 5}, input_shape=[32],
+        input_dtype="FP32", step=2), "model": torch.nn.Linear(32, 5).state_dict()})
+    status, _, body = request(server.port, "POST", LOAD, load_body(fewer))
+    assert status == 400 and "a hot swap must keep them" in json.loads(body)["error"], body
+
+
 def test_a_callable_loads_checkpoints_only_under_a_configured_root(served, tmp_path):
     x = inputs(2)
     no_root = served(make_pool("plain", modelRepository={"load": True}))
@@ -170,7 +187,9 @@ def test_a_callable_loads_checkpoints_only_under_a_configured_root(served, tmp_p
                               load_body(write_checkpoint(tmp_path, seed=2, step=2)))
     assert status == 403 and "set spec.modelRepository.root in the InferencePool" in json.loads(body)["error"]
     assert request(no_root.port, "POST", "/v2/repository/models/plain/load", b"")[0] == 200  # a reload is allowed
-    rooted = served(make_pool("rooted", modelRepository={"load": True, "root": str(tmp_path / "repo")}))
+    rooted = served(make_pool("rooted", model={"callable": "tandem.examples.digits:mlp", "args": {"hidden": 16},
+                                               "inputShape": [64]},
+                              modelRepository={"load": True, "root": str(tmp_path / "repo")}))
     status, _, body = request(rooted.port, "POST", "/v2/repository/models/rooted/load",
                               load_body(write_checkpoint(tmp_path / "repo", seed=4, step=4)))
     assert status == 200 and json.loads(body)["source"] == "callable"

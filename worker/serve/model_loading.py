@@ -64,6 +64,8 @@ class LoadedModel:
     source: str
     checkpoint: str | None
     loaded_at: datetime
+    reference: str
+    """The module:callable that built it (the callable, or the checkpoint manifest's): a swap must keep it."""
 
     @property
     def loaded_from(self) -> str:
@@ -160,9 +162,10 @@ def latest_in(directory: Path) -> Path:
 
 
 def load(location: ModelLocation, model: ModelSource, batch_limit: int,
-         checkpoint: Path | None = None) -> LoadedModel:
+         checkpoint: Path | None = None, reference_required: str | None = None) -> LoadedModel:
     """Build the model (from `checkpoint`, else the location's current checkpoint or callable), find its signature
-    by running it on a batch of two examples. Raises ModelLoadError naming the problem."""
+    by running it on a batch of two examples. With `reference_required` (a swap: the served model's), a checkpoint
+    whose model is built by other code is refused unread. Raises ModelLoadError naming the problem."""
     datatype = model.input_datatype
     if location.callable is not None and checkpoint is None:
         try:
@@ -175,7 +178,7 @@ def load(location: ModelLocation, model: ModelSource, batch_limit: int,
         if path is None:
             raise ModelLoadError(f"no checkpoint in {location.directory} yet")
         try:
-            module, manifest = checkpoints.load_for_inference(path)
+            module, manifest = checkpoints.load_for_inference(path, reference_required)
             shape = _checkpoint_shape(path, manifest, model)
             datatype = _checkpoint_datatype(path, manifest, model)
         except ValueError as error:  # CheckpointError or ModelLoadError: they name the file and the problem
@@ -187,8 +190,9 @@ def load(location: ModelLocation, model: ModelSource, batch_limit: int,
     output = _probe(module, example, shape)
     signature = Signature(
         TensorSpec(INPUT_NAME, datatype, shape), TensorSpec(OUTPUT_NAME, output[0], output[1]), batch_limit)
+    reference = location.callable if path is None else manifest["model"]
     return LoadedModel(module, signature, example, location.label, None if path is None else str(path),
-                       datetime.now(UTC))
+                       datetime.now(UTC), reference)
 
 
 def _checkpoint_shape(path: Path, manifest: dict[str, Any], model: ModelSource) -> tuple[int, ...]:

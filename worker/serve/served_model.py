@@ -120,7 +120,9 @@ class ServedModel:
                             self.loaded.loaded_from, reason)
 
     def _load(self, checkpoint: Path | None) -> LoadedModel:
-        return model_loading.load(self.location, self.spec.model, self.spec.batch_limit, checkpoint)
+        """The first model, or (once one serves) a swap's, which must be built by the same code."""
+        served = self.loaded.reference if self.loaded is not None else None
+        return model_loading.load(self.location, self.spec.model, self.spec.batch_limit, checkpoint, served)
 
     def _start_inference(self, loaded: LoadedModel) -> ParallelInference:
         spec = self.spec

@@ -94,17 +94,11 @@ class Cluster:
             return None
         return self.api.sanitize_for_serialization(written)
 
-    async def delete(self, kind: str, name: str, namespace: str) -> None:
+    async def delete(self, kind: str, name: str, namespace: str, grace_seconds: int | None = None) -> None:
+        """Delete an object (one already gone is fine). A pod gets SIGTERM, then its own grace period (or
+        `grace_seconds`) before SIGKILL."""
         try:
-            await self._call(f"delete {kind}", self._writers[kind][2], name, namespace)
-        except ApiException as error:
-            if error.status != NOT_FOUND:
-                raise
-
-    async def delete_pod(self, name: str, namespace: str, grace_seconds: int | None = None) -> None:
-        """Delete a pod: SIGTERM, then the pod's own grace period (or `grace_seconds`) before SIGKILL."""
-        try:
-            await self._call("delete Pod", self.core.delete_namespaced_pod, name, namespace,
+            await self._call(f"delete {kind}", self._writers[kind][2], name, namespace,
                              grace_period_seconds=grace_seconds)
         except ApiException as error:
             if error.status != NOT_FOUND:

@@ -99,17 +99,27 @@ async def _apply(plan: Plan, body: dict[str, Any], cluster: Cluster) -> None:
     for manifest in plan.create:
         await cluster.create(manifest)
     for pod in plan.delete_pods:
-        await cluster.delete_pod(pod, namespace, grace_seconds=0 if plan.kill_at_once else None)
-    current = body.get("status") or {}
-    changed = {key: value for key, value in plan.status.items() if current.get(key) != value}
-    if changed:
-        await cluster.patch_status(JOBS, name, namespace, changed)
-        if changed.get("restarts", 0) > current.get("restarts", 0):
-            metrics.RESTARTS.inc(changed["restarts"] - current.get("restarts", 0))
-    for kind, reason, message in plan.events:
-        kopf.event(body, type=kind, reason=reason, message=message)
+        await cluster.delete("Pod", pod, namespace, grace_seconds=0 if plan.kill_at_once else None)
+    before = (body.get("status") or {}).get("restarts", 0)
+    changed = await publish(cluster, JOBS, body, plan.status, plan.events)
+    if changed.get("restarts", 0) > before:
+        metrics.RESTARTS.inc(changed["restarts"] - before)
     if plan.delete_job:
         await cluster.delete_custom(JOBS, name, namespace)
+
+
+async def publish(cluster: Cluster, plural: str, body: dict[str, Any], status: dict[str, Any],
+                  events: list[tuple[str, str, str]]) -> dict[str, Any]:
+    """Patch the status fields that differ from `body`'s (so the operator's own writes do not wake it in a loop),
+    post the decision's Events, and return what was patched."""
+    current = body.get("status") or {}
+    changed = {key: value for key, value in status.items() if current.get(key) != value}
+    if changed:
+        metadata = body["metadata"]
+        await cluster.patch_status(plural, metadata["name"], metadata["namespace"], changed)
+    for kind, reason, message in events:
+        kopf.event(body, type=kind, reason=reason, message=message)
+    return changed
 
 
 async def sleep(waker: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float | None) -> None:

@@ -27,7 +27,7 @@ from kubernetes.client.exceptions import ApiException
 
 from tandem.api import GROUP, VERSION
 from tandem.operator import handlers, metrics
-from tandem.operator.handlers import sleep, wake
+from tandem.operator.handlers import publish, sleep, wake
 from tandem.operator.pool_objects import POOL_LABEL
 from tandem.operator.pools import PoolPlan, Served, Sources, reconcile_pool, sources
 
@@ -46,7 +46,8 @@ log = logging.getLogger("tandem.operator")
 
 
 def _index_children(group: str, version: str, plural: str) -> None:
-    """One index per kind of a pool's objects: {(namespace, pool): [object]}, and a waker on each change."""
+    """One index per kind of a pool's objects (`pool_<plural>`): {(namespace, pool): [object]}, and a waker on each
+    change."""
 
     api_version = f"{group}/{version}" if group else version
 
@@ -59,18 +60,8 @@ def _index_children(group: str, version: str, plural: str) -> None:
         wake(memo, namespace, labels[POOL_LABEL], "pool_wakers")
 
 
-for _group, _version, _plural in CHILD_KINDS:
+for _group, _version, _plural in [*CHILD_KINDS, ("", "v1", "pods")]:  # the server pods: index `pool_pods`
     _index_children(_group, _version, _plural)
-
-
-@kopf.index("v1", "pods", labels={POOL_LABEL: kopf.PRESENT})
-def pool_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
-    return {(namespace, labels[POOL_LABEL]): dict(body)}
-
-
-@kopf.on.event("v1", "pods", labels={POOL_LABEL: kopf.PRESENT})
-def pool_pod_changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
-    wake(memo, namespace, labels[POOL_LABEL], "pool_wakers")
 
 
 @kopf.index(GROUP, VERSION, JOBS)
@@ -157,7 +148,8 @@ class RecentlyPut:
         now = time.monotonic()
         self.objects = {kind: (o, at) for kind, (o, at) in self.objects.items()
                         if indexed.get(kind) is None and now - at < INDEX_LAG_SECONDS}
-        return {kind: indexed.get(kind) or (self.objects.get(kind) or (None,))[0] for kind in indexed}
+        recent = {kind: o for kind, (o, _) in self.objects.items()}
+        return {kind: indexed[kind] or recent.get(kind) for kind in indexed}
 
     def add(self, written: dict[str, Any]) -> None:
         self.objects[written["kind"]] = (written, time.monotonic())
@@ -165,18 +157,11 @@ class RecentlyPut:
 
 async def _apply(plan: PoolPlan, body: dict[str, Any], children: dict[str, dict[str, Any] | None], cluster,
                  put: RecentlyPut) -> None:
-    metadata = body["metadata"]
-    namespace, name = metadata["namespace"], metadata["name"]
     for manifest in plan.apply:
         existing = children.get(manifest["kind"])
         written = await cluster.put(manifest, existing)
         if written is not None and existing is None:
             put.add(written)
     for kind, child in plan.delete:
-        await cluster.delete(kind, child, namespace)
-    current = body.get("status") or {}
-    changed = {key: value for key, value in plan.status.items() if current.get(key) != value}
-    if changed:
-        await cluster.patch_status(POOLS, name, namespace, changed)
-    for kind, reason, message in plan.events:
-        kopf.event(body, type=kind, reason=reason, message=message)
+        await cluster.delete(kind, child, body["metadata"]["namespace"])
+    await publish(cluster, POOLS, body, plan.status, plan.events)

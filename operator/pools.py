@@ -167,9 +167,9 @@ def _model_job(pool: InferencePool, job: dict[str, Any] | None) -> tuple[Paralle
     if job is None:
         return None, f"ParallelTrainingJob {source.name} does not exist in this namespace: waiting for it"
     try:
-        parsed = ParallelTrainingJob.model_validate({k: job[k] for k in ("apiVersion", "kind", "metadata", "spec")})
-    except ValueError as error:
-        return None, f"ParallelTrainingJob {source.name} is not valid: {error}"
+        parsed = parse_resource(job)
+    except ManifestError as error:
+        return None, f"ParallelTrainingJob {source.name} is not valid: {'; '.join(error.problems)}"
     checkpoint = parsed.spec.checkpoint
     if checkpoint.persistent_volume_claim is None:
         return None, (f"ParallelTrainingJob {source.name} keeps its checkpoints on an emptyDir, which its pods alone "

@@ -1,11 +1,12 @@
 """Carrying out a plan through the Kubernetes API (the `kubernetes` client, called from worker threads so the
 operator's event loop never blocks): create a job's objects (an existing one is kept, a ConfigMap replaced), put a
 pool's objects as they should be (create, or replace the version seen), delete objects, patch the operator's status
-fields, delete a finished job. Every API error is counted for /metrics."""
+fields, delete a finished job. Every call goes through the operator's error policy (api_policy.py): transient
+errors retried within the pass, the rest raised for the daemon to decide on."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -15,19 +16,22 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from tandem.api import GROUP, VERSION
-from tandem.operator import metrics
+from tandem.operator.api_policy import call
 
 log = logging.getLogger("tandem.operator")
-CONFLICT, NOT_FOUND = 409, 404
+CONFLICT = 409
 
 
 def login() -> client.ApiClient:
-    """In-cluster credentials, else KUBECONFIG (as kopf logs in)."""
+    """In-cluster credentials, else KUBECONFIG (as kopf logs in). urllib3 retries nothing by itself: the policy
+    (api_policy.py) owns every retry."""
+    configuration = client.Configuration()
     try:
-        config.load_incluster_config()
+        config.load_incluster_config(client_configuration=configuration)
     except config.ConfigException:
-        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # read now, not at import
-    return client.ApiClient()
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration)
+    configuration.retries = False
+    return client.ApiClient(configuration)
 
 
 class Cluster:
@@ -61,70 +65,53 @@ class Cluster:
 
     async def create(self, manifest: dict[str, Any]) -> None:
         """Create an object; one that exists is kept, except a ConfigMap, which is replaced."""
-        kind, namespace = manifest["kind"], manifest["metadata"]["namespace"]
+        kind, metadata = manifest["kind"], manifest["metadata"]
         create, replace, _ = self._writers[kind]
+        target = f"{metadata['namespace']}/{metadata['name']}"
         try:
-            await self._call(f"create {kind}", create, namespace, manifest)
-        except ApiException as error:
-            if error.status != CONFLICT:
-                raise
-            if kind == "ConfigMap":
-                await self._call(f"replace {kind}", replace, manifest["metadata"]["name"], namespace, manifest)
+            await call("create", kind, target, create, metadata["namespace"], manifest)
+        except ApiException as error:  # 409: it exists
+            if kind == "ConfigMap" and error.status == CONFLICT:
+                await call("replace", kind, target, replace, metadata["name"], metadata["namespace"], manifest)
 
     async def put(self, manifest: dict[str, Any], existing: dict[str, Any] | None) -> dict[str, Any] | None:
         """Make an object as `manifest` says: create it, or replace `existing` (the version the decision saw), and
-        return it as the API now holds it. A 409 means the decision saw an older state than the API holds (the watch
-        has not caught up with a write, often the operator's own): nothing is written (None), and the next pass
-        decides on the newer state."""
+        return it as the API now holds it. A create that finds the object there (the index has not caught up with
+        it) writes nothing (None): the next pass decides on what the index then shows. A replace of a version the
+        API has moved past raises `Stale`."""
         kind, metadata = manifest["kind"], manifest["metadata"]
         create, replace, _ = self._writers[kind]
+        target = f"{metadata['namespace']}/{metadata['name']}"
         try:
             if existing is None:
-                written = await self._call(f"create {kind}", create, metadata["namespace"], manifest)
+                written = await call("create", kind, target, create, metadata["namespace"], manifest)
             else:
                 versioned = {**manifest, "metadata": {**metadata,
                                                       "resourceVersion": existing["metadata"].get("resourceVersion")}}
-                written = await self._call(f"replace {kind}", replace, metadata["name"], metadata["namespace"],
-                                           versioned)
+                written = await call("replace", kind, target, replace, metadata["name"], metadata["namespace"],
+                                     versioned)
         except ApiException as error:
             if error.status != CONFLICT:
-                raise
-            log.debug("%s %s/%s changed since it was read: decided again next time", kind, metadata["namespace"],
-                      metadata["name"])
+                raise  # 404 on a replace: deleted meanwhile; the pass is decided again
+            log.debug("%s %s exists already: decided again next time", kind, target)
             return None
         return self.api.sanitize_for_serialization(written)
 
     async def delete(self, kind: str, name: str, namespace: str, grace_seconds: int | None = None) -> None:
         """Delete an object (one already gone is fine). A pod gets SIGTERM, then its own grace period (or
         `grace_seconds`) before SIGKILL."""
-        try:
-            await self._call(f"delete {kind}", self._writers[kind][2], name, namespace,
-                             grace_period_seconds=grace_seconds)
-        except ApiException as error:
-            if error.status != NOT_FOUND:
-                raise
+        with contextlib.suppress(ApiException):  # 404: done
+            await call("delete", kind, f"{namespace}/{name}", self._writers[kind][2], name, namespace,
+                       grace_period_seconds=grace_seconds)
 
     async def patch_status(self, plural: str, name: str, namespace: str, status: dict[str, Any]) -> None:
-        await self._call(f"patch {plural}/status", self.custom.patch_namespaced_custom_object_status, GROUP, VERSION,
-                         namespace, plural, name, {"status": status}, _content_type="application/merge-patch+json")
+        """A merge patch of the status subresource; a resource deleted meanwhile is left alone."""
+        with contextlib.suppress(ApiException):  # 404: deleted meanwhile
+            await call("patch", f"{plural}/status", f"{namespace}/{name}",
+                       self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace, plural, name,
+                       {"status": status}, _content_type="application/merge-patch+json")
 
     async def delete_custom(self, plural: str, name: str, namespace: str) -> None:
-        try:
-            await self._call(f"delete {plural}", self.custom.delete_namespaced_custom_object, GROUP, VERSION,
-                             namespace, plural, name)
-        except ApiException as error:
-            if error.status != NOT_FOUND:
-                raise
-
-    @staticmethod
-    async def _call(what: str, method: Callable, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await asyncio.to_thread(method, *args, _request_timeout=30, **kwargs)
-        except ApiException as error:
-            if error.status not in (CONFLICT, NOT_FOUND):
-                metrics.API_ERRORS.labels(what).inc()
-                log.warning("%s failed: %s %s", what, error.status, error.reason)
-            raise
-        except Exception:
-            metrics.API_ERRORS.labels(what).inc()
-            raise
+        with contextlib.suppress(ApiException):  # 404: done
+            await call("delete", plural, f"{namespace}/{name}", self.custom.delete_namespaced_custom_object, GROUP,
+                       VERSION, namespace, plural, name)

@@ -2,9 +2,10 @@
 
 Each ParallelTrainingJob gets one daemon that reconciles it whenever something it depends on changes (the job
 itself, one of its rank pods) and at least as often as the plan asks (backoffs, heartbeats, deadlines, TTLs):
-read the job and its pods and ConfigMap from kopf's in-memory indices (no API reads), decide, apply. The job's
-status is patched only when the operator's fields change, so its own writes do not wake it in a loop. Progress is
-kept in annotations: the status is shared with rank 0, and the operator writes only its own fields there.
+read the job and its pods and ConfigMap from kopf's in-memory indices (no API reads), decide, apply — in the loop
+that pools share (daemon.py), under the operator's API error policy (api_policy.py). The job's status is patched
+only when the operator's fields change, so its own writes do not wake it in a loop. kopf's progress is kept in
+annotations: the status is shared with rank 0, and the operator writes only its own fields there.
 
 Stateless: restarted mid-job, it rebuilds everything from the API (pods are named by rank, so nothing is created
 twice).
@@ -13,14 +14,14 @@ twice).
 from __future__ import annotations
 
 import asyncio
-import time
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
 from tandem.api import GROUP, VERSION
-from tandem.operator import metrics
+from tandem.operator import daemon, metrics
+from tandem.operator.api_policy import configure_kopf
 from tandem.operator.cluster import Cluster, login
 from tandem.operator.training import Plan, Settings, reconcile
 from tandem.operator.training_objects import JOB_LABEL, config_map_name
@@ -35,6 +36,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = 0  # the Events the decisions ask for; kopf posts nothing else (loggers stay off)
+    configure_kopf(settings)
     memo.cluster = Cluster(login())
     memo.wakers = {}
     memo.pool_wakers = {}
@@ -65,71 +67,42 @@ def job_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     wake_pools_of(memo, namespace, name)
 
 
-@kopf.daemon(GROUP, VERSION, JOBS, cancellation_timeout=10)
+@kopf.daemon(GROUP, VERSION, JOBS, cancellation_timeout=10, backoff=daemon.DAEMON_BACKOFF)
 async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo,
                     job_pods: kopf.Index, job_specs: kopf.Index, **_: Any) -> None:
     key = (namespace, name)
     waker = memo.wakers.setdefault(key, asyncio.Event())
-    written: dict[str, Any] = {}
+    state = daemon.Reconciliation(JOBS, namespace, name)
+
+    async def one_pass() -> float | None:
+        observed = state.observed(body)
+        config_map = next(iter(job_specs.get(key, [])), None)
+        plan = reconcile(observed, list(job_pods.get(key, [])), config_map, datetime.now(UTC), SETTINGS)
+        await _apply(plan, observed, memo.cluster, state)
+        memo.phases.set(key, plan.status.get("phase"))
+        return daemon.FINISHED if plan.delete_job else plan.requeue_after
+
     try:
-        while not stopped:
-            waker.clear()
-            started = time.perf_counter()
-            pods = list(job_pods.get(key, []))
-            config_map = next(iter(job_specs.get(key, [])), None)
-            # The live body can lag behind the operator's own last status patch (the watch event is still on its
-            # way): its own fields are taken as last written. Only the operator writes them, so this is never stale.
-            observed = {**body, "status": {**(body.get("status") or {}), **written}}
-            plan = reconcile(observed, pods, config_map, datetime.now(UTC), SETTINGS)
-            await _apply(plan, observed, memo.cluster)
-            written = plan.status
-            memo.phases.set(key, plan.status.get("phase"))
-            metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
-            if plan.delete_job:
-                return
-            await sleep(waker, stopped, plan.requeue_after)
+        await daemon.run(state, waker, stopped, one_pass)
     finally:
         memo.wakers.pop(key, None)
         memo.phases.set(key, None)
 
 
-async def _apply(plan: Plan, body: dict[str, Any], cluster: Cluster) -> None:
-    metadata = body["metadata"]
-    namespace, name = metadata["namespace"], metadata["name"]
+async def _apply(plan: Plan, body: dict[str, Any], cluster: Cluster, state: daemon.Reconciliation) -> None:
+    """The decision first (the status), then the pods: an operator stopped between the two finds its decision in
+    the status when it starts again (a group torn down is still Restarting, its failure counted once; a group being
+    created is Pending and its missing ranks are created), never pods without the decision that made them."""
+    before = (body.get("status") or {}).get("restarts", 0)
+    changed = await daemon.publish(cluster, state, body, plan.status, plan.events)
+    if changed.get("restarts", 0) > before:
+        metrics.RESTARTS.inc(changed["restarts"] - before)
     for manifest in plan.create:
         await cluster.create(manifest)
     for pod in plan.delete_pods:
-        await cluster.delete("Pod", pod, namespace, grace_seconds=0 if plan.kill_at_once else None)
-    before = (body.get("status") or {}).get("restarts", 0)
-    changed = await publish(cluster, JOBS, body, plan.status, plan.events)
-    if changed.get("restarts", 0) > before:
-        metrics.RESTARTS.inc(changed["restarts"] - before)
+        await cluster.delete("Pod", pod, state.namespace, grace_seconds=0 if plan.kill_at_once else None)
     if plan.delete_job:
-        await cluster.delete_custom(JOBS, name, namespace)
-
-
-async def publish(cluster: Cluster, plural: str, body: dict[str, Any], status: dict[str, Any],
-                  events: list[tuple[str, str, str]]) -> dict[str, Any]:
-    """Patch the status fields that differ from `body`'s (so the operator's own writes do not wake it in a loop),
-    post the decision's Events, and return what was patched."""
-    current = body.get("status") or {}
-    changed = {key: value for key, value in status.items() if current.get(key) != value}
-    if changed:
-        metadata = body["metadata"]
-        await cluster.patch_status(plural, metadata["name"], metadata["namespace"], changed)
-    for kind, reason, message in events:
-        kopf.event(body, type=kind, reason=reason, message=message)
-    return changed
-
-
-async def sleep(waker: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float | None) -> None:
-    """Until something about the job changes, the daemon is stopped, or `seconds` pass."""
-    waits = [asyncio.ensure_future(waker.wait()), asyncio.ensure_future(stopped.wait())]
-    try:
-        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for wait in waits:
-            wait.cancel()
+        await cluster.delete_custom(JOBS, state.name, state.namespace)
 
 
 def wake(memo: kopf.Memo, namespace: str, name: str, wakers: str = "wakers") -> None:

@@ -8,11 +8,13 @@ the peering resources exist (the Helm chart installs them); a single replica run
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 
 WORKER_IMAGE_ENV = "TANDEM_WORKER_IMAGE"
 DEFAULT_WORKER_IMAGE = "tandem-worker:latest"
+LOG_FORMAT = "[%(asctime)s] %(name)s [%(levelname)s] %(message)s"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +46,13 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
     from tandem.operator import handlers, pool_handlers  # noqa: F401 (registers the pools' handlers)
+    from tandem.operator.api_policy import KopfRequestFailures
     from tandem.operator.training import Settings
+
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
+    logging.getLogger("tandem.operator").setLevel(logging.INFO)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(KopfRequestFailures())
 
     handlers.SETTINGS = Settings(worker_image=args.worker_image, restart_backoff_seconds=args.restart_backoff_seconds)
     if args.metrics_port is not None:

@@ -1,5 +1,5 @@
 """The operator's Prometheus metrics (served on --metrics-port): jobs by phase, group restarts, how long a
-reconciliation takes, failed API calls."""
+reconciliation takes, failed and retried API calls, passes an API failure ended early."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ JOBS = Gauge("tandem_operator_jobs", "ParallelTrainingJobs by phase, as last rec
 RESTARTS = Counter("tandem_operator_restarts_total", "Whole-group restarts of ParallelTrainingJobs after a failure")
 RECONCILE_SECONDS = Histogram("tandem_operator_reconcile_seconds", "Time to reconcile one job and apply the plan",
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
-API_ERRORS = Counter("tandem_operator_api_errors_total", "Kubernetes API calls that failed", ["call"])
+API_ERRORS = Counter("tandem_operator_api_errors_total", "Failed attempts of Kubernetes API calls (the operator's and "
+                     "kopf's), by verb, kind and code (an HTTP status, or timeout / connection)",
+                     ["verb", "kind", "code"])
+API_RETRIES = Counter("tandem_operator_api_retries_total", "Failed API calls attempted again within the pass",
+                      ["verb", "kind", "code"])
+PASS_FAILURES = Counter("tandem_operator_pass_failures_total", "Reconciliation passes of a job or pool that an API "
+                        "failure ended early, by outcome (unavailable, stale, refused); each is decided again",
+                        ["resource", "outcome"])
 
 PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
 

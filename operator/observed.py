@@ -113,3 +113,21 @@ def with_condition(conditions: list[dict[str, Any]], kind: str, status: bool, re
     since = previous["lastTransitionTime"] if previous and previous.get("status") == value else isoformat(now)
     updated = {"type": kind, "status": value, "reason": reason, "message": message, "lastTransitionTime": since}
     return [*(c for c in conditions if c.get("type") != kind), updated]
+
+
+REFUSED = "APIRequestRefused"
+
+
+def with_refusal(conditions: list[dict[str, Any]], refusal: str | None, reason: str, now: datetime
+                 ) -> tuple[list[dict[str, Any]], tuple[str, str, str] | None]:
+    """`conditions` with the APIRequestRefused condition as `refusal` (the refused call, the API's message and the
+    fix; None once the API accepts the operator's calls again) says, and the Warning Event a new refusal deserves."""
+    previous = condition(conditions, REFUSED)
+    if refusal is None:
+        if previous is None or previous.get("status") != "True":
+            return conditions, None
+        return with_condition(conditions, REFUSED, False, "Accepted", "the API server accepts the operator's calls",
+                              now), None
+    repeated = previous is not None and previous.get("status") == "True" and previous.get("message") == refusal
+    return (with_condition(conditions, REFUSED, True, reason or "Refused", refusal, now),
+            None if repeated else ("Warning", REFUSED, refusal))

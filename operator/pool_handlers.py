@@ -23,11 +23,10 @@ from typing import Any
 
 import aiohttp
 import kopf
-from kubernetes.client.exceptions import ApiException
 
 from tandem.api import GROUP, VERSION
-from tandem.operator import handlers, metrics
-from tandem.operator.handlers import publish, sleep, wake
+from tandem.operator import daemon, handlers
+from tandem.operator.handlers import wake
 from tandem.operator.pool_objects import POOL_LABEL
 from tandem.operator.pools import PoolPlan, Served, Sources, reconcile_pool, sources
 
@@ -74,38 +73,34 @@ def pool_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     wake(memo, namespace, name, "pool_wakers")
 
 
-@kopf.daemon(GROUP, VERSION, POOLS, cancellation_timeout=10)
+@kopf.daemon(GROUP, VERSION, POOLS, cancellation_timeout=10, backoff=daemon.DAEMON_BACKOFF)
 async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.DaemonStopped,
                      memo: kopf.Memo, pool_pods: kopf.Index, training_jobs: kopf.Index, **indices: Any) -> None:
     key = (namespace, name)
     waker = memo.pool_wakers.setdefault(key, asyncio.Event())
-    written: dict[str, Any] = {}
+    state = daemon.Reconciliation(POOLS, namespace, name)
     put = RecentlyPut()
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ASK_SECONDS)) as session:
-            while not stopped:
-                waker.clear()
-                started = time.perf_counter()
-                observed = {**body, "status": {**(body.get("status") or {}), **written}}
-                reads = sources(observed)
-                memo.pool_sources[key] = reads.job if reads else None
-                children = put.over({kind: next(iter(indices[f"pool_{plural}"].get(key, [])), None)
-                                     for (_, _, plural), kind in CHILD_KINDS.items()})
-                pods = list(pool_pods.get(key, []))
-                job = next(iter(training_jobs.get((namespace, reads.job), [])), None) if reads and reads.job else None
-                served = await _ask_servers(session, reads, pods) if reads else []
-                plan = reconcile_pool(observed, children, pods, served, job, datetime.now(UTC),
-                                      handlers.SETTINGS.worker_image)
-                try:
-                    await _apply(plan, observed, children, memo.cluster, put)
-                    written = plan.status
-                except ApiException as error:  # a conflict or a refusal: decided again on the next pass
-                    log.warning("pool %s/%s: %s %s", namespace, name, error.status, error.reason)
-                metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
-                await sleep(waker, stopped, plan.requeue_after)
-    finally:
-        memo.pool_wakers.pop(key, None)
-        memo.pool_sources.pop(key, None)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ASK_SECONDS)) as session:
+
+        async def one_pass() -> float | None:
+            observed = state.observed(body)
+            reads = sources(observed)
+            memo.pool_sources[key] = reads.job if reads else None
+            children = put.over({kind: next(iter(indices[f"pool_{plural}"].get(key, [])), None)
+                                 for (_, _, plural), kind in CHILD_KINDS.items()})
+            pods = list(pool_pods.get(key, []))
+            job = next(iter(training_jobs.get((namespace, reads.job), [])), None) if reads and reads.job else None
+            served = await _ask_servers(session, reads, pods) if reads else []
+            plan = reconcile_pool(observed, children, pods, served, job, datetime.now(UTC),
+                                  handlers.SETTINGS.worker_image)
+            await _apply(plan, observed, children, memo.cluster, put, state)
+            return plan.requeue_after
+
+        try:
+            await daemon.run(state, waker, stopped, one_pass)
+        finally:
+            memo.pool_wakers.pop(key, None)
+            memo.pool_sources.pop(key, None)
 
 
 async def _ask_servers(session: aiohttp.ClientSession, reads: Sources, pods: list[dict[str, Any]]) -> list[Served]:
@@ -156,12 +151,12 @@ class RecentlyPut:
 
 
 async def _apply(plan: PoolPlan, body: dict[str, Any], children: dict[str, dict[str, Any] | None], cluster,
-                 put: RecentlyPut) -> None:
+                 put: RecentlyPut, state: daemon.Reconciliation) -> None:
     for manifest in plan.apply:
         existing = children.get(manifest["kind"])
         written = await cluster.put(manifest, existing)
         if written is not None and existing is None:
             put.add(written)
     for kind, child in plan.delete:
-        await cluster.delete(kind, child, body["metadata"]["namespace"])
-    await publish(cluster, POOLS, body, plan.status, plan.events)
+        await cluster.delete(kind, child, state.namespace)
+    await daemon.publish(cluster, state, body, plan.status, plan.events)

@@ -259,15 +259,17 @@ class _Reconciler:
     def _start_group(self, job: ParallelTrainingJob, reason: str, message: str) -> None:
         self.result.create += group_objects(self.body, job)
         self.result.create += [self._pod(job, rank) for rank in range(job.spec.workers)]
-        self.status.setdefault("startTime", isoformat(self.now))
         durable = job.spec.checkpoint.persistent_volume_claim is not None
         self.conditions = with_condition(
             self.conditions, "CheckpointsDurable", durable, "PersistentVolumeClaim" if durable else "EmptyDir",
             f"checkpoints on claim {job.spec.checkpoint.persistent_volume_claim}" if durable else
             "checkpoints are kept on an emptyDir: they do not survive a restart of the ranks; set "
             "spec.checkpoint.persistentVolumeClaim to keep them", self.now)
-        if self.phase == "Pending":  # a first group: Pending already, but its creation is an event of its own
+        # A first group is Pending already, but its creation is an Event of its own (once: a pass that tries the
+        # creation again after an API failure finds startTime written).
+        if self.phase == "Pending" and "startTime" not in self.status:
             self.result.events.append(("Normal", reason, message))
+        self.status.setdefault("startTime", isoformat(self.now))
         self._set_phase("Pending", reason, message)
         self.result.requeue_after = WAIT_SECONDS
 

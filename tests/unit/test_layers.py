@@ -39,7 +39,7 @@ RULES = [
 ]
 TORCH_FREE = ["tandem.api", "tandem.contract", "tandem.restart_policy", "tandem.manifest", "tandem.crd",
               "tandem.operator.training", "tandem.operator.handlers", "tandem.operator.main", "tandem.operator.pools",
-              "tandem.operator.pool_handlers"]
+              "tandem.operator.pool_handlers", "tandem.operator.api_policy", "tandem.operator.daemon"]
 
 
 def module_files(layer: str, packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:

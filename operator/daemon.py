@@ -1,0 +1,138 @@
+"""The one reconciliation loop that the daemon of every ParallelTrainingJob and every InferencePool runs.
+
+A pass reads the object and its children from kopf's indices, decides (a pure function), and applies the decision
+through the API. The loop runs a pass whenever the object or a child changes (its waker), when the decision asks to
+look again, and after an API failure, by the operator's error policy (api_policy.py):
+
+- `Unavailable` (transient errors on every attempt of a call): the pass is decided again within seconds (jittered,
+  doubling from 0.5 s to at most 5 s, never sooner than the server's Retry-After), never left to kopf's 60 s
+  default;
+- `Stale` (409 on a replace): decided again in a moment, on the newer version the watch brings;
+- `Refused` (400, 403, 422): an APIRequestRefused condition on the object names the call, the API's message and
+  the fix, with a Warning Event; decided again on any change, or after REFUSED_SECONDS (RBAC may be fixed).
+
+An API failure ends a pass, nothing more: it never restarts a group and never counts toward `backoffLimit` (those
+are decided from the pods alone). The operator's status fields are kept as last written (`written`) and laid over
+the body the pass reads, because the watch can lag behind the operator's own patch; they are only ever the
+operator's fields, so rank 0's (progress, metrics, communication, checkpoint) are never patched from a stale view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from tandem.operator import metrics
+from tandem.operator.api_policy import Backoff, Refused, Stale, Unavailable
+from tandem.operator.observed import with_refusal
+
+log = logging.getLogger("tandem.operator")
+
+PASS_BACKOFF = Backoff(base=0.5, cap=5.0)
+STALE_SECONDS = 0.2
+REFUSED_SECONDS = 30.0
+DAEMON_BACKOFF = 1.0
+"""kopf's backoff after a daemon raised something unexpected (a bug): a last resort, never kopf's 60 s default."""
+OPERATOR_FIELDS = frozenset({"phase", "conditions", "workers", "master", "restarts", "startTime", "completionTime",
+                             "message", "observedGeneration", "selector", "replicas", "readyReplicas", "readySummary",
+                             "endpoint", "model"})
+"""The status fields the operator writes; the rest of a job's status (progress, metrics, communication,
+checkpoint) is rank 0's."""
+FINISHED = -1.0
+"""What a pass returns when the object needs no daemon any more (a job deleted after its TTL)."""
+
+
+@dataclass
+class Reconciliation:
+    """What one object's daemon keeps between passes."""
+
+    plural: str
+    namespace: str
+    name: str
+    written: dict[str, Any] = field(default_factory=dict)
+    """The operator's status fields as last patched (the watch may not have brought them yet)."""
+    refusal: Refused | None = None
+    """The last call the API refused, until a pass completes."""
+
+    def observed(self, body: kopf.Body) -> dict[str, Any]:
+        """The body, with the operator's own status fields as last written."""
+        return {**body, "status": {**(body.get("status") or {}), **self.written}}
+
+
+async def run(state: Reconciliation, waker: asyncio.Event, stopped: kopf.DaemonStopped,
+              one_pass: Callable[[], Awaitable[float | None]]) -> None:
+    """Run `one_pass` (which returns when to look again: seconds, None for "on a change only", or FINISHED) until
+    the daemon is stopped, deciding again after every API failure as the policy says."""
+    failures = 0
+    while not stopped:
+        waker.clear()
+        started = time.perf_counter()
+        try:
+            requeue = await one_pass()
+        except Refused as error:
+            metrics.PASS_FAILURES.labels(state.plural, "refused").inc()
+            state.refusal, requeue = error, REFUSED_SECONDS
+        except Stale:
+            metrics.PASS_FAILURES.labels(state.plural, "stale").inc()
+            requeue = STALE_SECONDS
+        except Unavailable as error:
+            metrics.PASS_FAILURES.labels(state.plural, "unavailable").inc()
+            requeue = PASS_BACKOFF.delay(failures, error.retry_after)
+            failures += 1
+        else:
+            failures = 0
+            if state.refusal is not None:  # accepted now: one more pass clears the condition
+                state.refusal, requeue = None, 0.0
+        finally:
+            metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+        if requeue == FINISHED:
+            return
+        await sleep(waker, stopped, requeue)
+
+
+async def publish(cluster: Any, state: Reconciliation, body: dict[str, Any], status: dict[str, Any],
+                  events: list[tuple[str, str, str]]) -> dict[str, Any]:
+    """Patch the operator's status fields that differ from `body`'s (so its own writes do not wake it in a loop),
+    with the APIRequestRefused condition as the last refusal says; post the decision's Events; return what was
+    patched. Only the operator's fields are ever sent."""
+    foreign = set(status) - OPERATOR_FIELDS
+    if foreign:
+        raise ValueError(f"the operator never writes status fields {sorted(foreign)}: they are rank 0's")
+    status = dict(status)
+    if "conditions" in status:
+        status["conditions"], event = with_refusal(status["conditions"], _refusal_text(state.refusal),
+                                                   state.refusal.reason if state.refusal else "",
+                                                   datetime.now(UTC))
+        events = [*events, event] if event else events
+    current = body.get("status") or {}
+    changed = {key: value for key, value in status.items() if current.get(key) != value}
+    if changed:
+        await cluster.patch_status(state.plural, state.name, state.namespace, changed)
+    state.written = status
+    for kind, reason, message in events:
+        kopf.event(body, type=kind, reason=reason, message=message)
+    return changed
+
+
+def _refusal_text(refusal: Refused | None) -> str | None:
+    if refusal is None:
+        return None
+    return (f"{refusal.verb} {refusal.kind} {refusal.target} was refused: {refusal.code} {refusal.reason}: "
+            f"{refusal.message}; fix: {refusal.fix()}")
+
+
+async def sleep(waker: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float | None) -> None:
+    """Until something about the object changes, the daemon is stopped, or `seconds` pass."""
+    waits = [asyncio.ensure_future(waker.wait()), asyncio.ensure_future(stopped.wait())]
+    try:
+        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()

@@ -24,12 +24,14 @@ class ApiError(Exception):
 
 
 class Api:
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, token: str | None = None) -> None:
+        """`token`: the bearer token the emulator knows this client by (faults.py: `client-kubelet` is `kubelet`)."""
+        self.url, self.token = url, token
         self._session: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
-        self._session = aiohttp.ClientSession(self.url, read_bufsize=2 ** 22)
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+        self._session = aiohttp.ClientSession(self.url, read_bufsize=2 ** 22, headers=headers)
 
     async def close(self) -> None:
         if self._session is not None:

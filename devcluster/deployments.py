@@ -203,7 +203,7 @@ def pod_for(deployment: Mapping[str, Any]) -> dict[str, Any]:
 
 class DeploymentController:
     def __init__(self, url: str) -> None:
-        self.api = Api(url)
+        self.api = Api(url, token="client-kubelet")
         self.deployments = Informer(self.api, "/apis/apps/v1/deployments", self._on_deployment)
         self.pods = Informer(self.api, "/api/v1/pods", self._on_pod)
         self._queue: dict[str, None] = {}  # uids of Deployments to sync, in order

@@ -53,6 +53,7 @@ import attrs
 import kmock
 from kmock._internal import rendering
 
+from . import faults as faults_
 from . import lifecycle, patches, subresources
 from .catalog import Catalog, Kind
 from .selectors import Selection, SelectorError
@@ -73,6 +74,9 @@ class Emulator(kmock.KubernetesEmulator):
     pod_paths: dict[str, list[tuple[str, str]]] = attrs.field(factory=dict, init=False)  # set by the kubelet
     bugs: list[BaseException] = attrs.field(factory=list, init=False)  # 500s: the emulator's own failures
     _builtin_reactions: int = attrs.field(default=0, init=False)
+    injector: faults_.Injector = attrs.field(factory=faults_.Injector, init=False)
+    hooks: faults_.Hooks = attrs.field(factory=faults_.Hooks, init=False)
+    _watch_ends: dict[int, tuple[float, bool, tuple]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -136,12 +140,32 @@ class Emulator(kmock.KubernetesEmulator):
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         """kmock's `RawHandler.__call__`, but for how a request is parsed: kmock's parser raises on a bare
         `/api/v1/namespaces` before any handler runs; here a request kmock cannot parse is built plainly and
-        `_reparse` reads its path."""
+        `_reparse` reads its path. Faults (faults.py) and hooks are applied here, on both paths (direct and DSL);
+        with neither, a request costs one more attribute read."""
         await raw_request.read()
-        raw_response = None
         try:
             request = self._map_pod_paths(self._reparse(await self._parse(raw_request, len(self._requests))))
             self._requests.append(request)
+        except Exception as error:
+            return await self._failed(error, None)
+        faults, hooks = self.injector.faults, self.hooks.pending
+        if faults is None and not hooks:
+            return await self._respond(request)
+        client = self.client_of(request)
+        if faults is not None and client in faults.clients and request.action is not None \
+                and request.resource is not None and request.resource.plural:
+            injected = await self._inject(request, client, faults)
+            if injected is not None:
+                return injected
+        response = await self._respond(request)
+        if self.hooks.pending and isinstance(response, aiohttp.web.Response) and response.status < 400 \
+                and request.action is not None and request.action != kmock.action.WATCH:
+            self._after(request, client, response)
+        return response
+
+    async def _respond(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        raw_response = None
+        try:
             if request.action == kmock.action.FETCH and request.subresource == "log":
                 return self._serve_log(request)  # text/plain, which kmock's payloads cannot answer
             direct = request.action is not None and request.resource is not None and request.resource.plural
@@ -153,16 +177,90 @@ class Emulator(kmock.KubernetesEmulator):
                 raw_response = error.args[0]
                 raise error.__cause__ from None
         except Exception as error:
-            if not self._errors:
-                raise
-            if isinstance(error, kmock.KubernetesError):
-                return await self._render_error(error)  # an API answer (404, 409, 422...), not a failure
-            self._errors[-1].append(error)
-            if raw_response is None or not raw_response.prepared:
-                return await self._render_error(error)
-            await self._stream_error(error, raw_response)
-            await raw_response.write_eof()
-            return raw_response
+            return await self._failed(error, raw_response)
+
+    async def _failed(self, error: Exception, raw_response: Any) -> aiohttp.web.StreamResponse:
+        if not self._errors:
+            raise error
+        if isinstance(error, kmock.KubernetesError):
+            return await self._render_error(error)  # an API answer (404, 409, 422...), not a failure
+        self._errors[-1].append(error)
+        if raw_response is None or not raw_response.prepared:
+            return await self._render_error(error)
+        await self._stream_error(error, raw_response)
+        await raw_response.write_eof()
+        return raw_response
+
+    # -- faults and hooks (faults.py) ------------------------------------------------------------------------------
+    @property
+    def injected(self) -> faults_.Counts:
+        """What was injected, by (client, fault, method, plural); readable from any thread."""
+        return self.injector.counts
+
+    def inject(self, faults: faults_.Faults | None) -> None:
+        """Switch faults on (or off with None); any thread."""
+        self.injector.set(faults)
+
+    def client_of(self, request: kmock.Request) -> str:
+        """Who sent the request, by its bearer token: `client-NAME` is NAME, a pod's `pod-UID` is `pods`, anything
+        else `tests`."""
+        raw = request._raw_request
+        header = (raw.headers if raw is not None else request.headers).get("Authorization") or ""
+        token = header.removeprefix("Bearer ").strip()
+        if token.startswith("client-"):
+            return token.removeprefix("client-")
+        if token.startswith("pod-") or token in self.pod_paths:
+            return "pods"
+        return "tests"
+
+    async def _inject(self, request: kmock.Request, client: str, faults: faults_.Faults
+                      ) -> aiohttp.web.StreamResponse | None:
+        """The fault this request meets, as an answer; None: serve it (perhaps late, or a watch that will end)."""
+        injector, method, plural = self.injector, str(request.method.value).upper(), request.resource.plural
+        if faults.latency > 0:
+            injector.count(client, "latency", method, plural)
+            await asyncio.sleep(faults.latency)
+        raw = request._raw_request
+        if request.action == kmock.action.WATCH:
+            since = request.params.get("resourceVersion")
+            if since not in (None, "", "0") and injector.roll(faults.gone_on_resume):
+                injector.count(client, "gone", method, plural)
+                response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+                await response.prepare(raw)
+                await response.write(_line("ERROR", {
+                    "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure", "code": 410,
+                    "reason": "Expired", "message": f"too old resource version: {since} (injected fault)"}))
+                await response.write_eof()
+                return response
+            if faults.watch_end_after is not None:
+                self._watch_ends[id(raw)] = (faults.watch_end_after, faults.watch_end_abruptly,
+                                             (client, "watch-end", method, plural))
+            return None
+        if injector.roll(faults.hang_fraction):
+            injector.count(client, "hang", method, plural)
+            transport = raw.transport if raw is not None else None
+            end = time.monotonic() + faults_.HANG_LIMIT
+            while transport is not None and not transport.is_closing() and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+            if transport is not None:
+                transport.abort()
+            raise asyncio.CancelledError  # nothing to answer: aiohttp drops the request quietly
+        if method in faults_.WRITES and faults.write_codes and injector.roll(faults.write_fraction):
+            code = faults.write_codes[injector.rng.randrange(len(faults.write_codes))]
+            injector.count(client, f"error-{code}", method, plural)
+            body, headers = faults_.status(code, f"injected fault: {code} for {method} {plural} by {client}",
+                                           faults.retry_after)
+            return aiohttp.web.json_response(body, status=code, headers=headers)
+        return None
+
+    def _after(self, request: kmock.Request, client: str, response: aiohttp.web.Response) -> None:
+        try:
+            result = json.loads(response.body) if response.body else None
+        except (TypeError, ValueError):
+            result = None
+        res = request.resource
+        self.hooks.run(faults_.Served(client, str(request.method.value).upper(), res.plural if res else None,
+                                      request.namespace, request.name, request.subresource, request.data, result))
 
     async def _serve_directly(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         """Fix (speed): kmock's DSL decides whether a reaction matches a request by scanning every request served
@@ -343,7 +441,10 @@ class Emulator(kmock.KubernetesEmulator):
             raise api_error(400, "BadRequest", f"invalid resourceVersion: {since!r}")
         since = None if since in (None, "0") else int(since)
         deadline = time.monotonic() + float(params["timeoutSeconds"]) if params.get("timeoutSeconds") else None
+        cut = self._watch_ends.pop(id(request._raw_request), None)  # an injected end of this stream
         yield b""  # the headers go out now, even if nothing happens
+        ends = None if cut is None else time.monotonic() + cut[0]
+        deadline = ends if deadline is None or (ends is not None and ends < deadline) else deadline
         try:
             current, backlog, queue = self.store.subscribe(kind.resource, since)
         except Gone as gone:
@@ -368,12 +469,19 @@ class Emulator(kmock.KubernetesEmulator):
                 except TimeoutError:
                     transport = request._raw_request.transport if request._raw_request else None
                     if transport is None or transport.is_closing():
+                        ends = None
                         break  # the client went away
                     continue
                 if event is None:
+                    ends = None
                     break  # the emulator is stopping
                 if line := _translate(event, selection):
                     yield line
+            if ends is not None and time.monotonic() >= ends:  # the injected end, not the client's timeout
+                self.injector.count(*cut[2])
+                transport = request._raw_request.transport if request._raw_request else None
+                if cut[1] and transport is not None:
+                    transport.abort()  # no last chunk: the client sees a broken stream
         finally:
             self.store.unsubscribe(kind.resource, queue)
 

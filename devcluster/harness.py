@@ -41,7 +41,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -51,6 +51,7 @@ import yaml
 
 from .deployments import DeploymentController, controller_uid, is_active, is_ready
 from .emulator import Emulator
+from .faults import Faults, Hook, Served
 from .kubelet import Kubelet
 from .runs import die_with_parent
 
@@ -135,6 +136,7 @@ class Cluster:
         if self._with_kubelet:
             self.kubelet = Kubelet(self.url, self.root, self.kubeconfig, **self._kubelet_options)
             self.emulator.pod_logs, self.emulator.pod_paths = self.kubelet.read_log, self.kubelet.pod_paths
+            self.kubelet.writer = self.emulator.writer
             await self.kubelet.start()
         if self._with_deployments:
             self.deployments = DeploymentController(self.url)
@@ -291,13 +293,32 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if k not in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")}
         return {**env, "KUBECONFIG": str(self.kubeconfig), **extra}
 
+    def kubeconfig_for(self, client: str) -> Path:
+        """A kubeconfig like `kubeconfig` whose user's bearer token is `client-<client>`: the emulator knows the
+        requests made with it as `client`'s (the name `Faults.clients` and `Served.client` use)."""
+        path = self.root / "kubeconfigs" / f"{client}.json"
+        if not path.exists():
+            config = json.loads(self.kubeconfig.read_text())
+            for user in config["users"]:
+                user["user"] = {"token": f"client-{client}"}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(".tmp")
+            partial.write_text(json.dumps(config))
+            partial.replace(path)
+        return path
+
     def spawn(self, argv: list[str], name: str, env: Mapping[str, str] | None = None,
-              cwd: Path | str | None = None) -> subprocess.Popen:
-        """Start a process against this cluster, its output in `process_log(name)`; stopped by `shutdown`."""
+              cwd: Path | str | None = None, client: str | None = None) -> subprocess.Popen:
+        """Start a process against this cluster, its output in `process_log(name)` (appended to: a process spawned
+        again under its name keeps the earlier output); stopped by `shutdown`. With `client`, its KUBECONFIG is
+        `kubeconfig_for(client)`: the emulator knows its requests as `client`'s."""
         log = self.root / "processes" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "wb") as output:
-            process = subprocess.Popen(argv, env=dict(env) if env is not None else self.environ(), cwd=cwd,
+        env = dict(env) if env is not None else self.environ()
+        if client is not None:
+            env["KUBECONFIG"] = str(self.kubeconfig_for(client))
+        with open(log, "ab") as output:
+            process = subprocess.Popen(argv, env=env, cwd=cwd,
                                        stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        start_new_session=True, preexec_fn=die_with_parent)
         self._processes[name] = (process, log)
@@ -316,3 +337,46 @@ class Cluster:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
         return process.wait()
+
+    def kill_process(self, name: str) -> int:
+        """SIGKILL the spawned process's whole group at once, no SIGTERM (a crash); its exit code. Safe to call from
+        a hook's action (the wait is for a process already killed)."""
+        process, _ = self._processes[name]
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        return process.wait(10)
+
+    # -- faults (faults.py) ---------------------------------------------------------------------------------------
+    def inject(self, faults: Faults | None) -> None:
+        """Switch the emulator's faults on (`Faults`), or off (None); any thread."""
+        self.emulator.inject(faults)
+
+    @contextlib.contextmanager
+    def faulty(self, faults: Faults) -> Iterator[Faults]:
+        """`with cluster.faulty(Faults(...)):` the faults hold inside the block, and are cleared on its exit."""
+        self.inject(faults)
+        try:
+            yield faults
+        finally:
+            self.inject(None)
+
+    def after(self, predicate: Callable[[Served], bool], action: Callable[[Served], Any]) -> Hook:
+        """Call `action(served)` once, after the emulator served (and committed) the first request with a successful
+        answer for which `predicate(served)` is true, before that answer goes out. Both run on the emulator's event
+        loop: keep them quick (`kill_process` is)."""
+        return self.emulator.hooks.add(predicate, action)
+
+    def lose_node(self, down_seconds: float = 5.0) -> None:
+        """The node dies and comes back after `down_seconds` (Kubelet.lose): returns once it is down, pods' processes
+        killed, the Node NotReady (Unknown) and its unfinished pods Failed (NodeLost); see `node_ready`."""
+        if self.kubelet is None:
+            raise RuntimeError("this cluster runs no kubelet")
+        self._call(self.kubelet.lose(down_seconds))
+
+    def node_ready(self) -> bool:
+        """Whether the node is up and Ready (after `lose_node`, once it recovered)."""
+        if self.kubelet is None or self.kubelet.down:
+            return False
+        node = self.get("nodes", None, self.kubelet.node.name) or {}
+        return any(c.get("type") == "Ready" and c.get("status") == "True"
+                   for c in (node.get("status") or {}).get("conditions") or [])

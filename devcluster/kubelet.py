@@ -47,8 +47,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import kmock
 
-from . import network, podstatus, probes, sandbox
+from . import faults, network, podstatus, probes, sandbox
 from .apiclient import Api, ApiError, Informer
 from .network import Network
 from .runs import PodRun, Process, die_with_parent, quietly
@@ -62,7 +63,7 @@ class Kubelet:
                  capacity: Mapping[str, Any] | None = None, labels: Mapping[str, str] | None = None,
                  images: Iterable[str] = ("*",), extra_env: Mapping[str, str] | None = None,
                  pull_backoff: float = 0.3, restart_backoff: float = 1.0) -> None:
-        self.api, self.root, self.kubeconfig = Api(url), Path(root), Path(kubeconfig)
+        self.api, self.root, self.kubeconfig = Api(url, token="client-kubelet"), Path(root), Path(kubeconfig)
         self.node, self.network = Node(node_name, capacity, labels), Network()
         self.images, self.extra_env = list(images), dict(extra_env or {})
         self.pull_backoff, self.restart_backoff = pull_backoff, restart_backoff
@@ -71,11 +72,15 @@ class Kubelet:
         self.runs: dict[str, PodRun] = {}  # the pods on this node, by uid
         self.done: dict[tuple[str, str], PodRun] = {}  # the last run of each removed pod, for its logs
         self.scheduler = Scheduler(self.api, self.node, self.pods)
+        self.writer: Any = None  # the emulator's Writer (set by the harness): `lose` writes the controllers' part
         self.pod_paths: dict[str, list[tuple[str, str]]] = {}  # pod token -> (local directory, mount path)
         self._tasks: list[asyncio.Task] = []
         self._lock = threading.Lock()
         self._probes: aiohttp.ClientSession | None = None  # probes' and hooks' HTTP client
         self._events: set[asyncio.Task] = set()  # Events being written
+        self.down = False  # the node is lost (`lose`): the kubelet neither runs nor reports anything
+        self.grace_for_node_monitor = 0.2  # seconds between the loss and the node lifecycle controller's marks
+        self._recovery: asyncio.Task | None = None
 
     # -- accessors for tests (any thread) -------------------------------------------------------------------------
     def _find(self, namespace: str, name: str) -> PodRun | None:
@@ -135,7 +140,8 @@ class Kubelet:
             runs = list(self.runs.values())
         for run in runs:
             self._kill(run, signal.SIGKILL)
-        tasks = [*self._tasks, *self._events, *(run.task for run in runs if run.task)]
+        tasks = [*self._tasks, *self._events, *(run.task for run in runs if run.task),
+                 *([self._recovery] if self._recovery else [])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -146,6 +152,95 @@ class Kubelet:
         if self._probes is not None:
             await self._probes.close()
         await self.api.close()
+
+    # -- a node lost ----------------------------------------------------------------------------------------------
+    async def lose(self, down_seconds: float = 5.0) -> None:
+        """The node's machine dies and comes back after `down_seconds` (a reboot, or a replacement under the same
+        name). Returns once it is down; the recovery runs in the background (`recovered`).
+
+        At once: every pod's process group is SIGKILLed and the kubelet stops (no status, no Events; it ignores what
+        its watch says). Then, on a compressed clock (`grace_for_node_monitor`, 40 s on a cluster), the part of
+        kube-controller-manager emulated here: the node lifecycle controller sets the Node's Ready condition to
+        Unknown (NodeStatusUnknown), and PodGC marks each pod bound to it that had not finished Failed, reason
+        NodeLost, with a DisruptionTarget condition (DeletionByPodGC) and Ready False (it does not delete them here).
+        The scheduler binds nothing to the node while it is not Ready: new pods stay Pending, Unschedulable."""
+        if self.down:
+            raise RuntimeError(f"node {self.node.name} is already down")
+        self.down, self.node.ready = True, False
+        with self._lock:
+            runs = list(self.runs.values())
+        for run in runs:
+            self._kill(run, signal.SIGKILL)
+        tasks = [*self._events, *(run.task for run in runs if run.task)]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for run in runs:
+            if run.process is not None:
+                await run.process.wait()
+        await asyncio.sleep(self.grace_for_node_monitor)  # any status write already sent is served before the marks
+        self._mark_node_lost()
+        self.scheduler.kick.set()
+        self._recovery = asyncio.create_task(self._recover_after(down_seconds), name="node recovery")
+
+    def _mark_node_lost(self) -> None:
+        """kube-controller-manager's node lifecycle controller and PodGC, written straight into the store."""
+        writer = self.writer
+        now = podstatus.timestamp()
+        nodes = writer.catalog.lookup("nodes")
+        key = writer.key(nodes, None, self.node.name)
+        node = writer.store.get(key)
+        if node is not None:
+            status = node.get("status") or {}
+            others = [c for c in status.get("conditions") or [] if c.get("type") != "Ready"]
+            node["status"] = {**status, "conditions": [*others, *faults.node_unknown_conditions(now)]}
+            writer.update(nodes, key, node, subresource="status", system=True)
+        pods = writer.catalog.lookup("pods")
+        for key in writer.store.keys(pods.resource):
+            pod = writer.store.get(key)
+            if pod is None or (pod.get("spec") or {}).get("nodeName") != self.node.name \
+                    or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                continue
+            pod["status"] = faults.node_lost_status(pod, self.node.name, now)
+            with quietly(kmock.KubernetesError):
+                writer.update(pods, key, pod, subresource="status", system=True)
+
+    async def _recover_after(self, down_seconds: float) -> None:
+        await asyncio.sleep(down_seconds)
+        while True:
+            try:
+                await self._recover()
+                return
+            except (ApiError, aiohttp.ClientError) as error:  # faults injected for the kubelet, say
+                logger.warning("kubelet: recovering the node: %s; trying again", error)
+                await asyncio.sleep(0.5)
+
+    async def _recover(self) -> None:
+        """The kubelet starts again: Ready, capacity free, each pod bound to the node looked at once more (those
+        marked for deletion meanwhile are removed for good, finished ones left as they are, new ones run)."""
+        for uid in list(self.node.allocated):
+            self.node.release(uid)
+        await self.api.patch_status(f"/api/v1/nodes/{self.node.name}", self.node.manifest())
+        selector = {"fieldSelector": f"spec.nodeName={self.node.name}"}
+        listing = await self.api.request("GET", "/api/v1/pods", params=selector)
+        self.down, self.node.ready = False, True
+        for pod in listing["items"]:
+            meta = pod["metadata"]
+            if meta.get("deletionTimestamp"):
+                path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+                try:
+                    await self.api.request("DELETE", path, {"gracePeriodSeconds": 0,
+                                                            "preconditions": {"uid": meta["uid"]}})
+                except ApiError as error:
+                    if error.status not in (404, 409):
+                        raise
+            elif (held := self.pods.get(meta["uid"])) is not None:
+                self._observe("MODIFIED", held)
+        self.scheduler.kick.set()
+
+    @property
+    def recovered(self) -> bool:
+        return not self.down
 
     # -- the pods, as the API tells (`informer` holds them in `pods`) ----------------------------------------------
     def _observe(self, type_: str, pod: dict[str, Any]) -> None:
@@ -164,6 +259,8 @@ class Kubelet:
                 self.scheduler.pending[uid] = None
             return
         self.scheduler.pending.pop(uid, None)
+        if self.down:
+            return  # the node is lost: its kubelet hears nothing (the scheduler above still does)
         if run is not None:
             run.pod = pod
             run.changed.set()

@@ -5,7 +5,8 @@ request is absent, as the API server defaults them), what is free on the node (c
 it and not finished asked for) covers it; extended resources (`nvidia.com/gpu`) the node lacks count as 0. A pod that
 does not fit stays Pending with condition PodScheduled=False, reason Unschedulable and a message shaped like the
 scheduler's: `0/1 nodes are available: 1 Insufficient nvidia.com/gpu.` A nodeSelector the node's labels do not
-satisfy, and a persistentVolumeClaim that does not exist, are reported the same way. GPUs are whole devices: a pod
+satisfy, a persistentVolumeClaim that does not exist, and a node that is not Ready (lost, see `Kubelet.lose`) are
+reported the same way. GPUs are whole devices: a pod
 is assigned device indices (its CUDA_VISIBLE_DEVICES).
 
 Defaults are generous (64 CPUs, 256Gi, 0 GPUs) so that only a test that sets a capacity sees it bite.
@@ -53,6 +54,7 @@ class Node:
         self.labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", **(labels or {})}
         self.allocated: dict[str, dict[str, Decimal]] = {}
         self.gpus: dict[str, list[int]] = {}
+        self.ready = True  # False while the node is lost (Kubelet.lose): nothing is bound to it
 
     def manifest(self) -> dict[str, Any]:
         """The Node object's status: capacity and allocatable (the same here), Ready."""
@@ -72,6 +74,8 @@ class Node:
 
     def unschedulable(self, pod: Mapping[str, Any], missing_claims: list[str]) -> str | None:
         """The scheduler's message when the pod cannot go on this node; None when it fits."""
+        if not self.ready:
+            return "0/1 nodes are available: 1 node(s) were not ready."
         if missing_claims:
             return f'0/1 nodes are available: persistentvolumeclaim "{missing_claims[0]}" not found.'
         selector = pod.get("spec", {}).get("nodeSelector") or {}

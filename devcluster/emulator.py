@@ -26,6 +26,20 @@ end; the fixes, each named here and implemented in the module beside it:
 - `_serve_directly` (fix: speed): kmock's DSL matching costs more with every request served (quadratic over a run);
   resource requests bypass it unless a test added its own kmock reactions (fault injection still works, slower).
 
+Added for the tests (faults.py), on both paths (direct and kmock's DSL), switched per test:
+
+- clients: each request's client is named by its bearer token (`client_of`): `client-NAME` is NAME, a pod's
+  `pod-UID` is `pods`, the test kubelet's and the Deployment controller's `client-kubelet` is `kubelet`, anything
+  else (the tests' own clients) `tests`;
+- `inject(Faults(...))`: for the named clients' resource requests, latency before serving (a watch: before its
+  stream), hung requests (held unanswered and never applied until the client gives up, then the connection dropped),
+  writes answered with an error `Status` (500 InternalError, 503 ServiceUnavailable, 429 TooManyRequests, with
+  `Retry-After` and details.retryAfterSeconds for 429/503) and nothing written, watch streams ended after a time
+  (cleanly, or the TCP connection cut without the last chunk), and resumed watches answered with a 410 Gone ERROR
+  event; `injected` counts each by (client, fault, method, plural); `inject(None)` serves as before;
+- `hooks`: `Served` requests (status < 400, committed) are offered to hooks (`Cluster.after`), each called once,
+  before the answer goes out. With no faults and no hooks, a request costs two attribute reads more.
+
 Not emulated: authentication and authorization (every request is allowed, RBAC objects are only stored),
 admission webhooks, server-side apply, `limit`/`continue` paging (a list returns everything), watch bookmarks
 (`allowWatchBookmarks` is ignored), defaulting of built-in objects (a Deployment's absent `replicas` or `strategy`

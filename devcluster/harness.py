@@ -22,6 +22,14 @@ object), `environ()` (the environment for a process of your own against this clu
 with kmock's DSL on `cluster.emulator` (e.g. `cluster.emulator["patch", re.compile(".*/status")] << 503`); while
 any such reaction exists every request goes through kmock's slower matching.
 
+Faults (faults.py), per test: `kubeconfig_for(client)` (a kubeconfig whose bearer token names the client) and
+`spawn(argv, name, client="operator")`; `inject(Faults(...))` / `with cluster.faulty(Faults(...)):` (write errors,
+latency, hung requests, ended or cut watches, 410 on resume, for the named clients), counted in `emulator.injected`;
+`after(predicate, action)` (a `Hook` called once after a served request, e.g. to `kill_process(name)`, a SIGKILL of
+the process's group, between two of its writes; `spawn` it again under the same name, its log appended to);
+`lose_node(down_seconds)` (the node's machine dies: pods' processes killed, the Node NotReady, its unfinished pods
+Failed with NodeLost, nothing scheduled; it comes back after `down_seconds`, `node_ready()`; see `Kubelet.lose`).
+
 For Deployments and Services: `deployment_pods(namespace, name)` (the pods a Deployment owns, oldest first; each
 pod's own address is `pod["status"]["podIP"]`, where a server told to bind 0.0.0.0 listens: network.py) and
 `endpoints(namespace, service)` (`ip:port` of each ready pod behind a Service, as its Endpoints would list them;

@@ -22,6 +22,12 @@ It lists and watches pods through the API like a kubelet (its own aiohttp client
   after SIGTERM, as the kubelet gives. Meanwhile the pod stays Running and readiness is still probed. Then the pod
   is deleted for good (gracePeriodSeconds=0); a pod removed at once (force deletion) is killed at once, no hook;
 - output: each container run's stdout+stderr in a log file (`log_path`, `logs`, and the API's `pods/NAME/log`);
+- a node lost (`lose`, `Cluster.lose_node`): every pod's process group is SIGKILLed at once and the kubelet stops
+  (no status, no Events; it ignores its watch); the node lifecycle controller and PodGC are emulated on a compressed
+  clock (the Node's Ready Unknown, unfinished pods Failed with reason NodeLost and a DisruptionTarget condition);
+  the scheduler binds nothing to the node while it is not Ready (Unschedulable, "1 node(s) were not ready"). After
+  `down_seconds` the kubelet comes back (same node, capacity free, Ready): it deletes for good (grace 0) the pods
+  bound to it that were marked for deletion, leaves finished ones, and runs new ones;
 - shutdown: every process group is killed; processes also die with this thread (PR_SET_PDEATHSIG), so none is
   orphaned; a process's end is awaited through a pidfd on the event loop, so no waiter thread outlives a test.
 

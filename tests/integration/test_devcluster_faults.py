@@ -256,6 +256,11 @@ def test_faults_and_hooks_on_the_kmock_dsl_path(tmp_path):
             small.core.create_namespaced_config_map(NS, configmap("dsl"))
         assert hook.fired.wait(5) and hook.served.client == "tests" and hook.served.result["metadata"]["uid"]
         assert small.emulator.injected["operator", "error-503", "POST", "configmaps"] == 1
+        version = operator.list_namespaced_config_map(NS).metadata.resource_version
+        with small.faulty(Faults(watch_end_after=0.3, watch_end_abruptly=True)), pytest.raises(Exception) as cut:
+            list(kubernetes.watch.Watch().stream(operator.list_namespaced_config_map, NS, resource_version=version,
+                                                 timeout_seconds=10))
+        assert "ended prematurely" in str(cut.value)
         assert not small.emulator.bugs
 
 
@@ -304,3 +309,36 @@ def test_a_lost_node_fails_its_pods_schedules_nothing_and_comes_back(cluster):
     cluster.wait_for(lambda: cluster.get("pods", NS, "lost-terminating") is None, 5, "lost-terminating to go")
     assert cluster.get("pods", NS, "lost-running") is None
     assert cluster.get("pods", NS, "lost-done")["status"]["phase"] == "Succeeded"
+
+
+OPERATOR = '''
+import kopf
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_):
+    settings.networking.error_backoffs = [0.2] * 50
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="test.tandem.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="test.tandem.dev")
+
+@kopf.on.create("configmaps")
+def created(patch, **_):
+    patch.metadata.annotations["handled"] = "yes"
+'''
+
+
+def test_kopf_sees_an_injected_429_as_the_api_s_and_retries_after_it(cluster, tmp_path):
+    (tmp_path / "operator.py").write_text(OPERATOR)
+    cluster.core.create_namespace({"metadata": {"name": "kopf-faults"}})
+    refused = cluster.emulator.injected["operator", "error-429", "PATCH", "configmaps"]
+    with cluster.faulty(Faults(clients=frozenset({"operator"}), write_fraction=1.0, write_codes=(429,))):
+        cluster.spawn([sys.executable, "-m", "kopf", "run", "--namespace", "kopf-faults", "--verbose",
+                       str(tmp_path / "operator.py")], name="kopf", client="operator")
+        cluster.core.create_namespaced_config_map("kopf-faults", configmap("handled"))
+        key = ("operator", "error-429", "PATCH", "configmaps")
+        cluster.wait_for(lambda: cluster.emulator.injected[key] > refused, 20, "kopf's first patch to be refused")
+    handled = cluster.wait_for(lambda: (cm := cluster.get("configmaps", "kopf-faults", "handled"))["metadata"].get(
+        "annotations", {}).get("handled") == "yes" and cm, 20, "kopf to handle the ConfigMap after the faults")
+    assert handled["metadata"]["annotations"]["handled"] == "yes"
+    log = cluster.process_log("kopf")
+    assert "APITooManyRequestsError" in log and "retry-after 1s from the server" in log, log
+    assert cluster.stop_process("kopf") == 0

@@ -81,6 +81,14 @@ class Store:
                 return []
             return [None if v is None else copy.deepcopy(v.raw) for v in self.objects[key].history]
 
+    def log(self, resource: kmock.resource | str) -> list[Event]:
+        """The events kept of a resource (the last LOG_LIMIT), oldest first: what a watch from the start would see.
+        `resource` may be its plural alone ('pods')."""
+        with self.mutex:
+            logs = [log for key, log in self._logs.items() if key == resource or getattr(key, "plural", None) ==
+                    resource]
+            return sorted((event for log in logs for event in log), key=lambda event: event.revision)
+
     def uid_exists(self, uid: str) -> bool:
         with self.mutex:
             return uid in self._uids

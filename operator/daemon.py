@@ -107,7 +107,7 @@ async def publish(cluster: Any, state: Reconciliation, body: dict[str, Any], sta
         raise ValueError(f"the operator never writes status fields {sorted(foreign)}: they are rank 0's")
     status = dict(status)
     if "conditions" in status:
-        status["conditions"], event = with_refusal(status["conditions"], _refusal_text(state.refusal),
+        status["conditions"], event = with_refusal(status["conditions"], describe_refusal(state.refusal),
                                                    state.refusal.reason if state.refusal else "",
                                                    datetime.now(UTC))
         events = [*events, event] if event else events
@@ -121,7 +121,7 @@ async def publish(cluster: Any, state: Reconciliation, body: dict[str, Any], sta
     return changed
 
 
-def _refusal_text(refusal: Refused | None) -> str | None:
+def describe_refusal(refusal: Refused | None) -> str | None:
     if refusal is None:
         return None
     return (f"{refusal.verb} {refusal.kind} {refusal.target} was refused: {refusal.code} {refusal.reason}: "

@@ -201,6 +201,8 @@ class _Reconciler:
         if failed:
             pod = failed[0]
             detail = f": {pod.termination_message}" if pod.termination_message else ""
+            if pod.exit_code is None:  # it never exited: its node was lost, say (the pod's reason says so)
+                return f"rank {pod.rank} (pod {pod.name}) failed{detail}", False
             return f"rank {pod.rank} (pod {pod.name}) exited with code {pod.exit_code}{detail}", False
         for pod in self.pods:
             if pod.terminating:

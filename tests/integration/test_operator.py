@@ -6,21 +6,26 @@ harness's emulations (tests/cluster/, with what they leave out in their docstrin
 
 from __future__ import annotations
 
-import sys
-import urllib.request
-
 import kubernetes_validate
 import pytest
 import yaml
 from jobs import ROOT, TESTS
+from operator_runs import (
+    GROUP,
+    JOBS,
+    NS,
+    STARTUP,
+    VERSION,
+    claim,
+    custom_job,
+    events,
+    start_operator,
+)
+from operator_runs import job_pods as pods
+from operator_runs import operator_metrics as metrics
 
 from devcluster import Cluster
 from tandem.operator.training_objects import CHECKPOINT_MOUNT
-
-NS = "default"
-GROUP, VERSION, JOBS = "tandem.dev", "v1alpha1", "paralleltrainingjobs"
-SLEEP = ["python", "-c", "import time; time.sleep(600)"]
-STARTUP = 60  # seconds a group of ranks may take to start and report, on a busy 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -28,28 +33,6 @@ def cluster(tmp_path_factory):
     with Cluster(tmp_path_factory.mktemp("cluster"), extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
         start_operator(cluster)
         yield cluster
-
-
-def start_operator(cluster: Cluster) -> None:
-    cluster.metrics_port = free_port()
-    cluster.spawn([sys.executable, "-m", "tandem.cli", "operator", "--namespace", NS,
-                   "--restart-backoff-seconds", "0", "--worker-image", "tandem-worker:test",
-                   "--metrics-port", str(cluster.metrics_port)], name="operator", cwd=ROOT)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def custom_job(name: str, command: list[str] = SLEEP, workers: int = 2, **spec) -> dict:
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": name},
-            "spec": {"workers": workers, "trainingMode": "custom", "custom": {"command": command},
-                     "trainer": {"model": "tandem.examples.digits:mlp", "data": "tandem.examples.digits:train_data"},
-                     **spec}}
 
 
 def create(cluster: Cluster, document: dict) -> dict:
@@ -73,17 +56,6 @@ def wait_phase(cluster: Cluster, name: str, phase: str, timeout: float = STARTUP
         raise AssertionError(f"{name} is not {phase}: {status(cluster, name)}") from None
 
 
-def pods(cluster: Cluster, name: str) -> list[dict]:
-    return sorted((p for p in cluster.list("pods", NS) if p["metadata"].get("labels", {}).get("tandem.dev/job")
-                   == name), key=lambda p: p["metadata"]["name"])
-
-
-def events(cluster: Cluster, name: str) -> list[str]:
-    return [e["reason"] for e in sorted(cluster.list("events", NS), key=lambda e: e["metadata"]["resourceVersion"]
-                                        and int(e["metadata"]["resourceVersion"]))
-            if e["involvedObject"]["name"] == name]
-
-
 def wait_events(cluster: Cluster, name: str, expected: list[str]) -> None:
     """kopf posts Events from a queue of its own: they arrive a moment after the status they go with."""
     try:
@@ -95,11 +67,6 @@ def wait_events(cluster: Cluster, name: str, expected: list[str]) -> None:
 def delete(cluster: Cluster, name: str) -> None:
     cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, JOBS, name)
     cluster.wait_for(lambda: not job(cluster, name) and not pods(cluster, name), 30, f"{name} and its pods to go")
-
-
-def claim(cluster: Cluster, name: str) -> None:
-    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
-                   "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
 
 
 def test_digits_trains_to_success_and_a_killed_rank_restarts_the_group_from_its_checkpoint(cluster):
@@ -302,14 +269,6 @@ def test_the_operator_serves_prometheus_metrics(cluster):
 
 def patch(cluster: Cluster, name: str, body: dict) -> None:
     cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, JOBS, name, body)
-
-
-def metrics(cluster: Cluster) -> str:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5) as response:
-            return response.read().decode()
-    except OSError:
-        return ""
 
 
 def test_operator_log_has_no_errors(cluster):

@@ -14,11 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
-import threading
-import urllib.error
-import urllib.request
-from collections.abc import Callable
 
 import kubernetes_validate
 import numpy as np
@@ -26,31 +21,30 @@ import pytest
 import tritonclient.http as triton
 import yaml
 from jobs import ROOT, TESTS
+from operator_runs import (
+    GROUP,
+    JOBS,
+    NS,
+    POOLS,
+    READY,
+    SLEEP,
+    VERSION,
+    Client,
+    claim,
+    pool_manifest,
+    server_pods,
+    start_operator,
+)
 
 from devcluster import Cluster
 from tandem.operator.pool_objects import MODEL_MOUNT
-
-NS = "default"
-GROUP, VERSION = "tandem.dev", "v1alpha1"
-POOLS, JOBS = "inferencepools", "paralleltrainingjobs"
-READY = 90  # seconds for server pods to start (torch import, load, warm-up) on a busy 2-core machine
-SLEEP = ["python", "-c", "import time; time.sleep(600)"]
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with Cluster(tmp_path_factory.mktemp("cluster"), extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
-        cluster.spawn([sys.executable, "-m", "tandem.cli", "operator", "--namespace", NS,
-                       "--restart-backoff-seconds", "0", "--worker-image", "tandem-worker:test"],
-                      name="operator", cwd=ROOT)
+        start_operator(cluster)
         yield cluster
-
-
-def pool_manifest(name: str, model: dict, replicas: int = 1, **spec) -> dict:
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferencePool", "metadata": {"name": name},
-            "spec": {"replicas": replicas, "workersPerReplica": 1, "model": model, "batchLimit": 8,
-                     "port": 8000, **spec}}
 
 
 def create(cluster: Cluster, plural: str, document: dict) -> dict:
@@ -75,19 +69,9 @@ def wait_pool(cluster: Cluster, name: str, check, what: str, timeout: float = RE
         raise AssertionError(f"{name}: not {what}: {status(cluster, POOLS, name)}") from None
 
 
-def server_pods(cluster: Cluster, pool: str) -> list[dict]:
-    return [p for p in cluster.list("pods", NS) if p["metadata"].get("labels", {}).get("tandem.dev/pool") == pool
-            and not p["metadata"].get("deletionTimestamp")]
-
-
 def address(cluster: Cluster, pool: str) -> str:
     [pod] = [p for p in server_pods(cluster, pool) if p.get("status", {}).get("podIP")][:1]
     return f"{pod['status']['podIP']}:8000"
-
-
-def claim(cluster: Cluster, name: str) -> None:
-    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
-                   "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
 
 
 def on_cluster(cluster: Cluster, claim_name: str, path: str | None) -> str | None:
@@ -98,44 +82,6 @@ def on_cluster(cluster: Cluster, claim_name: str, path: str | None) -> str | Non
 
 def served_checkpoint(cluster: Cluster, pool: str, claim_name: str) -> str | None:
     return on_cluster(cluster, claim_name, status(cluster, POOLS, pool).get("model", {}).get("checkpoint"))
-
-
-def infer(host: str, values: list[float]) -> list[float]:
-    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": values}]})
-    request = urllib.request.Request(f"http://{host}/v2/models/digits/infer", body.encode(),
-                                     {"Content-Type": "application/json"})
-    with _NO_PROXY.open(request, timeout=30) as response:
-        return json.loads(response.read())["outputs"][0]["data"]
-
-
-class Client(threading.Thread):
-    """Sends inference requests one after another until stopped; counts answers, keeps every failure, and notes
-    each checkpoint the server says it serves between them."""
-
-    def __init__(self, hosts: Callable[[], list[str]]) -> None:
-        """`hosts`: where to send the next request (as a Service would: its ready endpoints)."""
-        super().__init__(daemon=True)
-        self.hosts, self.stop, self.answered, self.failures = hosts, threading.Event(), 0, []
-        self.checkpoints: list[str] = []
-        self.served_by: set[str] = set()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            hosts = self.hosts()
-            if not hosts:
-                self.failures.append("no ready endpoint")
-                continue
-            host = hosts[self.answered % len(hosts)]
-            try:
-                infer(host, [0.5] * 64)
-                self.answered += 1
-                self.served_by.add(host)
-                with _NO_PROXY.open(f"http://{host}/v2/models/digits", timeout=30) as response:
-                    checkpoint = json.loads(response.read())["parameters"]["checkpoint"]
-                if checkpoint not in self.checkpoints:
-                    self.checkpoints.append(checkpoint)
-            except (OSError, urllib.error.HTTPError) as error:
-                self.failures.append(repr(error))
 
 
 def test_a_pool_follows_its_training_job_and_swaps_each_checkpoint_without_failing_a_request(cluster):

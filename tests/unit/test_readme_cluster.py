@@ -29,6 +29,8 @@ from tandem.backends.local import PreflightError, preflight
 from tandem.examples.digits import mlp
 from tandem.manifest import parse
 from tandem.operator import pools
+from tandem.operator.api_policy import Refused
+from tandem.operator.daemon import describe_refusal
 from tandem.operator.training import Settings, reconcile
 from tandem.operator.training_objects import GROUP_LABEL, MASTER_PORT, RANK_LABEL, master_address
 from tandem.worker import checkpoint
@@ -257,6 +259,13 @@ def test_an_unschedulable_rank_keeps_the_job_pending_with_the_schedulers_reason(
     pods = [rank_pod(rank, "Pending", conditions=[unschedulable]) for rank in (0, 1)]
     message = job_message(digits_job(phase="Pending"), pods)
     assert flat(message) in flat(TROUBLESHOOTING)
+
+
+def test_a_call_the_api_refuses():
+    refused = Refused("create", "Pod", "default/digits-train-worker-0", 403, "Forbidden",
+                      'pods "digits-train-worker-0" is forbidden: User "system:serviceaccount:tandem-system:tandem" '
+                      'cannot create resource "pods" in API group "" in the namespace "default"')
+    assert shown(describe_refusal(refused))
 
 
 def test_out_of_memory():

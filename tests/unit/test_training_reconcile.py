@@ -87,6 +87,16 @@ def pod(rank: int, phase: str = "Running", *, exit_code: int | None = None, mess
     return {"metadata": metadata, "status": status}
 
 
+def node_lost(rank: int) -> dict[str, Any]:
+    """A rank pod on a node that stopped answering, as the node lifecycle controller and PodGC leave it: Failed with
+    the reason NodeLost, its container never seen to exit."""
+    lost = pod(rank, "Failed")
+    lost["status"].update(reason="NodeLost", message=f"Node n1 which was running pod digits-worker-{rank} is "
+                                                     "unresponsive")
+    lost["status"]["conditions"].append({"type": "DisruptionTarget", "status": "True", "reason": "DeletionByPodGC"})
+    return lost
+
+
 def applied(body: dict[str, Any], **spec: Any) -> dict[str, Any]:
     """The spec ConfigMap of the group now running (as it was created, with `spec` changed)."""
     was = copy.deepcopy(body)
@@ -148,6 +158,10 @@ CASES = [
      [pod(0, "Failed", exit_code=1, message="Connection closed by peer", finished=1),
       pod(1, "Failed", exit_code=1, message="RuntimeError: boom", finished=2)], {},
      {"phase": "Restarting", "message": "rank 1 (pod digits-worker-1) exited with code 1: Error RuntimeError: boom"}),
+    ("a rank's node lost: the group is torn down for a restart, the node named", job(running()),
+     [pod(0), node_lost(1)], {},
+     {"phase": "Restarting", "restarts": 1, "message": "rank 1 (pod digits-worker-1) failed: NodeLost Node n1 which "
+                                                       "was running pod digits-worker-1 is unresponsive; restart 1"}),
     ("a rank pod deleted (evicted): restart", job(running()), [pod(0), pod(1, terminating=True)], {},
      {"phase": "Restarting", "restarts": 1, "delete": ["digits-worker-0"],
       "message": "rank 1's pod digits-worker-1 was deleted or evicted"}),

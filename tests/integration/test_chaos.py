@@ -1,0 +1,261 @@
+"""The chaos suite (issue 17): the operator's promises while the API server misbehaves, one fault class per test.
+
+Each test runs, on a fresh emulated cluster (devcluster/) with a real `tandem operator` process and real ranks and
+servers run by the test kubelet, the same scenarios under one class of fault, and checks they end as without faults:
+
+- the digits example on a claim (checkpoint every 20 steps) trains; once rank 0 has recorded a checkpoint, rank 1
+  is killed (or, in the node-lost class, the node dies with every pod on it): the group restarts from the checkpoint
+  and the job Succeeds at step 230 with the accuracy it has without faults, `restarts` 1 (the kill, nothing else);
+- meanwhile a pool follows the job, with a client sending requests to its ready servers: 0 failed requests across
+  API faults (the node-lost class kills the servers too: there the pool must come back Ready on the last
+  checkpoint);
+- a second job is suspended (every rank gone) and resumed (running again), `restarts` 0.
+
+And over the whole run, from the API server's own records: never two groups of one job alive at once; never two
+pods for one rank of one group; `checkpoint.latest` never regresses; `progress.step` never below the recorded
+checkpoint's; the operator's status patches carry only its fields and rank 0's only its own; the operator's log
+has no traceback.
+
+Fault classes (devcluster/faults.py): `api-errors` (a tenth of the operator's and rank 0's writes answered 500, 503
+or 429 with Retry-After 1 s, 10 ms added to each request, watches ended cleanly every 5 s); `hangs` (3% of their
+requests held unanswered and never applied until the client gives up, 30 ms added to each); `watches` (every watch
+cut abruptly after 2 s, half of the resumes answered 410 Gone); `operator-kills` (SIGKILL right after it creates
+the first pod of a group, between its deletion of a failed group and the next group, right after a status patch;
+started again each time); `node-lost` (the node dies: processes killed, pods Failed by the node lifecycle
+controller's emulation; back after 3 s). The same scenarios' timings against the fault-free run, at 5% and 20%
+write faults, are `bench/bench_chaos.py`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from jobs import ROOT, TESTS
+from operator_runs import (
+    GROUP,
+    JOBS,
+    NS,
+    POOLS,
+    READY,
+    VERSION,
+    Client,
+    claim,
+    custom_job,
+    job_pods,
+    operator_metrics,
+    pool_manifest,
+    start_operator,
+)
+
+from devcluster import Cluster, Faults
+from devcluster.faults import Served
+from tandem.operator.daemon import OPERATOR_FIELDS
+from tandem.operator.training_objects import CHECKPOINT_MOUNT
+
+RANK0_FIELDS = {"progress", "metrics", "communication", "checkpoint"}
+FINAL = f"{CHECKPOINT_MOUNT}/runs/digits-train/checkpoints/step-00000230.pt"
+FAULTS = {
+    "api-errors": Faults(write_fraction=0.1, latency=0.01, watch_end_after=5.0, seed=1),
+    "hangs": Faults(hang_fraction=0.03, latency=0.03, seed=2),
+    "watches": Faults(watch_end_after=2.0, watch_end_abruptly=True, gone_on_resume=0.5, seed=3),
+    "operator-kills": None,
+    "node-lost": None,
+}
+INJECTED = {"api-errors": {"error-500", "error-503", "error-429", "latency", "watch-end"},
+            "hangs": {"hang", "latency"}, "watches": {"watch-end", "gone"}}
+"""What each class must have injected (a class whose faults never happened would prove nothing)."""
+DONE = 240  # seconds for the digits job to Succeed under faults on a busy 2-core machine
+
+
+def digits_job() -> dict:
+    document = yaml.safe_load((ROOT / "examples" / "digits-train.yaml").read_text())
+    document["spec"]["checkpoint"].update({"persistentVolumeClaim": "digits-checkpoints", "everySteps": 20})
+    return document
+
+
+def create(cluster: Cluster, plural: str, document: dict) -> None:
+    """Created by the test's own client (never faulted): the scenario's inputs are not what is under test."""
+    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, plural, document)
+
+
+def patch(cluster: Cluster, name: str, body: dict) -> None:
+    cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, JOBS, name, body)
+
+
+def status(cluster: Cluster, plural: str, name: str) -> dict:
+    return (cluster.get(f"{GROUP}/{VERSION}/{plural}", NS, name) or {}).get("status") or {}
+
+
+def wait(cluster: Cluster, check, timeout: float, what: str):
+    try:
+        return cluster.wait_for(check, timeout, what, interval=0.1)
+    except TimeoutError:
+        print(cluster.process_log("operator")[-6000:])
+        print("digits-train:", status(cluster, JOBS, "digits-train"))
+        print("pausable:", status(cluster, JOBS, "pausable"))
+        print("digits pool:", status(cluster, POOLS, "digits"))
+        raise
+
+
+class OperatorKeeper(threading.Thread):
+    """Starts the operator again whenever it has died (killed by a hook), as its Deployment would."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.stop, self.starts = cluster, threading.Event(), 0
+
+    def run(self) -> None:
+        while not self.stop.wait(0.2):
+            process, _ = self.cluster._processes["operator"]
+            if process.poll() is not None:
+                start_operator(self.cluster)
+                self.starts += 1
+
+
+def arm_operator_kills(cluster: Cluster) -> list:
+    """The three moments of issue 17 at which the operator is SIGKILLed."""
+    kill = lambda served: cluster.kill_process("operator")  # noqa: E731
+
+    def first_pod_of_a_group(served: Served) -> bool:
+        labels = (served.result or {}).get("metadata", {}).get("labels", {})
+        return served.client == "operator" and served.method == "POST" and served.plural == "pods" \
+            and labels.get("tandem.dev/job") == "digits-train"
+
+    def a_failed_groups_first_deletion(served: Served) -> bool:
+        return served.client == "operator" and served.method == "DELETE" and served.plural == "pods" \
+            and (served.name or "").startswith("digits-train-worker-")
+
+    def the_suspension_patched(served: Served) -> bool:
+        phase = ((served.body or {}).get("status") or {}).get("phase")
+        return served.client == "operator" and served.subresource == "status" and served.name == "pausable" \
+            and phase == "Suspended"
+
+    return [cluster.after(first_pod_of_a_group, kill), cluster.after(a_failed_groups_first_deletion, kill),
+            cluster.after(the_suspension_patched, kill)]
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_jobs_and_a_pool_end_as_they_do_without_faults(tmp_path: Path, fault: str):
+    with Cluster(tmp_path, extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
+        claim(cluster, "digits-checkpoints")
+        cluster.inject(FAULTS[fault])
+        kills = arm_operator_kills(cluster) if fault == "operator-kills" else []
+        start_operator(cluster)
+        keeper = OperatorKeeper(cluster)
+        keeper.start()
+        try:
+            client = run_scenarios(cluster, fault)
+        finally:
+            keeper.stop.set()
+        assert all(hook.fired.is_set() for hook in kills), [hook.served for hook in kills]
+        assert keeper.starts == len(kills)
+        injected = {fault for _, fault, _, _ in cluster.emulator.injected}
+        assert INJECTED.get(fault, set()) <= injected, injected
+        check_records(cluster)
+        if fault == "node-lost":
+            assert cluster.node_ready()
+        else:
+            assert not client.failures, client.failures[:5]
+        if fault == "api-errors":
+            retried = [line for line in operator_metrics(cluster).splitlines()
+                       if line.startswith("tandem_operator_api_retries_total{") and not line.endswith(" 0.0")]
+            assert retried, "the injected errors were retried and counted"
+        assert not [line for line in cluster.process_log("operator").splitlines() if "Traceback" in line]
+
+
+def run_scenarios(cluster: Cluster, fault: str) -> Client:
+    create(cluster, JOBS, digits_job())
+    create(cluster, POOLS, pool_manifest("digits", {"fromTrainingJob": {"name": "digits-train", "follow": True},
+                                                    "inputShape": [64]}))
+    wait(cluster, lambda: status(cluster, JOBS, "digits-train").get("checkpoint", {}).get("latest"), DONE,
+         "rank 0 to record a checkpoint")
+    if fault == "node-lost":
+        cluster.lose_node(down_seconds=3.0)
+        wait(cluster, cluster.node_ready, 30, "the node to come back")
+    else:
+        wait(cluster, lambda: cluster.kubelet.pid(NS, "digits-train-worker-1"), 30, "rank 1's process")
+        cluster.kubelet.kill(NS, "digits-train-worker-1")
+
+    create(cluster, JOBS, custom_job("pausable"))
+    wait(cluster, lambda: status(cluster, JOBS, "pausable").get("phase") == "Running", DONE, "pausable to run")
+    patch(cluster, "pausable", {"spec": {"suspend": True}})
+    wait(cluster, lambda: status(cluster, JOBS, "pausable").get("phase") == "Suspended"
+         and not job_pods(cluster, "pausable"), 60, "pausable's ranks to stop")
+    patch(cluster, "pausable", {"spec": {"suspend": False}})
+    wait(cluster, lambda: status(cluster, JOBS, "pausable").get("phase") == "Running", DONE, "pausable to resume")
+    assert status(cluster, JOBS, "pausable")["restarts"] == 0
+
+    wait(cluster, lambda: status(cluster, POOLS, "digits").get("phase") == "Ready", READY + 60, "the pool to be Ready")
+    client = Client(lambda: cluster.endpoints(NS, "digits"))
+    client.start()
+    try:
+        final = wait(cluster, lambda: (s := status(cluster, JOBS, "digits-train")).get("phase") in
+                     ("Succeeded", "Failed") and s, DONE, "digits-train to finish")
+        assert final["phase"] == "Succeeded", final["message"]
+        assert final["restarts"] == 1, final["message"]
+        assert final["progress"]["step"] == final["progress"]["totalSteps"] == 230
+        assert final["metrics"]["accuracy"] >= 0.95  # 0.969 without faults
+        assert final["checkpoint"]["latest"] == FINAL
+        wait(cluster, lambda: status(cluster, POOLS, "digits").get("phase") == "Ready"
+             and status(cluster, POOLS, "digits").get("model", {}).get("checkpoint", "").endswith("step-00000230.pt"),
+             READY, "the pool to serve the last checkpoint")
+        time.sleep(0.5)
+    finally:
+        client.stop.set()
+        client.join(60)
+    assert client.answered > 0
+    return client
+
+
+def check_records(cluster: Cluster) -> None:
+    """The invariants, from what the API server recorded."""
+    alive: dict[str, dict[str, tuple[str, bool]]] = {}  # job -> {pod: (group label, terminating)} existing now
+    groups: dict[str, int] = {}  # job -> how many groups it has started (a group ends when its last pod is gone)
+    created: dict[tuple[str, int, str], list[str]] = {}  # (job, group, rank) -> the uids of its pods
+    for event in cluster.emulator.store.log("pods"):
+        metadata = event.obj["metadata"]
+        labels = metadata.get("labels") or {}
+        job = labels.get("tandem.dev/job")
+        if job is None:
+            continue
+        pods = alive.setdefault(job, {})
+        if event.type == "DELETED":
+            pods.pop(metadata["name"], None)
+            continue
+        if event.type == "ADDED":
+            others = {(group, terminating) for name, (group, terminating) in pods.items()}
+            assert all(not terminating and group == labels.get("tandem.dev/group") for group, terminating in others), \
+                f"a pod of a new group of {job} created while the last one's are alive: {pods}"
+            if not pods:
+                groups[job] = groups.get(job, 0) + 1
+            created.setdefault((job, groups[job], labels.get("tandem.dev/rank")), []).append(metadata["uid"])
+        pods[metadata["name"]] = (labels.get("tandem.dev/group"), bool(metadata.get("deletionTimestamp")))
+    duplicates = {key: uids for key, uids in created.items() if len(uids) > 1}
+    assert not duplicates, f"several pods for one rank of one group: {duplicates}"
+    assert groups == {"digits-train": 2, "pausable": 2}, groups
+
+    for name in ("digits-train", "pausable"):
+        versions = [v for v in cluster.history(f"{GROUP}/{VERSION}/{JOBS}", NS, name) if v is not None]
+        steps = [(v.get("status") or {}).get("checkpoint", {}).get("step") for v in versions]
+        recorded = [s for s in steps if s is not None]
+        assert recorded == sorted(recorded), f"{name}'s checkpoint.latest regressed: {recorded}"
+        for version in versions:
+            state = version.get("status") or {}
+            progress, checkpoint = state.get("progress", {}).get("step"), state.get("checkpoint", {}).get("step")
+            if progress is not None and checkpoint is not None:
+                assert progress >= checkpoint, f"{name}: progress {progress} below its checkpoint {checkpoint}"
+
+    for request in list(cluster.emulator._requests):
+        if str(request.method.value).upper() != "PATCH" or request.subresource != "status" \
+                or not request.resource or request.resource.plural != JOBS or not isinstance(request.data, dict):
+            continue
+        fields = set(request.data.get("status") or {})
+        client = cluster.emulator.client_of(request)
+        if client == "operator":
+            assert fields <= OPERATOR_FIELDS and not fields & RANK0_FIELDS, f"the operator patched {fields}"
+        elif client == "pods":
+            assert fields <= RANK0_FIELDS, f"rank 0 patched {fields}"

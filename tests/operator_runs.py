@@ -1,0 +1,116 @@
+"""`tandem operator` on the emulated cluster (devcluster/), for the tests that run it end to end (test_operator,
+test_pool_operator, test_chaos): starting it as a real process, manifests of jobs and pools, their pods and Events,
+and a client that keeps sending inference requests to a pool's servers."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+from jobs import ROOT
+
+from devcluster import Cluster
+from devcluster.network import free_port
+
+NS = "default"
+GROUP, VERSION = "tandem.dev", "v1alpha1"
+JOBS, POOLS = "paralleltrainingjobs", "inferencepools"
+SLEEP = ["python", "-c", "import time; time.sleep(600)"]
+STARTUP = 60  # seconds a group of ranks may take to start and report, on a busy 2-core machine
+READY = 90  # seconds for server pods to start (torch import, load, warm-up) on a busy 2-core machine
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def start_operator(cluster: Cluster, *extra: str) -> None:
+    """`tandem operator` for namespace NS, as the API client named "operator" (devcluster's faults can single it
+    out), its metrics on `cluster.metrics_port`."""
+    cluster.metrics_port = free_port()
+    cluster.spawn([sys.executable, "-m", "tandem.cli", "operator", "--namespace", NS, "--restart-backoff-seconds",
+                   "0", "--worker-image", "tandem-worker:test", "--metrics-port", str(cluster.metrics_port), *extra],
+                  name="operator", cwd=ROOT, client="operator")
+
+
+def operator_metrics(cluster: Cluster) -> str:
+    try:
+        with NO_PROXY.open(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5) as response:
+            return response.read().decode()
+    except OSError:
+        return ""
+
+
+def custom_job(name: str, command: list[str] = SLEEP, workers: int = 2, **spec) -> dict:
+    """A job whose ranks run `command` (no torch): for tests where only the pods' lifecycle matters."""
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": name},
+            "spec": {"workers": workers, "trainingMode": "custom", "custom": {"command": command},
+                     "trainer": {"model": "tandem.examples.digits:mlp", "data": "tandem.examples.digits:train_data"},
+                     **spec}}
+
+
+def pool_manifest(name: str, model: dict, replicas: int = 1, **spec) -> dict:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferencePool", "metadata": {"name": name},
+            "spec": {"replicas": replicas, "workersPerReplica": 1, "model": model, "batchLimit": 8,
+                     "port": 8000, **spec}}
+
+
+def claim(cluster: Cluster, name: str) -> None:
+    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+                   "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+
+
+def job_pods(cluster: Cluster, name: str) -> list[dict]:
+    return sorted((p for p in cluster.list("pods", NS) if p["metadata"].get("labels", {}).get("tandem.dev/job")
+                   == name), key=lambda p: p["metadata"]["name"])
+
+
+def server_pods(cluster: Cluster, pool: str) -> list[dict]:
+    return [p for p in cluster.list("pods", NS) if p["metadata"].get("labels", {}).get("tandem.dev/pool") == pool
+            and not p["metadata"].get("deletionTimestamp")]
+
+
+def events(cluster: Cluster, name: str) -> list[str]:
+    """The reasons of the Events about `name`, oldest first."""
+    return [e["reason"] for e in sorted(cluster.list("events", NS), key=lambda e: e["metadata"]["resourceVersion"]
+                                        and int(e["metadata"]["resourceVersion"]))
+            if e["involvedObject"]["name"] == name]
+
+
+def infer(host: str, values: list[float]) -> list[float]:
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": values}]})
+    request = urllib.request.Request(f"http://{host}/v2/models/digits/infer", body.encode(),
+                                     {"Content-Type": "application/json"})
+    with NO_PROXY.open(request, timeout=30) as response:
+        return json.loads(response.read())["outputs"][0]["data"]
+
+
+class Client(threading.Thread):
+    """Sends inference requests one after another until stopped; counts answers, keeps every failure, and notes
+    each checkpoint the server says it serves between them."""
+
+    def __init__(self, hosts: Callable[[], list[str]]) -> None:
+        """`hosts`: where to send the next request (as a Service would: its ready endpoints)."""
+        super().__init__(daemon=True)
+        self.hosts, self.stop, self.answered, self.failures = hosts, threading.Event(), 0, []
+        self.checkpoints: list[str] = []
+        self.served_by: set[str] = set()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            hosts = self.hosts()
+            if not hosts:
+                self.failures.append("no ready endpoint")
+                continue
+            host = hosts[self.answered % len(hosts)]
+            try:
+                infer(host, [0.5] * 64)
+                self.answered += 1
+                self.served_by.add(host)
+                with NO_PROXY.open(f"http://{host}/v2/models/digits", timeout=30) as response:
+                    checkpoint = json.loads(response.read())["parameters"]["checkpoint"]
+                if checkpoint not in self.checkpoints:
+                    self.checkpoints.append(checkpoint)
+            except (OSError, urllib.error.HTTPError) as error:
+                self.failures.append(repr(error))

@@ -7,7 +7,8 @@ look again, and after an API failure, by the operator's error policy (api_policy
 - `Unavailable` (transient errors on every attempt of a call): the pass is decided again within seconds (jittered,
   doubling from 0.5 s to at most 5 s, never sooner than the server's Retry-After), never left to kopf's 60 s
   default;
-- `Stale` (409 on a replace): decided again in a moment, on the newer version the watch brings;
+- `Stale` (409 on a replace), or an object gone under a call (a 404 its caller does not absorb): decided again in
+  a moment, on the newer state the watch brings;
 - `Refused` (400, 403, 422): an APIRequestRefused condition on the object names the call, the API's message and
   the fix, with a Warning Event; decided again on any change, or after REFUSED_SECONDS (RBAC may be fixed).
 
@@ -28,6 +29,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 
 from tandem.operator import metrics
 from tandem.operator.api_policy import Backoff, Refused, Stale, Unavailable
@@ -79,7 +81,7 @@ async def run(state: Reconciliation, waker: asyncio.Event, stopped: kopf.DaemonS
         except Refused as error:
             metrics.PASS_FAILURES.labels(state.plural, "refused").inc()
             state.refusal, requeue = error, REFUSED_SECONDS
-        except Stale:
+        except (Stale, ApiException):  # a replace that met a newer version; an object gone under a call
             metrics.PASS_FAILURES.labels(state.plural, "stale").inc()
             requeue = STALE_SECONDS
         except Unavailable as error:

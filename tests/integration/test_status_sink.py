@@ -1,24 +1,34 @@
-"""Rank 0's report into its job's status (worker/train/reporting.py: KubernetesStatusSink and the Reporter), against
-the emulated API server (devcluster/): only rank 0's four fields are written, at most every few seconds but at once
-for a checkpoint; an API error never stops training and the status goes again at the next publish; a deleted job
-ends reporting quietly; the first status after a resume shows the resumed step."""
+"""Rank 0's report into its job's status (worker/train/status_sink.py: KubernetesStatusSink, and the Reporter in
+reporting.py), against the emulated API server (devcluster/): only rank 0's four fields are written, at most every
+few seconds but at once for a checkpoint; a deleted job ends reporting quietly; the first status after a resume shows
+the resumed step. While the API misbehaves (faults injected with kmock's DSL: a reaction answers a status patch with
+an error, a Retry-After, or holds it): transient errors are retried and the newest status ends up stored, the stored
+step and checkpoint never go backwards, the final status gets through refusals, Retry-After is honoured, a stalled
+API never holds up `publish()`, a 403 gives one line with the fix, and a restarted group keeps the stored history."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
+import time
 from pathlib import Path
 
+import kmock
 import pytest
 
 from devcluster import Cluster
 from tandem.api import ParallelTrainingJobStatus
-from tandem.worker.train.reporting import KubernetesStatusSink, Reporter
+from tandem.worker.train import status_sink
+from tandem.worker.train.reporting import Reporter
+from tandem.worker.train.status_sink import KubernetesStatusSink
 
 GROUP, VERSION, JOBS, NS = "tandem.dev", "v1alpha1", "paralleltrainingjobs", "default"
 
 
 @pytest.fixture
 def cluster(tmp_path, monkeypatch):
+    monkeypatch.setattr(status_sink, "BACKOFF_FIRST", 0.02)  # retries within a test's second; the cap stays
     with Cluster(tmp_path, kubelet=False) as cluster:
         monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
@@ -28,6 +38,43 @@ def cluster(tmp_path, monkeypatch):
         cluster.custom.patch_namespaced_custom_object_status(GROUP, VERSION, NS, JOBS, "digits", {
             "status": {"phase": "Running", "message": "the operator's", "restarts": 2}})
         yield cluster
+
+
+class Answers:
+    """Answers rank 0's next status patches in turn from a script, then lets the emulator serve them: a status code
+    (a JSON Status with it), a `(code, headers, message)` triple, "hold" (the request waits until `release` is set, at
+    most 10 s, then is served), or None (served). Records when each scripted request came (`times`).
+
+    Each request of the script gets two kmock reactions, each for a slice of one request: a callable that records
+    (it returns no content, so kmock goes on and disables it), then the answer. One reaction per request because
+    kmock 0.8 disables a reaction that once returned no content, and a callable that returns a kmock.Response keeps
+    that response's status for the requests after it."""
+
+    def __init__(self, cluster: Cluster, script) -> None:
+        self.times: list[float] = []
+        self.arrived, self.release = threading.Event(), threading.Event()
+        patches = cluster.emulator["patch", re.compile(".*/status")]
+        seen = len(list(patches))  # kmock slices count every matching request served, earlier ones too
+        for index, step in enumerate(script):
+            at = patches[seen + index:seen + index + 1]
+            at << self._record
+            if step == "hold":
+                at << self._hold
+            elif step is not None:
+                code, headers, message = step if isinstance(step, tuple) else (step, {}, f"injected {step}")
+                at << code << kmock.headers(headers) << {
+                    "kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code, "message": message}
+
+    def _record(self) -> None:
+        self.times.append(time.monotonic())
+
+    async def _hold(self) -> None:
+        self.arrived.set()
+        await asyncio.to_thread(self.release.wait, 10)
+
+
+def answer(cluster: Cluster, *script) -> Answers:
+    return Answers(cluster, script)
 
 
 def stored(cluster: Cluster) -> dict:
@@ -45,40 +92,46 @@ def status(step: int, checkpoint: str | None = None) -> ParallelTrainingJobStatu
 def test_rank_zero_writes_its_four_fields_and_never_the_operators(cluster):
     sink = KubernetesStatusSink("digits", NS, interval=60)
     sink.publish(status(10))
+    assert sink.flush(10)
     written = stored(cluster)
     assert written["progress"]["step"] == 10 and written["metrics"] == {"accuracy": 0.5}
     assert (written["phase"], written["message"], written["restarts"]) == ("Running", "the operator's", 2)
+    sink.close()
 
 
 def test_updates_are_throttled_except_for_a_new_checkpoint_and_the_end(cluster):
     sink = KubernetesStatusSink("digits", NS, interval=60)
     sink.publish(status(10))
+    assert sink.flush(10)
     sink.publish(status(20))
+    assert sink.flush(10)
     assert stored(cluster)["progress"]["step"] == 10, "within the interval: held back"
     sink.publish(status(30, checkpoint="/ckpt/step-00000030.pt"))
+    assert sink.flush(10)
     assert stored(cluster)["checkpoint"]["latest"] == "/ckpt/step-00000030.pt", "a checkpoint goes at once"
     sink.publish(status(40, checkpoint="/ckpt/step-00000030.pt"))
     sink.close()
     assert stored(cluster)["progress"]["step"] == 40, "the last status goes at the end"
 
 
-def test_an_api_error_is_logged_and_the_status_goes_again_at_the_next_publish(cluster, capsys):
-    sink = KubernetesStatusSink("digits", NS, interval=0)
-    status_patches = cluster.emulator["patch", re.compile(".*/status")]
-    seen = len(list(status_patches))  # kmock slices count every matching request served, earlier ones too
-    status_patches[seen:seen + 1] << 503  # the next status patch only
+def test_an_api_error_is_logged_once_and_the_status_retried_without_a_new_publish(cluster, capsys):
+    answers = answer(cluster, 503, 503, None)
+    sink = KubernetesStatusSink("digits", NS, interval=60)
     sink.publish(status(10))
-    assert "status update failed (503" in capsys.readouterr().err
-    assert "progress" not in stored(cluster)
-    sink.publish(status(11))
-    assert stored(cluster)["progress"]["step"] == 11
+    assert sink.flush(10)
+    assert stored(cluster)["progress"]["step"] == 10
+    assert len(answers.times) == 3
+    assert capsys.readouterr().err.count("status update of default/digits failed (503") == 1
+    sink.close()
 
 
 def test_a_deleted_job_ends_reporting_quietly(cluster, capsys):
     sink = KubernetesStatusSink("digits", NS, interval=0)
     cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, JOBS, "digits")
     sink.publish(status(10))
+    sink.flush(10)
     sink.publish(status(11))
+    sink.close()
     assert sink.gone
     assert capsys.readouterr().err.count("is gone: status reporting ends") == 1
 
@@ -101,3 +154,153 @@ def test_the_first_status_after_a_resume_shows_the_resumed_step():
     first = recorder.published[0]
     assert (first.progress.step, first.progress.epoch) == (80, 4)
     assert first.checkpoint.latest == "/ckpt/step-00000080.pt"
+
+
+def steps_and_checkpoints(cluster: Cluster) -> tuple[list[int], list[int]]:
+    """Over the object's history: the stored progress.step and the step of checkpoint.latest, where set."""
+    versions = [v["status"] for v in cluster.history("ptj", NS, "digits") if v and v.get("status")]
+    steps = [v["progress"]["step"] for v in versions if "progress" in v]
+    checkpoints = [int(v["checkpoint"]["latest"][-7:-3]) for v in versions if (v.get("checkpoint") or {}).get("latest")]
+    return steps, checkpoints
+
+
+def faulty_run(cluster: Cluster) -> None:
+    """60 steps published as a training loop does (a checkpoint every 10) while two thirds of the first 12 patches
+    get 503 or 429; the sink sends every status due at once (interval 0)."""
+    answers = answer(cluster, *[[503, None, (429, {"Retry-After": "0"}, "slow down")][i % 3] for i in range(12)])
+    sink = KubernetesStatusSink("digits", NS, interval=0)
+    for step in range(1, 61):
+        latest = step - step % 10
+        sink.publish(status(step, checkpoint=f"/ckpt/step-{latest:04d}.pt" if latest else None))
+        time.sleep(0.005)
+    sink.close()
+    assert len(answers.times) == 12, "every fault was served"
+
+
+def test_through_503s_and_429s_the_newest_status_is_stored_and_the_step_never_decreases(cluster):
+    faulty_run(cluster)
+    assert stored(cluster)["progress"]["step"] == 60
+    steps, _ = steps_and_checkpoints(cluster)
+    assert len(steps) > 1 and steps == sorted(steps)
+
+
+def test_through_503s_and_429s_the_latest_checkpoint_never_regresses(cluster):
+    faulty_run(cluster)
+    _, checkpoints = steps_and_checkpoints(cluster)
+    assert checkpoints[-1] == 60 and checkpoints == sorted(checkpoints)
+
+
+def test_the_final_status_is_delivered_through_three_refusals_in_a_row(cluster, capsys):
+    sink = KubernetesStatusSink("digits", NS, interval=60)
+    sink.publish(status(10))
+    assert sink.flush(10)
+    answers = answer(cluster, 503, 503, 503, None)
+    sink.publish(status(40))  # within the interval: held back until close
+    sink.close()
+    assert len(answers.times) == 4
+    assert stored(cluster)["progress"]["step"] == 40
+    assert "not delivered" not in capsys.readouterr().err
+
+
+def test_close_gives_up_at_its_deadline_with_one_line(cluster, capsys):
+    sink = KubernetesStatusSink("digits", NS, interval=60, deadline=0.5)
+    answer(cluster, *[503] * 100)
+    sink.publish(status(10))
+    sink.close()
+    err = capsys.readouterr().err
+    assert err.count("the final status of default/digits was not delivered within 0.5 s (last error: 503") == 1
+    assert "progress" not in stored(cluster)
+
+
+def test_retry_after_is_honoured(cluster):
+    answers = answer(cluster, (429, {"Retry-After": "1"}, "too many requests"), None)
+    sink = KubernetesStatusSink("digits", NS, interval=0)
+    sink.publish(status(10))
+    assert sink.flush(10)
+    assert len(answers.times) == 2
+    assert answers.times[1] - answers.times[0] >= 1.0
+    assert stored(cluster)["progress"]["step"] == 10
+    sink.close()
+
+
+def test_the_status_details_retry_after_seconds_is_honoured_too():
+    from kubernetes.client.exceptions import ApiException
+
+    error = ApiException(status=429, reason="Too Many Requests")
+    error.body = '{"kind": "Status", "code": 429, "details": {"retryAfterSeconds": 3}}'
+    assert status_sink.retry_after(error) == 3.0
+
+
+def test_a_stalled_api_does_not_hold_up_publish(cluster):
+    """publish() returns while the API holds the sender's request unanswered; the newest status goes after it."""
+    answers = answer(cluster, "hold")
+    sink = KubernetesStatusSink("digits", NS, interval=0, timeout=30)
+    sink.publish(status(10))
+    assert answers.arrived.wait(10), "the sender's patch reached the API"
+    for step in range(11, 31):
+        sink.publish(status(step, checkpoint=f"/ckpt/step-{step:04d}.pt"))
+    held = not answers.release.is_set()
+    answers.release.set()
+    assert held, "every publish returned while the patch was held"
+    assert sink.flush(10)
+    assert stored(cluster)["progress"]["step"] == 30
+    sink.close()
+
+
+def test_a_403_gives_one_line_with_the_fix_and_the_next_status_is_tried_once_more(cluster, capsys):
+    message = ('paralleltrainingjobs.tandem.dev "digits" is forbidden: User "system:serviceaccount:default:digits-'
+               'rank0" cannot patch resource "paralleltrainingjobs/status" in API group "tandem.dev"')
+    answers = answer(cluster, (403, {}, message))
+    sink = KubernetesStatusSink("digits", NS, interval=0)
+    sink.publish(status(10))
+    assert sink.flush(10)
+    assert len(answers.times) == 1, "not retried"
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1
+    assert "default/digits" in lines[0] and message in lines[0]
+    assert "rank 0's ServiceAccount lacks `patch` on paralleltrainingjobs/status" in lines[0]
+    sink.publish(status(11))
+    sink.close()
+    assert stored(cluster)["progress"]["step"] == 11
+
+
+def restarted(cluster: Cluster) -> list[str]:
+    """The status a group left behind: step 37, three checkpoints, accuracy measured."""
+    paths = [f"/ckpt/step-{step:04d}.pt" for step in (10, 20, 30)]
+    cluster.custom.patch_namespaced_custom_object_status(GROUP, VERSION, NS, JOBS, "digits", {"status": {
+        "progress": {"step": 37, "totalSteps": 100}, "metrics": {"accuracy": 0.9},
+        "checkpoint": {"latest": paths[-1], "step": 30, "time": "2026-01-01T00:00:30Z",
+                       "history": [{"path": p, "step": int(p[-7:-3]), "time": f"2026-01-01T00:00:{p[-5:-3]}Z"}
+                                   for p in paths]}}})
+    return paths
+
+
+def test_a_restarted_groups_first_patch_keeps_the_stored_checkpoints(cluster):
+    paths = restarted(cluster)
+    sink = KubernetesStatusSink("digits", NS, interval=0)
+    reporter = Reporter([sink], workers=2, total_steps=100)
+    reporter.resumed(Path(paths[-1]), step=30, epoch=2)
+    assert sink.flush(10)
+    written = stored(cluster)
+    assert written["progress"]["step"] == 30, "the resumed step"
+    assert written["metrics"] == {"accuracy": 0.9}
+    assert written["checkpoint"]["latest"] == paths[-1]
+    assert written["checkpoint"]["time"] == "2026-01-01T00:00:30Z", "when it was written, not when resumed"
+    assert [record["path"] for record in written["checkpoint"]["history"]] == paths
+    reporter.checkpoint(Path("/ckpt/step-0040.pt"), 40)
+    sink.close()
+    assert [record["path"] for record in stored(cluster)["checkpoint"]["history"]] == [*paths, "/ckpt/step-0040.pt"]
+
+
+def test_a_group_restarted_from_scratch_removes_no_checkpoint(cluster):
+    paths = restarted(cluster)
+    sink = KubernetesStatusSink("digits", NS, interval=0)
+    reporter = Reporter([sink], workers=2, total_steps=100)
+    reporter.progress(epoch=1, step=1, loss=2.3, samples=64)
+    sink.close()
+    assert stored(cluster)["progress"]["step"] == 1
+    versions = [v["status"] for v in cluster.history("ptj", NS, "digits") if v and "checkpoint" in v.get("status", {})]
+    assert len(versions) >= 2, "the restart's patch and rank 0's"
+    for version in versions:
+        assert version["checkpoint"]["latest"] == paths[-1]
+        assert [record["path"] for record in version["checkpoint"]["history"]] == paths

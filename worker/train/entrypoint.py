@@ -45,8 +45,9 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
     """One rank of Tandem's trainer (torch is imported here: a custom command starts without it)."""
     from tandem.worker.checkpoint import latest
     from tandem.worker.train.process_group import join_group, shutdown_process_group
-    from tandem.worker.train.reporting import ConsoleSink, KubernetesStatusSink, StatusFileSink
+    from tandem.worker.train.reporting import ConsoleSink, StatusFileSink
     from tandem.worker.train.signals import watch_stop_signals
+    from tandem.worker.train.status_sink import KubernetesStatusSink
     from tandem.worker.train.trainer import RankContext, seed_everything, train
     from tandem.worker.user_code import build_model, load_dataset
 

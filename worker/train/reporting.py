@@ -1,7 +1,8 @@
 """Progress reporting: rank 0 keeps one status object (the CR's `.status` shape) and publishes it to sinks.
 
 Sinks: a status file (what `tandem run` reads and renders), the console (a rich progress bar on a
-terminal, plain log lines otherwise), and, on a cluster, the Kubernetes status sink.
+terminal, plain log lines otherwise), and, on a cluster, the job's status subresource (status_sink.py:
+KubernetesStatusSink, which sends from a thread of its own and keeps its promises while the API server fails).
 """
 
 from __future__ import annotations
@@ -18,12 +19,9 @@ from typing import Protocol
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from tandem.api import GROUP, VERSION, ParallelTrainingJobStatus
+from tandem.api import ParallelTrainingJobStatus
 from tandem.api.training import CheckpointRecord
-
-PLURAL = "paralleltrainingjobs"
-
-HISTORY_LIMIT = 10
+from tandem.worker.train.status_sink import HISTORY_LIMIT
 
 
 def now() -> datetime:
@@ -49,66 +47,6 @@ class StatusFileSink:
 
     def close(self) -> None:
         pass
-
-
-class KubernetesStatusSink:
-    """Rank 0's report into its ParallelTrainingJob's status subresource: `progress` (with `lastHeartbeat`),
-    `metrics`, `communication` and `checkpoint`, and nothing else (phase, conditions, workers and the rest are the
-    operator's). A merge patch at most every `interval` seconds, at once when the checkpoint changes, and at
-    close. Logs in with in-cluster config, else KUBECONFIG. API errors never stop training: they are logged and
-    the status goes again at the next publish; a 404 (the job was deleted) ends reporting quietly."""
-
-    FIELDS = ("progress", "metrics", "communication", "checkpoint")
-
-    def __init__(self, job: str, namespace: str, *, interval: float = 5.0, timeout: float = 5.0):
-        from kubernetes import client, config
-
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # read now, not at import
-        self.api = client.CustomObjectsApi()
-        self.job, self.namespace = job, namespace
-        self.interval, self.timeout = interval, timeout
-        self.gone = False
-        self._unsent: ParallelTrainingJobStatus | None = None
-        self._last_sent = 0.0
-        self._checkpoint_sent: str | None = None
-
-    def publish(self, status: ParallelTrainingJobStatus) -> None:
-        self._unsent = status
-        new_checkpoint = status.checkpoint.latest != self._checkpoint_sent
-        if new_checkpoint or time.monotonic() - self._last_sent >= self.interval:
-            self._send()
-
-    def close(self) -> None:
-        self._send()
-
-    def _send(self) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        if self.gone or self._unsent is None:
-            return
-        status, wire = self._unsent, self._unsent.to_dict()
-        body = {"status": {field: wire[field] for field in self.FIELDS if field in wire}}
-        try:
-            self.api.patch_namespaced_custom_object_status(
-                GROUP, VERSION, self.namespace, PLURAL, self.job, body,
-                _content_type="application/merge-patch+json", _request_timeout=self.timeout)
-        except ApiException as error:
-            if error.status == 404:
-                self.gone = True
-                print(f"tandem worker: {self.namespace}/{self.job} is gone: status reporting ends", file=sys.stderr)
-                return
-            print(f"tandem worker: status update failed ({error.status} {error.reason}); retrying at the next one",
-                  file=sys.stderr)
-            return
-        except Exception as error:  # the network, the API server restarting: training goes on regardless
-            print(f"tandem worker: status update failed ({type(error).__name__}: {error}); retrying at the next one",
-                  file=sys.stderr)
-            return
-        self._unsent, self._last_sent = None, time.monotonic()
-        self._checkpoint_sent = status.checkpoint.latest
 
 
 def read_status_file(path: Path) -> ParallelTrainingJobStatus | None:

@@ -21,44 +21,23 @@ Every failed attempt is counted in `tandem_operator_api_errors_total{verb,kind,c
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import random
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
+from tandem.api_errors import TRANSIENT_CODES, Backoff, api_message
+from tandem.api_errors import retry_after as server_wait
 from tandem.operator import metrics
 
 log = logging.getLogger("tandem.operator")
 
-TRANSIENT_CODES = frozenset({429, 500, 502, 503, 504})
 REQUEST_TIMEOUT = (5.0, 10.0)
 """(connect, read) seconds for each of the operator's requests: a hung request is a transient error within
 seconds, not a stall of the job's daemon."""
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """Jittered exponential delays ("full jitter"): attempt n waits a random time in [base * 2^n / 2, base * 2^n],
-    capped at `cap`, and never less than the server's Retry-After."""
-
-    base: float = 0.2
-    cap: float = 3.0
-    attempts: int = 6
-
-    def delay(self, attempt: int, retry_after: float | None = None, rng: random.Random | None = None) -> float:
-        ceiling = min(self.cap, self.base * 2 ** attempt)
-        jittered = (rng or random).uniform(ceiling / 2, ceiling)
-        return max(jittered, retry_after or 0.0)
-
-    def delays(self) -> Iterator[float]:
-        """The delays between the attempts of one call."""
-        return (self.delay(attempt) for attempt in range(self.attempts - 1))
 
 
 BACKOFF = Backoff()
@@ -72,7 +51,7 @@ class JitteredDelays:
         self.backoff = backoff
 
     def __iter__(self) -> Iterator[float]:
-        return self.backoff.delays()
+        return (self.backoff.delay(attempt) for attempt in range(self.backoff.attempts - 1))
 
     def __len__(self) -> int:
         return self.backoff.attempts - 1
@@ -137,7 +116,8 @@ async def call(verb: str, kind: str, target: str, method: Callable[..., Any], *a
         try:
             return await asyncio.to_thread(method, *args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
         except ApiException as error:
-            code, reason, message, retry_after = error.status, error.reason or "", _message(error), _retry_after(error)
+            code, reason, message, retry_after = error.status, error.reason or "", api_message(error), \
+                server_wait(error)
             if classify(verb, code) in ("exists", "gone"):
                 raise
         except (urllib3.exceptions.HTTPError, OSError) as error:
@@ -158,28 +138,6 @@ async def call(verb: str, kind: str, target: str, method: Callable[..., Any], *a
         metrics.API_RETRIES.labels(verb, kind, str(code)).inc()
         await asyncio.sleep(backoff.delay(attempt, retry_after))
     raise AssertionError("unreachable")
-
-
-def _retry_after(error: ApiException) -> float | None:
-    value = (error.headers or {}).get("Retry-After")
-    if value is None:
-        value = (_status_body(error).get("details") or {}).get("retryAfterSeconds")
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-def _message(error: ApiException) -> str:
-    return str(_status_body(error).get("message") or error.body or "").strip()
-
-
-def _status_body(error: ApiException) -> dict[str, Any]:
-    try:
-        body = json.loads(error.body) if error.body else {}
-    except (TypeError, ValueError):
-        return {}
-    return body if isinstance(body, dict) else {}
 
 
 _KOPF_REQUEST = re.compile(r"Request attempt \S+ failed; (will retry|escalating): (\w+) (\S+) -> (.*)$", re.S)

@@ -88,7 +88,7 @@ BUGS = [
     Bug("a transient API error not retried within the call", "operator/api_policy.py",
         "if attempt + 1 == backoff.attempts:", "if True:",
         "tests/unit/test_api_policy.py::test_transient_errors_are_retried_within_the_call_and_counted_by_verb_kind_and_code"),
-    Bug("Retry-After ignored", "operator/api_policy.py",
+    Bug("Retry-After ignored", "tandem/api_errors.py",
         "return max(jittered, retry_after or 0.0)", "return jittered",
         "tests/unit/test_api_policy.py::test_delays_are_jittered_exponential_capped_and_honour_retry_after"),
     Bug("a pass an API failure ended left to kopf's backoff", "operator/daemon.py",

@@ -19,6 +19,7 @@ import pytest
 
 from devcluster import Cluster
 from tandem.api import ParallelTrainingJobStatus
+from tandem.api_errors import Backoff, retry_after
 from tandem.worker.train import status_sink
 from tandem.worker.train.reporting import Reporter
 from tandem.worker.train.status_sink import KubernetesStatusSink
@@ -28,7 +29,7 @@ GROUP, VERSION, JOBS, NS = "tandem.dev", "v1alpha1", "paralleltrainingjobs", "de
 
 @pytest.fixture
 def cluster(tmp_path, monkeypatch):
-    monkeypatch.setattr(status_sink, "BACKOFF_FIRST", 0.02)  # retries within a test's second; the cap stays
+    monkeypatch.setattr(status_sink, "BACKOFF", Backoff(base=0.02, cap=4.0))  # retries within a test's second
     with Cluster(tmp_path, kubelet=False) as cluster:
         monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
@@ -228,7 +229,7 @@ def test_the_status_details_retry_after_seconds_is_honoured_too():
 
     error = ApiException(status=429, reason="Too Many Requests")
     error.body = '{"kind": "Status", "code": 429, "details": {"retryAfterSeconds": 3}}'
-    assert status_sink.retry_after(error) == 3.0
+    assert retry_after(error) == 3.0
 
 
 def test_a_stalled_api_does_not_hold_up_publish(cluster):

@@ -29,6 +29,7 @@ RULES = [
     ("tandem.api", ["torch", "tandem.worker", "tandem.operator", "tandem.backends"]),
     ("tandem.contract", ["torch", "tandem.worker", "tandem.operator", "tandem.backends"]),
     ("tandem.restart_policy", ["torch", "tandem.worker", "tandem.operator", "tandem.backends"]),
+    ("tandem.api_errors", ["torch", "tandem.worker", "tandem.operator", "tandem.backends"]),
     ("tandem.operator", ["torch", "tandem.worker", "tandem.backends"]),
     ("tandem.worker.train", ["tandem.worker.serve", "tandem.operator", "tandem.backends"]),
     ("tandem.worker.serve", ["tandem.worker.train", "tandem.operator", "tandem.backends"]),
@@ -39,7 +40,8 @@ RULES = [
 ]
 TORCH_FREE = ["tandem.api", "tandem.contract", "tandem.restart_policy", "tandem.manifest", "tandem.crd",
               "tandem.operator.training", "tandem.operator.handlers", "tandem.operator.main", "tandem.operator.pools",
-              "tandem.operator.pool_handlers", "tandem.operator.api_policy", "tandem.operator.daemon"]
+              "tandem.operator.pool_handlers", "tandem.operator.api_policy", "tandem.operator.daemon",
+              "tandem.api_errors"]
 
 
 def module_files(layer: str, packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:

@@ -16,25 +16,22 @@ misbehaves (429 with Retry-After, 500/502/503/504, timeouts, reset connections):
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import sys
 import threading
 import time
 from typing import Any
 
 from tandem.api import GROUP, VERSION, ParallelTrainingJobStatus
+from tandem.api_errors import TRANSIENT_CODES, Backoff, api_message, retry_after
 
 PLURAL = "paralleltrainingjobs"
 
 HISTORY_LIMIT = 10
 """Checkpoint records kept in status.checkpoint.history, oldest first."""
 
-TRANSIENT = frozenset({429, 500, 502, 503, 504})
-BACKOFF_FIRST, BACKOFF_CAP = 0.25, 4.0
-"""Seconds before the first retry; the most any backoff waits (a longer Retry-After is honoured up to
-RETRY_AFTER_CAP)."""
+BACKOFF = Backoff(base=0.25, cap=4.0)
+"""Between the attempts of one status (a longer Retry-After is honoured up to RETRY_AFTER_CAP)."""
 RETRY_AFTER_CAP = 30.0
 
 FIXES = {
@@ -213,12 +210,12 @@ class KubernetesStatusSink:
             except ApiException as error:
                 if error.status == 404:
                     raise Gone() from error
-                if error.status and error.status not in TRANSIENT:
+                if error.status and error.status not in TRANSIENT_CODES:
                     raise Refused(error) from error
-                delay = max(backoff(attempt), min(RETRY_AFTER_CAP, retry_after(error) or 0.0))
+                delay = BACKOFF.delay(attempt, min(RETRY_AFTER_CAP, retry_after(error) or 0.0))
                 self._log_failure(f"{error.status} {error.reason}")
             except Exception as error:  # the network, a timeout, the API server restarting
-                delay = backoff(attempt)
+                delay = BACKOFF.delay(attempt)
                 self._log_failure(f"{type(error).__name__}: {error}")
             else:
                 self._failing = self._refused = None
@@ -263,31 +260,3 @@ def keep_stored_history(stored: dict[str, Any], own: dict[str, Any]) -> dict[str
     if known is not None and "time" in known:
         merged["time"] = known["time"]
     return merged
-
-
-def backoff(attempt: int) -> float:
-    """Jittered exponential backoff: 0.25 s, 0.5 s, 1 s, ... at most BACKOFF_CAP, each times 0.5..1."""
-    return min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** attempt) * random.uniform(0.5, 1.0)
-
-
-def retry_after(error) -> float | None:
-    """The seconds the server asked to wait: the Retry-After header, else the Status' details.retryAfterSeconds."""
-    header = (error.headers or {}).get("Retry-After")
-    try:
-        return max(0.0, float(header))
-    except (TypeError, ValueError):
-        pass
-    seconds = (_status_body(error).get("details") or {}).get("retryAfterSeconds")
-    return float(seconds) if isinstance(seconds, int | float) and seconds >= 0 else None
-
-
-def api_message(error) -> str:
-    return str(_status_body(error).get("message") or error.body or "no message").strip()
-
-
-def _status_body(error) -> dict[str, Any]:
-    try:
-        body = json.loads(error.body or "")
-    except (TypeError, ValueError):
-        return {}
-    return body if isinstance(body, dict) else {}

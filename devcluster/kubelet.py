@@ -142,22 +142,26 @@ class Kubelet:
         self._tasks = [asyncio.create_task(self.scheduler.run(), name="scheduler")]
 
     async def stop(self) -> None:
+        await self._end_runs(*self._tasks, *([self._recovery] if self._recovery else []))
+        await self.informer.stop()
+        if self._probes is not None:
+            await self._probes.close()
+        await self.api.close()
+
+    async def _end_runs(self, *tasks: asyncio.Task) -> None:
+        """SIGKILL every pod's process group and cancel the pods' tasks, the Events being written and `tasks`;
+        returns once every process has ended."""
         with self._lock:
             runs = list(self.runs.values())
         for run in runs:
             self._kill(run, signal.SIGKILL)
-        tasks = [*self._tasks, *self._events, *(run.task for run in runs if run.task),
-                 *([self._recovery] if self._recovery else [])]
+        tasks = (*tasks, *self._events, *(run.task for run in runs if run.task))
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for run in runs:
             if run.process is not None:
                 await run.process.wait()
-        await self.informer.stop()
-        if self._probes is not None:
-            await self._probes.close()
-        await self.api.close()
 
     # -- a node lost ----------------------------------------------------------------------------------------------
     async def lose(self, down_seconds: float = 5.0) -> None:
@@ -173,17 +177,7 @@ class Kubelet:
         if self.down:
             raise RuntimeError(f"node {self.node.name} is already down")
         self.down, self.node.ready = True, False
-        with self._lock:
-            runs = list(self.runs.values())
-        for run in runs:
-            self._kill(run, signal.SIGKILL)
-        tasks = [*self._events, *(run.task for run in runs if run.task)]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for run in runs:
-            if run.process is not None:
-                await run.process.wait()
+        await self._end_runs()
         await asyncio.sleep(self.grace_for_node_monitor)  # any status write already sent is served before the marks
         self._mark_node_lost()
         self.scheduler.kick.set()

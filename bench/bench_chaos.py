@@ -227,7 +227,7 @@ class Operator:
         found = Counter()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in METRICS:
+                if sample.name in METRICS or sample.name == "process_cpu_seconds_total":
                     found[sample.name, tuple(sorted(sample.labels.items()))] += sample.value
         return found
 
@@ -508,6 +508,9 @@ def soak(args: argparse.Namespace) -> int:
             pause: dict[str, str] = {n: "created" for n, k in zip(names, kinds, strict=True) if k == "pause"}
             suspended_at: dict[str, float] = {}
             suspend_seconds: dict[str, float] = {}
+            decided: dict[str, float] = {}  # from the suspend patch to the phase Suspended seen
+            loops: list[float] = []  # seconds each look at the cluster took (the resolution of these figures)
+            cpu_before = time.process_time()
             jobs_created = 0
             deadline = started + args.soak_timeout
             while True:
@@ -547,6 +550,8 @@ def soak(args: argparse.Namespace) -> int:
                     if phase in FINAL and name not in settled and pause.get(name, "resumed") == "resumed":
                         settled[name] = time.monotonic() - started
                     step = pause.get(name)
+                    if step == "suspending" and phase == "Suspended" and name not in decided:
+                        decided[name] = time.monotonic() - suspended_at[name]
                     if step == "created" and phase == "Running" and len(pods) == 2 \
                             and all(map(running_and_ready, pods)):
                         patch(cluster, name, {"spec": {"suspend": True}})
@@ -561,12 +566,14 @@ def soak(args: argparse.Namespace) -> int:
                     elif step == "created" and phase in FINAL:
                         pause[name] = "resumed"  # ended before it could be suspended: wrong, reported below
                         settled[name] = time.monotonic() - started
+                loops.append(time.monotonic() - now)
                 done = not schedule and len(settled) == len(names) and len(ready) == len(pools) \
                     and all(kill.how for kill in kills)
                 if done or time.monotonic() > deadline:
                     break
                 time.sleep(0.25)
             settle = time.monotonic() - started
+            cpu_bench = time.process_time() - cpu_before
             time.sleep(2)  # a last look: nothing should change any more
             if not done:
                 problems.append(f"not settled after {args.soak_timeout} s: jobs {len(settled)}/{len(names)}, pools "
@@ -607,7 +614,8 @@ def soak(args: argparse.Namespace) -> int:
             if suspend_seconds:
                 values = sorted(suspend_seconds.values())
                 print(f"suspend to every rank gone: median {statistics.median(values):.1f} s, max {values[-1]:.1f} s"
-                      f" ({len(values)} jobs)")
+                      f" ({len(values)} jobs; to the phase Suspended: median {statistics.median(decided.values()):.1f}"
+                      f" s, max {max(decided.values()):.1f} s)")
             times = sorted(ready.values())
             end_phases = Counter(status(cluster, POOLS, p).get("phase") for p in pools)
             print(f"pools: {end_phases.get('Ready', 0)} of {len(pools)} Ready at the end; create to Ready "
@@ -629,6 +637,12 @@ def soak(args: argparse.Namespace) -> int:
             if args.verbose:
                 for (client, fault, method, plural), n in sorted(cluster.emulator.injected.items()):
                     print(f"  {client} {fault} {method} {plural}: {n}")
+            cpu_operator = sum(value for (metric, _), value in operator.metrics().items()
+                               if metric == "process_cpu_seconds_total")
+            print(f"CPU seconds over the {settle:.0f} s: the operator {cpu_operator:.1f} (its 4 lives, each as last "
+                  f"scraped), the benchmark's process (emulator, kubelet, Deployment controller, its own looks) "
+                  f"{cpu_bench:.1f}; each look at the cluster took median {statistics.median(loops) * 1000:.0f} ms, "
+                  f"max {max(loops) * 1000:.0f} ms (then 0.25 s of sleep)")
             print("operator's counters, summed over its lives:")
             for metric in METRICS:
                 by_code = Counter()

@@ -291,6 +291,10 @@ def time_to_succeeded(cluster: Cluster) -> Measure:
     return measure
 
 
+def rank0_fields(state: dict) -> dict:
+    return {key: state.get(key) for key in ("progress", "checkpoint", "metrics", "communication")}
+
+
 def time_to_resumed(cluster: Cluster) -> Measure:
     """Seconds from SIGKILLing rank 1 (after rank 0 recorded a checkpoint) to the new group training again: both
     its pods Running and Ready and rank 0's heartbeat changed since the group's first pod appeared."""
@@ -302,6 +306,7 @@ def time_to_resumed(cluster: Cluster) -> Measure:
     wait(cluster, lambda: cluster.kubelet.pid(NS, f"{name}-worker-1"), 60, "rank 1's process")
     unseen = object()
     heartbeat_then = unseen  # rank 0's heartbeat when the new group's first pod appeared
+    reported_then: dict = {}  # rank 0's fields then
     marks: dict[str, float] = {}
 
     def training_again() -> bool:
@@ -316,6 +321,8 @@ def time_to_resumed(cluster: Cluster) -> Measure:
         note(marks, started, "new pods ready", len(group) == 2 and all(map(running_and_ready, group)))
         if group and heartbeat_then is unseen:
             heartbeat_then = heartbeat
+            reported_then.update(rank0_fields(state))
+        note(marks, started, "new rank 0 reported", bool(reported_then) and rank0_fields(state) != reported_then)
         return len(group) == 2 and all(map(running_and_ready, group)) and heartbeat_then is not unseen \
             and heartbeat is not None and heartbeat != heartbeat_then
 
@@ -368,8 +375,13 @@ def run_level(level: float, only: list[str], scratch: Path, seed: int, verbose: 
             for name in only:
                 results[name] = MEASURE[name](cluster)
                 if verbose:
+                    by_client = Counter()
+                    for (client, fault, _, _), n in cluster.emulator.injected.items():
+                        if fault.startswith("error-"):
+                            by_client[client] += n
                     print(f"  {level:.0%} {name}: {results[name].seconds:.2f} s; " + ", ".join(
-                        f"{what} {at:.2f}" for what, at in results[name].marks.items()), flush=True)
+                        f"{what} {at:.2f}" for what, at in results[name].marks.items())
+                        + f" (write errors so far, by client: {dict(by_client)})", flush=True)
             if verbose:  # every error injected into the operator's writes should be counted by its metrics
                 counted = sum(value for (metric, _), value in operator.metrics_now(operator.port).items()
                               if metric == "tandem_operator_api_errors_total")

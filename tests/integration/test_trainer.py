@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -106,6 +107,41 @@ def test_a_stop_signal_stops_every_rank_with_a_final_checkpoint(tmp_path, signum
     assert 0 < status["progress"]["step"] < status["progress"]["totalSteps"]
     assert checkpoint.load(latest)["manifest"]["step"] == status["progress"]["step"]
     assert leftover_processes("stoppable") == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_rank_stopped_before_training_starts_exits_at_once_even_in_the_rendezvous(tmp_path, signum):
+    """Rank 0 of two, alone: it waits in the rendezvous for a rank 1 that never comes (a group torn down while it
+    starts). A stop must end it now, not after the pod's grace period: there is nothing to checkpoint yet."""
+    import socket
+
+    from tandem.api import ParallelTrainingJob
+
+    document = yaml.safe_load(manifest(tmp_path, "lonely").read_text())
+    spec = tmp_path / "lonely.json"
+    spec.write_text(ParallelTrainingJob.model_validate(document).model_dump_json(by_alias=True))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TANDEM_SPEC": str(spec), "TANDEM_JOB": "lonely",
+           "TANDEM_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
+    rank = subprocess.Popen([sys.executable, "-m", "tandem.cli", "worker", "train"], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while rank.poll() is None and time.monotonic() < deadline:  # rank 0 serves the group's store: it waits
+            with socket.socket() as client:
+                if client.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        assert rank.poll() is None, rank.stderr.read()
+        rank.send_signal(signum)
+        assert rank.wait(timeout=30) == 128 + signum
+        assert "before training started: nothing to checkpoint, exiting" in rank.stderr.read()
+    finally:
+        rank.kill()
+        rank.wait()
 
 
 def test_ranks_die_with_a_killed_launcher(tmp_path):

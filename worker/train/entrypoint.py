@@ -43,10 +43,12 @@ def main() -> int:
 
 def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
     """One rank of Tandem's trainer (torch is imported here: a custom command starts without it)."""
+    from tandem.worker.train.signals import StopSignals
+
+    stop_signals = StopSignals()  # a stop before training starts exits at once, even in the rendezvous
     from tandem.worker.checkpoint import latest
     from tandem.worker.train.process_group import join_group, shutdown_process_group
     from tandem.worker.train.reporting import ConsoleSink, StatusFileSink
-    from tandem.worker.train.signals import watch_stop_signals
     from tandem.worker.train.status_sink import KubernetesStatusSink
     from tandem.worker.train.trainer import RankContext, seed_everything, train
     from tandem.worker.user_code import build_model, load_dataset
@@ -67,7 +69,7 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
         rank=env.rank, world_size=env.world_size, device=device, job=env.job, checkpoint_dir=checkpoint_dir,
         resume_from=env.resume_from or (latest(checkpoint_dir) if env.resume_latest else None), sinks=sinks,
     )
-    watch_stop_signals(context)
+    stop_signals.attach(context)
     try:
         train(spec, context, model, train_set, eval_set)
     except BaseException as error:

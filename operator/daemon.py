@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -128,6 +128,16 @@ def describe_refusal(refusal: Refused | None) -> str | None:
         return None
     return (f"{refusal.verb} {refusal.kind} {refusal.target} was refused: {refusal.code} {refusal.reason}: "
             f"{refusal.message}; fix: {refusal.fix()}")
+
+
+async def all_of(calls: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Run `calls` concurrently and wait for every one; then raise the first failure, if any (none is left running
+    unobserved)."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 async def sleep(waker: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float | None) -> None:

@@ -92,15 +92,25 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
 async def _apply(plan: Plan, body: dict[str, Any], cluster: Cluster, state: daemon.Reconciliation) -> None:
     """The decision first (the status), then the pods: an operator stopped between the two finds its decision in
     the status when it starts again (a group torn down is still Restarting, its failure counted once; a group being
-    created is Pending and its missing ranks are created), never pods without the decision that made them."""
+    created is Pending and its missing ranks are created), never pods without the decision that made them. A
+    suspension stops the ranks first (`Plan.stop_first`). Objects of one kind are created, and pods deleted,
+    concurrently: their retries overlap instead of adding up."""
+    grace = 0 if plan.kill_at_once else None
+
+    async def delete_pods() -> None:
+        await daemon.all_of(cluster.delete("Pod", pod, state.namespace, grace_seconds=grace)
+                            for pod in plan.delete_pods)
+
+    if plan.stop_first:
+        await delete_pods()
     before = (body.get("status") or {}).get("restarts", 0)
     changed = await daemon.publish(cluster, state, body, plan.status, plan.events)
     if changed.get("restarts", 0) > before:
         metrics.RESTARTS.inc(changed["restarts"] - before)
-    for manifest in plan.create:
-        await cluster.create(manifest)
-    for pod in plan.delete_pods:
-        await cluster.delete("Pod", pod, state.namespace, grace_seconds=0 if plan.kill_at_once else None)
+    await daemon.all_of(cluster.create(m) for m in plan.create if m["kind"] != "Pod")  # what the pods mount
+    await daemon.all_of(cluster.create(m) for m in plan.create if m["kind"] == "Pod")
+    if not plan.stop_first:
+        await delete_pods()
     if plan.delete_job:
         await cluster.delete_custom(JOBS, state.name, state.namespace)
 

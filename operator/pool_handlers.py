@@ -152,11 +152,14 @@ class RecentlyPut:
 
 async def _apply(plan: PoolPlan, body: dict[str, Any], children: dict[str, dict[str, Any] | None], cluster,
                  put: RecentlyPut, state: daemon.Reconciliation) -> None:
-    for manifest in plan.apply:
+    """The pool's objects put and deleted (each concurrently: their retries overlap), then the status."""
+
+    async def put_one(manifest: dict[str, Any]) -> None:
         existing = children.get(manifest["kind"])
         written = await cluster.put(manifest, existing)
         if written is not None and existing is None:
             put.add(written)
-    for kind, child in plan.delete:
-        await cluster.delete(kind, child, state.namespace)
+
+    await daemon.all_of(put_one(manifest) for manifest in plan.apply)
+    await daemon.all_of(cluster.delete(kind, child, state.namespace) for kind, child in plan.delete)
     await daemon.publish(cluster, state, body, plan.status, plan.events)

@@ -65,6 +65,9 @@ class Plan:
     delete_pods: list[str] = field(default_factory=list)
     kill_at_once: bool = False
     """Delete those pods with no grace period: a hung group cannot write a checkpoint on SIGTERM."""
+    stop_first: bool = False
+    """Delete those pods before writing the status: a suspension, which the spec itself records (an operator
+    stopped between the two suspends again from the spec), so a refused status patch does not hold the ranks up."""
     delete_job: bool = False
     status: dict[str, Any] = field(default_factory=dict)
     """The operator's status fields (a merge patch of the status subresource)."""
@@ -142,6 +145,7 @@ class _Reconciler:
 
     def _suspend(self) -> None:
         self._delete(p for p in self.pods if not p.terminating)
+        self.result.stop_first = True
         waiting = [p for p in self.pods if not p.finished]
         message = f"suspended: {len(waiting)} rank(s) stopping" if waiting else "suspended"
         self._set_phase("Suspended", "Suspended", message)

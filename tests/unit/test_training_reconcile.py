@@ -194,8 +194,9 @@ CASES = [
     ("trainer changed while running: refused, keeps running", job(running(), image="other:2"), BOTH_RUNNING,
      {"image": "tandem-worker:1"}, {"phase": "Running", "condition": ("SpecChangeRefused", "True"), "delete": [],
                                     "condition_message": "spec.image cannot change while the ranks run"}),
-    ("suspend: pods deleted, Suspended", job(running(), suspend=True), BOTH_RUNNING, {},
-     {"phase": "Suspended", "delete": ["digits-worker-0", "digits-worker-1"], "event": "Suspended"}),
+    ("suspend: pods deleted (before the status is written), Suspended", job(running(), suspend=True), BOTH_RUNNING,
+     {}, {"phase": "Suspended", "delete": ["digits-worker-0", "digits-worker-1"], "event": "Suspended",
+          "stop_first": True}),
     ("unsuspended: a group resumes", job(running(phase="Suspended")), [], {},
      {"phase": "Pending", "create": GROUP, "event": "Resumed"}),
     ("past activeDeadlineSeconds: Failed, pods deleted", job(running(started=120), activeDeadlineSeconds=100),
@@ -240,6 +241,7 @@ def test_reconcile(name, body, pods, changes, expected):
     if "completed" in expected:
         assert status.get("completionTime") == NOW.strftime("%Y-%m-%dT%H:%M:%SZ")
     assert plan.kill_at_once is expected.get("kill_at_once", False)
+    assert plan.stop_first is expected.get("stop_first", False), "only a suspension stops the pods first"
     if "delete_job" in expected:
         assert plan.delete_job is expected["delete_job"]
     if "requeue" in expected:

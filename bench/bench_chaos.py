@@ -62,6 +62,7 @@ invariant fails.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import subprocess
@@ -448,7 +449,10 @@ def ratios(args: argparse.Namespace) -> int:
 OK = ["python", "-c", "import time; time.sleep(1.5)"]
 FAIL = ["python", "-c", "import sys, time; time.sleep(1); sys.exit(3)"]
 PAUSE = ["python", "-c", "import os, time\n"
-         "go = os.path.join(os.environ['TANDEM_CHECKPOINT_DIR'], 'go')\n"
+         "here = os.environ['TANDEM_CHECKPOINT_DIR']\n"
+         "os.makedirs(here, exist_ok=True)\n"
+         "open(os.path.join(here, 'started-' + os.environ['RANK']), 'w').close()\n"
+         "go = os.path.join(here, 'go')\n"
          "while not os.path.exists(go):\n    time.sleep(0.2)\n"
          "time.sleep(1.5)"]
 SOAK_KINDS = ("ok", "fail", "pause", "ok", "fail", "pause", "ok", "ok", "fail", "pause")  # cycled: 20/15/15 of 50
@@ -492,6 +496,27 @@ class Kill:
     how: str = ""  # "hook" or "direct"
 
 
+class LoopLag:
+    """How late the emulated cluster's event loop (the API server, kubelet and Deployment controller, all in this
+    process) wakes from a 0.1 s sleep: how long it takes to react to anything, when the machine is busy."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.lags: list[float] = []
+        self.future = asyncio.run_coroutine_threadsafe(self._probe(), cluster._loop)
+
+    async def _probe(self) -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.1)
+            self.lags.append(time.monotonic() - before - 0.1)
+
+    def stop(self) -> str:
+        self.future.cancel()
+        lags = sorted(self.lags) or [0.0]
+        return (f"median {statistics.median(lags) * 1000:.0f} ms, 90th percentile "
+                f"{lags[int(0.9 * (len(lags) - 1))] * 1000:.0f} ms, max {lags[-1] * 1000:.0f} ms")
+
+
 def soak(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()
     kinds = [SOAK_KINDS[i % len(SOAK_KINDS)] for i in range(args.soak_jobs)]
@@ -523,8 +548,14 @@ def soak(args: argparse.Namespace) -> int:
             decided: dict[str, float] = {}  # from the suspend patch to the phase Suspended seen
             terminating: dict[str, float] = {}  # from the suspend patch to a pod of the job seen terminating
             all_terminating: dict[str, float] = {}  # ... to every pod left terminating (the operator deleted all)
+            commands: dict[str, int] = {}  # ranks whose command had started (past the worker's start) when suspended
+            pids: dict[str, list[int | None]] = {}  # the ranks' processes when suspended
+            ended: dict[str, float] = {}  # from the suspend patch to every one of them ended (a zombie, or reaped)
+            runs: dict[str, list] = {}  # the test kubelet's records of the ranks' pods when suspended
+            kubelet_saw: dict[str, float] = {}  # from the suspend patch to the kubelet knowing every pod is deleted
             loops: list[float] = []  # seconds each look at the cluster took (the resolution of these figures)
             cpu_before = time.process_time()
+            lag = LoopLag(cluster)
             jobs_created = 0
             deadline = started + args.soak_timeout
             while True:
@@ -569,6 +600,11 @@ def soak(args: argparse.Namespace) -> int:
                     if step == "suspending" and name not in terminating \
                             and any(p["metadata"].get("deletionTimestamp") for p in pods):
                         terminating[name] = time.monotonic() - suspended_at[name]
+                    if step == "suspending" and name not in kubelet_saw \
+                            and all(run is None or run.deleting for run in runs.get(name, [])):
+                        kubelet_saw[name] = time.monotonic() - suspended_at[name]
+                    if step == "suspending" and name not in ended and all(map(process_ended, pids.get(name, []))):
+                        ended[name] = time.monotonic() - suspended_at[name]
                     if step == "suspending" and name in terminating and name not in all_terminating \
                             and all(p["metadata"].get("deletionTimestamp") for p in pods):
                         all_terminating[name] = time.monotonic() - suspended_at[name]
@@ -576,6 +612,10 @@ def soak(args: argparse.Namespace) -> int:
                             and all(map(running_and_ready, pods)):
                         patch(cluster, name, {"spec": {"suspend": True}})
                         pause[name], suspended_at[name] = "suspending", time.monotonic()
+                        here = cluster.kubelet.claim_dir(NS, "soak") / "runs" / name
+                        commands[name] = len(list(here.glob("started-*")))
+                        pids[name] = [cluster.kubelet.pid(NS, p["metadata"]["name"]) for p in pods]
+                        runs[name] = [cluster.kubelet._find(NS, p["metadata"]["name"]) for p in pods]  # diagnosis
                     elif step == "suspending" and phase == "Suspended" and not pods:
                         suspend_seconds[name] = time.monotonic() - suspended_at[name]
                         go = cluster.kubelet.claim_dir(NS, "soak") / "runs" / name / "go"
@@ -594,6 +634,7 @@ def soak(args: argparse.Namespace) -> int:
                 time.sleep(0.25)
             settle = time.monotonic() - started
             cpu_bench = time.process_time() - cpu_before
+            lagged = lag.stop()
             time.sleep(2)  # a last look: nothing should change any more
             if not done:
                 problems.append(f"not settled after {args.soak_timeout} s: jobs {len(settled)}/{len(names)}, pools "
@@ -639,12 +680,15 @@ def soak(args: argparse.Namespace) -> int:
                 print(f"suspend to every rank gone: {spread(values)} ({len(values)} jobs); to the phase Suspended: "
                       f"{spread(decided.values())}; to every pod terminating (deleted by the operator; seen in "
                       f"{len(all_terminating)} jobs, the others' pods were gone at the next look): "
-                      f"{spread(all_terminating.values())}")
+                      f"{spread(all_terminating.values())}; to every rank's process ended: {spread(ended.values())}")
                 if args.verbose:
                     for name, seconds in suspend_seconds.items():
                         print(f"  {name}: Suspended {decided.get(name, float('nan')):.1f} s, a pod terminating "
                               f"{terminating.get(name, float('nan')):.1f} s, every pod terminating "
-                              f"{all_terminating.get(name, float('nan')):.1f} s, every rank gone {seconds:.1f} s")
+                              f"{all_terminating.get(name, float('nan')):.1f} s, the kubelet knows "
+                              f"{kubelet_saw.get(name, float('nan')):.1f} s, every process ended "
+                              f"{ended.get(name, float('nan')):.1f} s, every rank gone {seconds:.1f} s; "
+                              f"ranks whose command had started when it was suspended: {commands.get(name)}")
             times = sorted(ready.values())
             end_phases = Counter(status(cluster, POOLS, p).get("phase") for p in pools)
             print(f"pools: {end_phases.get('Ready', 0)} of {len(pools)} Ready at the end; create to Ready "
@@ -671,7 +715,8 @@ def soak(args: argparse.Namespace) -> int:
             print(f"CPU seconds over the {settle:.0f} s: the operator {cpu_operator:.1f} (its 4 lives, each as last "
                   f"scraped), the benchmark's process (emulator, kubelet, Deployment controller, its own looks) "
                   f"{cpu_bench:.1f}; each look at the cluster took median {statistics.median(loops) * 1000:.0f} ms, "
-                  f"max {max(loops) * 1000:.0f} ms (then 0.25 s of sleep)")
+                  f"max {max(loops) * 1000:.0f} ms (then 0.25 s of sleep); the emulated cluster's event loop woke "
+                  f"late from a 0.1 s sleep by {lagged}")
             print("operator's counters, summed over its lives:")
             for metric in METRICS:
                 by_code = Counter()
@@ -701,6 +746,16 @@ def phase_sequence(cluster: Cluster, name: str) -> list[str]:
               if v]
     phases = [p for p in phases if p]
     return [p for i, p in enumerate(phases) if i == 0 or p != phases[i - 1]]
+
+
+def process_ended(pid: int | None) -> bool:
+    """Whether the process has exited (a zombie not yet reaped counts)."""
+    if pid is None:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def spread(values) -> str:

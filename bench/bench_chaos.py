@@ -85,6 +85,7 @@ sys.path.insert(0, str(ROOT))
 from devcluster import Cluster, Faults  # noqa: E402
 from devcluster.deployments import is_active, is_ready  # noqa: E402
 from devcluster.faults import WRITES, Served  # noqa: E402
+from devcluster.gangs import replay  # noqa: E402
 from devcluster.network import free_port  # noqa: E402
 
 GROUP, VERSION, NS = "tandem.dev", "v1alpha1", "default"
@@ -778,7 +779,7 @@ def spread(values) -> str:
 def check_invariants(cluster: Cluster) -> tuple[list[str], dict[str, int], dict[str, tuple[int, int]]]:
     """From the API server's records (printed, and returned as problems): no orphan pod; never pods of two groups
     of one job alive at once; never two pods for one rank of one group (a group: a job's pods from the first created
-    while none was alive until the last of them is gone, as tests/integration/test_chaos.py replays them). Also
+    while none was alive until the last of them is gone: devcluster/gangs.py, as the chaos suite replays them). Also
     returned: each job's number of groups, and (ranks of its last group that ran: their pod Running, Succeeded or
     Failed at some point; ranks)."""
     problems = []
@@ -794,31 +795,9 @@ def check_invariants(cluster: Cluster) -> tuple[list[str], dict[str, int], dict[
                 chain_ok = bool(grand) and all(store.uid_exists(o["uid"]) for o in grand)
         if not chain_ok:
             orphans.append(pod["metadata"]["name"])
-    alive: dict[str, dict[str, tuple[str | None, bool]]] = {}
-    groups: dict[str, int] = {}
-    created: dict[tuple[str, int, str | None], list[str]] = {}
-    started: dict[tuple[str, int], set[str]] = {}  # (job, group): the ranks whose pod ran
-    overlaps = []
     events = store.log("pods")
-    for event in events:
-        metadata = event.obj["metadata"]
-        labels = metadata.get("labels") or {}
-        job = labels.get(JOB_LABEL)
-        if job is None:
-            continue
-        pods = alive.setdefault(job, {})
-        if event.type == "DELETED":
-            pods.pop(metadata["name"], None)
-            continue
-        if event.type == "ADDED":
-            if any(terminating or group != labels.get(GROUP_LABEL) for group, terminating in pods.values()):
-                overlaps.append(f"{metadata['name']} (group {labels.get(GROUP_LABEL)}) created while {pods} alive")
-            if not pods:
-                groups[job] = groups.get(job, 0) + 1
-            created.setdefault((job, groups[job], labels.get(RANK_LABEL)), []).append(metadata["uid"])
-        if (event.obj.get("status") or {}).get("phase") in ("Running", "Succeeded", "Failed"):
-            started.setdefault((job, groups[job]), set()).add(labels.get(RANK_LABEL))
-        pods[metadata["name"]] = (labels.get(GROUP_LABEL), bool(metadata.get("deletionTimestamp")))
+    gangs = replay(events, JOB_LABEL, GROUP_LABEL, RANK_LABEL)
+    groups, created, started, overlaps = gangs.groups, gangs.created, gangs.ran, gangs.overlaps
     duplicates = {f"{job} group {group} rank {rank}": len(uids) for (job, group, rank), uids in created.items()
                   if len(uids) > 1}
     complete = events and events[0].type == "ADDED" and len(events) < 20_000

@@ -156,7 +156,10 @@ class Emulator(kmock.KubernetesEmulator):
         `/api/v1/namespaces` before any handler runs; here a request kmock cannot parse is built plainly and
         `_reparse` reads its path. Faults (faults.py) and hooks are applied here, on both paths (direct and DSL);
         with neither, a request costs one more attribute read."""
-        await raw_request.read()
+        try:
+            await raw_request.read()
+        except ConnectionError:  # the client died mid-request (an operator SIGKILLed): nobody to answer
+            return aiohttp.web.Response(status=499)
         try:
             request = self._map_pod_paths(self._reparse(await self._parse(raw_request, len(self._requests))))
             self._requests.append(request)

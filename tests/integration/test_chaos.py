@@ -53,8 +53,9 @@ from operator_runs import (
 
 from devcluster import Cluster, Faults
 from devcluster.faults import Served
+from devcluster.gangs import replay
 from tandem.operator.daemon import OPERATOR_FIELDS
-from tandem.operator.training_objects import CHECKPOINT_MOUNT
+from tandem.operator.training_objects import CHECKPOINT_MOUNT, GROUP_LABEL, JOB_LABEL, RANK_LABEL
 
 RANK0_FIELDS = {"progress", "metrics", "communication", "checkpoint"}
 FINAL = f"{CHECKPOINT_MOUNT}/runs/digits-train/checkpoints/step-00000230.pt"
@@ -214,30 +215,10 @@ def run_scenarios(cluster: Cluster, fault: str) -> Client:
 
 def check_records(cluster: Cluster) -> None:
     """The invariants, from what the API server recorded."""
-    alive: dict[str, dict[str, tuple[str, bool]]] = {}  # job -> {pod: (group label, terminating)} existing now
-    groups: dict[str, int] = {}  # job -> how many groups it has started (a group ends when its last pod is gone)
-    created: dict[tuple[str, int, str], list[str]] = {}  # (job, group, rank) -> the uids of its pods
-    for event in cluster.emulator.store.log("pods"):
-        metadata = event.obj["metadata"]
-        labels = metadata.get("labels") or {}
-        job = labels.get("tandem.dev/job")
-        if job is None:
-            continue
-        pods = alive.setdefault(job, {})
-        if event.type == "DELETED":
-            pods.pop(metadata["name"], None)
-            continue
-        if event.type == "ADDED":
-            others = {(group, terminating) for name, (group, terminating) in pods.items()}
-            assert all(not terminating and group == labels.get("tandem.dev/group") for group, terminating in others), \
-                f"a pod of a new group of {job} created while the last one's are alive: {pods}"
-            if not pods:
-                groups[job] = groups.get(job, 0) + 1
-            created.setdefault((job, groups[job], labels.get("tandem.dev/rank")), []).append(metadata["uid"])
-        pods[metadata["name"]] = (labels.get("tandem.dev/group"), bool(metadata.get("deletionTimestamp")))
-    duplicates = {key: uids for key, uids in created.items() if len(uids) > 1}
-    assert not duplicates, f"several pods for one rank of one group: {duplicates}"
-    assert groups == {"digits-train": 2, "pausable": 2}, groups
+    gangs = replay(cluster.emulator.store.log("pods"), JOB_LABEL, GROUP_LABEL, RANK_LABEL)
+    assert not gangs.overlaps, f"a new group of a job created while the last one's pods were alive: {gangs.overlaps}"
+    assert not gangs.duplicates, f"several pods for one rank of one group: {gangs.duplicates}"
+    assert gangs.groups == {"digits-train": 2, "pausable": 2}, gangs.groups
 
     for name in ("digits-train", "pausable"):
         versions = [v for v in cluster.history(f"{GROUP}/{VERSION}/{JOBS}", NS, name) if v is not None]

@@ -170,7 +170,8 @@ class Emulator(kmock.KubernetesEmulator):
             return await self._respond(request)
         client = self.client_of(request)
         if faults is not None and client in faults.clients and request.action is not None \
-                and request.resource is not None and request.resource.plural:
+                and request.resource is not None and request.resource.plural \
+                and (faults.resources is None or request.resource.plural in faults.resources):
             injected = await self._inject(request, client, faults)
             if injected is not None:
                 return injected

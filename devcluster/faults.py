@@ -35,13 +35,14 @@ logger = logging.getLogger(__name__)
 
 WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 REASONS = {429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout",
-           502: "BadGateway", 409: "Conflict"}
+           502: "BadGateway", 409: "Conflict", 400: "BadRequest", 403: "Forbidden", 422: "Invalid"}
 HANG_LIMIT = 120.0  # seconds a hung request is held at most
 
 
 @dataclass(frozen=True)
 class Faults:
     clients: frozenset[str] = frozenset({"operator", "pods"})  # whose requests are hit
+    resources: frozenset[str] | None = None  # which resources' requests (plurals, e.g. {"pods"}); None: all
     write_fraction: float = 0.0  # of POST/PUT/PATCH/DELETE, answered with one of `write_codes`, nothing written
     write_codes: tuple[int, ...] = (500, 503, 429)
     retry_after: float | None = 1.0  # 429 and 503 carry Retry-After and details.retryAfterSeconds
@@ -57,6 +58,8 @@ class Faults:
             object.__setattr__(self, "clients", frozenset({self.clients}))
         elif not isinstance(self.clients, frozenset):
             object.__setattr__(self, "clients", frozenset(self.clients))
+        if self.resources is not None and not isinstance(self.resources, frozenset):
+            object.__setattr__(self, "resources", frozenset(self.resources))
 
 
 class Counts(Counter):

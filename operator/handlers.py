@@ -57,12 +57,12 @@ def job_specs(namespace: str, name: str, labels: dict[str, str], body: kopf.Body
 
 
 @kopf.on.event("v1", "pods", labels={JOB_LABEL: kopf.PRESENT})
-def pod_changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
+async def pod_changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
     wake(memo, namespace, labels[JOB_LABEL])
 
 
 @kopf.on.event(GROUP, VERSION, JOBS)
-def job_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def job_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     wake(memo, namespace, name)
     wake_pools_of(memo, namespace, name)
 
@@ -116,7 +116,9 @@ async def _apply(plan: Plan, body: dict[str, Any], cluster: Cluster, state: daem
 
 
 def wake(memo: kopf.Memo, namespace: str, name: str, wakers: str = "wakers") -> None:
-    """Wake the daemon of the job (or, with wakers="pool_wakers", the pool) `name`."""
+    """Wake the daemon of the job (or, with wakers="pool_wakers", the pool) `name`. On the event loop only (the
+    handlers that call it are async: kopf runs a plain `def` handler in a worker thread, where setting an
+    asyncio.Event races the loop's own use of it)."""
     waker = getattr(memo, wakers, {}).get((namespace, name))
     if waker is not None:
         waker.set()

@@ -55,7 +55,7 @@ def _index_children(group: str, version: str, plural: str) -> None:
         return {(namespace, labels[POOL_LABEL]): dict(body)}
 
     @kopf.on.event(api_version, plural, labels={POOL_LABEL: kopf.PRESENT}, id=f"pool_{plural}_changed")
-    def changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
+    async def changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
         wake(memo, namespace, labels[POOL_LABEL], "pool_wakers")
 
 
@@ -69,7 +69,7 @@ def training_jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[
 
 
 @kopf.on.event(GROUP, VERSION, POOLS)
-def pool_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def pool_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     wake(memo, namespace, name, "pool_wakers")
 
 

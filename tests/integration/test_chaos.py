@@ -45,6 +45,7 @@ from operator_runs import (
     Client,
     claim,
     custom_job,
+    events,
     job_pods,
     operator_metrics,
     pool_manifest,
@@ -55,6 +56,7 @@ from devcluster import Cluster, Faults
 from devcluster.faults import Served
 from devcluster.gangs import replay
 from tandem.operator.daemon import OPERATOR_FIELDS
+from tandem.operator.observed import REFUSED
 from tandem.operator.training_objects import CHECKPOINT_MOUNT, GROUP_LABEL, JOB_LABEL, RANK_LABEL
 
 RANK0_FIELDS = {"progress", "metrics", "communication", "checkpoint"}
@@ -241,3 +243,36 @@ def check_records(cluster: Cluster) -> None:
             assert fields <= OPERATOR_FIELDS and not fields & RANK0_FIELDS, f"the operator patched {fields}"
         elif client == "pods":
             assert fields <= RANK0_FIELDS, f"rank 0 patched {fields}"
+
+
+def test_a_refused_call_is_a_condition_naming_the_fix_and_the_job_carries_on_once_it_is_accepted(tmp_path: Path):
+    """The operator's pod creates refused (403, as RBAC narrower than the chart's would): the job gets an
+    APIRequestRefused condition and a Warning Event naming the call, the API's message and the fix, and the call is
+    not retried in a loop; once the API accepts it again (and the job changes), the ranks start and the condition
+    turns False. Nothing of it counts as a restart."""
+    with Cluster(tmp_path) as cluster:
+        cluster.inject(Faults(clients={"operator"}, resources={"pods"}, write_fraction=1.0, write_codes=(403,),
+                              retry_after=None))
+        start_operator(cluster)
+        create(cluster, JOBS, custom_job("narrow"))
+
+        def refused() -> dict | None:
+            found = [c for c in status(cluster, JOBS, "narrow").get("conditions", []) if c["type"] == REFUSED]
+            return found[0] if found else None
+
+        condition = wait(cluster, lambda: (c := refused()) and c["status"] == "True" and c, 60, "the refusal")
+        assert condition["reason"] == "Forbidden"
+        assert condition["message"].startswith("create Pod default/narrow-worker-")
+        assert "was refused: 403 Forbidden: injected fault: 403 for POST pods by operator" in condition["message"]
+        assert "fix: grant the operator's ServiceAccount the verb 'create' on 'pods'" in condition["message"]
+        wait(cluster, lambda: REFUSED in events(cluster, "narrow"), 10, "the Warning Event")
+        attempts = sum(n for (_, fault, _, _), n in cluster.emulator.injected.items() if fault == "error-403")
+        time.sleep(3)
+        assert sum(n for (_, fault, _, _), n in cluster.emulator.injected.items() if fault == "error-403") \
+            == attempts, "a refusal is not retried in a loop"
+
+        cluster.inject(None)
+        patch(cluster, "narrow", {"metadata": {"labels": {"rbac": "fixed"}}})
+        wait(cluster, lambda: status(cluster, JOBS, "narrow").get("phase") == "Running"
+             and refused()["status"] == "False", 60, "the ranks to run and the condition to clear")
+        assert status(cluster, JOBS, "narrow")["restarts"] == 0

@@ -90,6 +90,19 @@ def test_write_faults_answer_every_write_of_the_named_clients_and_write_nothing(
     assert not any(key[1] == "error-503" for key in cluster.emulator.injected)
 
 
+def test_faults_for_some_resources_only_and_a_refusal_as_the_api_server_words_it(cluster):
+    operator = core_for(cluster, "operator")
+    with cluster.faulty(Faults(clients={"operator"}, resources={"configmaps"}, write_fraction=1.0, write_codes=(403,),
+                               retry_after=None)):
+        with pytest.raises(ApiException) as error:
+            operator.create_namespaced_config_map(NS, configmap("rf-refused"))
+        operator.create_namespaced_secret(NS, {"metadata": {"name": "rf-served"}})  # another resource: served
+    assert error.value.status == 403 and "Retry-After" not in (error.value.headers or {})
+    body = json.loads(error.value.body)
+    assert (body["reason"], body["code"]) == ("Forbidden", 403) and "details" not in body
+    assert cluster.get("configmaps", NS, "rf-refused") is None and cluster.get("secrets", NS, "rf-served")
+
+
 def test_a_fraction_of_writes_with_a_seed_and_the_clients_by_their_tokens(cluster):
     operator = core_for(cluster, "operator")
     answers = []

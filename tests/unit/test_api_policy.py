@@ -273,3 +273,17 @@ def test_the_loop_decides_a_failed_pass_again_within_seconds_and_a_clean_pass_cl
     assert waits[2] == daemon.STALE_SECONDS and waits[3] == daemon.REFUSED_SECONDS
     assert waits[4] == 0.0 and state.refusal is None, "a clean pass after a refusal: at once again, to clear it"
     assert waits[5] == 5.0
+
+
+def test_every_event_handler_runs_on_the_event_loop():
+    """The event handlers wake the daemons' asyncio.Events: kopf runs a plain `def` handler in a worker thread,
+    where setting an Event races the loop's own use of it (the chaos suite met 'deque mutated during iteration')."""
+    import inspect
+
+    import kopf
+
+    from tandem.operator import handlers, pool_handlers  # noqa: F401 (registers the handlers)
+
+    found = {h.id: inspect.iscoroutinefunction(h.fn) for h in kopf.get_default_registry()._watching.get_all_handlers()}
+    assert {"pod_changed", "job_changed", "pool_changed", "pool_pods_changed"} <= set(found)
+    assert all(found.values()), found

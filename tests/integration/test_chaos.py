@@ -3,7 +3,7 @@
 Each test runs, on a fresh emulated cluster (devcluster/) with a real `tandem operator` process and real ranks and
 servers run by the test kubelet, the same scenarios under one class of fault, and checks they end as without faults:
 
-- the digits example on a claim (checkpoint every 20 steps) trains; once rank 0 has recorded a checkpoint, rank 1
+- the digits example on a claim (checkpoint every 20 steps) trains; once rank 0 has written a checkpoint, rank 1
   is killed (or, in the node-lost class, the node dies with every pod on it): the group restarts from the checkpoint
   and the job Succeeds at step 230 with the accuracy it has without faults, `restarts` 1 (the kill, nothing else);
 - meanwhile a pool follows the job, with a client sending requests to its ready servers: 0 failed requests across
@@ -175,8 +175,10 @@ def run_scenarios(cluster: Cluster, fault: str) -> Client:
     create(cluster, JOBS, digits_job())
     create(cluster, POOLS, pool_manifest("digits", {"fromTrainingJob": {"name": "digits-train", "follow": True},
                                                     "inputShape": [64]}))
-    wait(cluster, lambda: status(cluster, JOBS, "digits-train").get("checkpoint", {}).get("latest"), DONE,
-         "rank 0 to record a checkpoint")
+    # The first checkpoint on the claim, not in the status: rank 0's report may come late under faults (the job is
+    # done in seconds), and a new group resumes from the claim's latest checkpoint either way.
+    written = cluster.kubelet.claim_dir(NS, "digits-checkpoints") / "runs" / "digits-train" / "checkpoints"
+    wait(cluster, lambda: any(written.glob("step-*.pt")), DONE, "rank 0 to write a checkpoint")
     if fault == "node-lost":
         cluster.lose_node(down_seconds=3.0)
         wait(cluster, cluster.node_ready, 30, "the node to come back")
@@ -266,10 +268,11 @@ def test_a_refused_call_is_a_condition_naming_the_fix_and_the_job_carries_on_onc
         assert "was refused: 403 Forbidden: injected fault: 403 for POST pods by operator" in condition["message"]
         assert "fix: grant the operator's ServiceAccount the verb 'create' on 'pods'" in condition["message"]
         wait(cluster, lambda: REFUSED in events(cluster, "narrow"), 10, "the Warning Event")
-        attempts = sum(n for (_, fault, _, _), n in cluster.emulator.injected.items() if fault == "error-403")
         time.sleep(3)
-        assert sum(n for (_, fault, _, _), n in cluster.emulator.injected.items() if fault == "error-403") \
-            == attempts, "a refusal is not retried in a loop"
+        # Each pass tries both pods once; the operator's own status patches (the phase, then the condition) wake it
+        # for a pass or two more, and then it waits for a change or 30 s. A retry loop would send dozens.
+        refusals = sum(n for (_, fault, _, _), n in cluster.emulator.injected.items() if fault == "error-403")
+        assert refusals <= 3 * 2, f"{refusals} refused creates: a refusal is not retried in a loop"
 
         cluster.inject(None)
         patch(cluster, "narrow", {"metadata": {"labels": {"rbac": "fixed"}}})

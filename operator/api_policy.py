@@ -79,7 +79,9 @@ class Refused(ApiFailure):
     """400, 403, 422 (or another 4xx): retrying will not help until someone changes something."""
 
     def fix(self) -> str:
-        resource = PLURALS.get(self.kind, self.kind if self.kind[:1].islower() else self.kind.lower() + "s")
+        # A kind's resource is its plural in lower case (every kind the operator writes is regular); a resource
+        # name (`paralleltrainingjobs/status`) is used as it is.
+        resource = self.kind if self.kind[:1].islower() else self.kind.lower() + "s"
         if self.code == 403:
             return (f"grant the operator's ServiceAccount the verb '{RBAC_VERBS.get(self.verb, self.verb)}' on "
                     f"'{resource}' (the chart's ClusterRole or Role, charts/tandem/templates/rbac.yaml)")
@@ -89,10 +91,8 @@ class Refused(ApiFailure):
         return "see the API server's message"
 
 
-PLURALS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "ServiceAccount": "serviceaccounts",
-           "Role": "roles", "RoleBinding": "rolebindings", "Deployment": "deployments",
-           "PodDisruptionBudget": "poddisruptionbudgets", "HorizontalPodAutoscaler": "horizontalpodautoscalers"}
-RBAC_VERBS = {"create": "create", "replace": "update", "delete": "delete", "patch": "patch", "get": "get"}
+RBAC_VERBS = {"replace": "update"}
+"""The RBAC verb of a call, where its name differs."""
 
 
 def classify(verb: str, code: int | str) -> str:
@@ -118,13 +118,14 @@ async def call(verb: str, kind: str, target: str, method: Callable[..., Any], *a
         except ApiException as error:
             code, reason, message, retry_after = error.status, error.reason or "", api_message(error), \
                 server_wait(error)
-            if classify(verb, code) in ("exists", "gone"):
+            outcome = classify(verb, code)
+            if outcome in ("exists", "gone"):
                 raise
         except (urllib3.exceptions.HTTPError, OSError) as error:
             timed_out = isinstance(error, (urllib3.exceptions.TimeoutError, TimeoutError)) or "timed out" in str(error)
             code, reason, message, retry_after = ("timeout" if timed_out else "connection"), type(error).__name__, \
                 str(error), None
-        outcome = classify(verb, code)
+            outcome = "transient"
         metrics.API_ERRORS.labels(verb, kind, str(code)).inc()
         if outcome == "stale":
             raise Stale(verb, kind, target, code, reason, message)

@@ -44,6 +44,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    if args.role == "launch":
+        from tandem.worker.train.launch import launch
+
+        return launch(Path(args.termination_log))
     from tandem.worker.train.signals import block_stop_signals
 
     block_stop_signals()  # before torch starts any thread
@@ -107,8 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="base of the backoff before a failed group restarts, doubling per restart (default 10)")
     run.set_defaults(handler=_run)
 
-    worker = commands.add_parser("worker", help="run one rank from the worker contract env (what pods run)")
-    worker.add_argument("role", choices=["train"])
+    worker = commands.add_parser("worker", help="run one rank (train), or a pod's ranks (launch), from the worker "
+                                                "contract env (what pods run)")
+    worker.add_argument("role", choices=["train", "launch"])
+    worker.add_argument("--termination-log", default="/dev/termination-log", metavar="PATH",
+                        help="launch: where a failed rank's cause is written for the pod's status "
+                             "(the container's terminationMessagePath)")
     worker.set_defaults(handler=_worker)
 
     serve = commands.add_parser("serve", help="serve an InferencePool's model on this machine")

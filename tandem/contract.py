@@ -7,6 +7,10 @@ and by hand. The names are torchrun's where torchrun has one:
     RANK, WORLD_SIZE            this rank's number (0 is the master) and the group's size
     LOCAL_RANK                  the rank's number on its machine: the GPU it takes (default RANK)
     LOCAL_WORLD_SIZE            ranks on its machine: they split its CPU cores (default WORLD_SIZE)
+    GROUP_RANK                  a pod's (machine's) index among the group's pods, in place of RANK and LOCAL_RANK
+                                in the environment of a pod hosting several ranks (spec.ranksPerPod > 1): its
+                                launcher (`tandem worker launch`) starts LOCAL_WORLD_SIZE ranks, numbered
+                                GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK (torchrun's meaning)
     MASTER_ADDR, MASTER_PORT    where rank 0 hosts the group's rendezvous (default 127.0.0.1:29500). On a cluster,
                                 rank 0's own DNS name, <pod hostname>.<headless service>: a Service name that
                                 selects every rank would round-robin
@@ -32,13 +36,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"
 LOCAL_RANK = "LOCAL_RANK"
 LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+GROUP_RANK = "GROUP_RANK"
 MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
 JOB = "TANDEM_JOB"
@@ -107,38 +112,38 @@ class WorkerContract:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerContract:
         env = os.environ if environ is None else environ
-
-        def required(name: str) -> str:
-            if not env.get(name):
-                raise ContractError(f"environment variable {name} is not set (the worker contract: tandem/contract.py)")
-            return env[name]
-
-        def integer(name: str, default: int | None = None) -> int:
-            text = env.get(name) or (str(default) if default is not None else required(name))
-            try:
-                return int(text)
-            except ValueError:
-                raise ContractError(f"environment variable {name}={text!r} is not an integer") from None
-
-        def path(name: str) -> Path | None:
-            return Path(env[name]) if env.get(name) else None
-
-        rank, world_size = integer(RANK), integer(WORLD_SIZE)
+        rank, world_size = _integer(env, RANK), _integer(env, WORLD_SIZE)
         return cls(
             rank=rank,
             world_size=world_size,
-            local_rank=integer(LOCAL_RANK, rank),
-            local_world_size=integer(LOCAL_WORLD_SIZE, world_size),
+            local_rank=_integer(env, LOCAL_RANK, rank),
+            local_world_size=_integer(env, LOCAL_WORLD_SIZE, world_size),
             master_addr=env.get(MASTER_ADDR) or DEFAULT_MASTER_ADDR,
-            master_port=integer(MASTER_PORT, DEFAULT_MASTER_PORT),
+            master_port=_integer(env, MASTER_PORT, DEFAULT_MASTER_PORT),
             job=env.get(JOB) or DEFAULT_JOB,
             namespace=env.get(NAMESPACE) or None,
-            spec_path=Path(required(SPEC)),
-            checkpoint_dir=path(CHECKPOINT_DIR),
-            resume_from=None if env.get(RESUME_FROM) == RESUME_LATEST else path(RESUME_FROM),
+            spec_path=Path(_required(env, SPEC)),
+            checkpoint_dir=_path(env, CHECKPOINT_DIR),
+            resume_from=None if env.get(RESUME_FROM) == RESUME_LATEST else _path(env, RESUME_FROM),
             resume_latest=env.get(RESUME_FROM) == RESUME_LATEST,
-            status_file=path(STATUS_FILE),
+            status_file=_path(env, STATUS_FILE),
         )
+
+    @classmethod
+    def local_ranks_from_environ(cls, environ: Mapping[str, str] | None = None) -> list[WorkerContract]:
+        """What a pod hosting several ranks starts: each of its ranks' contract, read from the pod's environment
+        (`pod_environ`: GROUP_RANK and LOCAL_WORLD_SIZE in place of RANK and LOCAL_RANK)."""
+        env = os.environ if environ is None else environ
+        group_rank, local_world_size = _integer(env, GROUP_RANK), _integer(env, LOCAL_WORLD_SIZE)
+        world_size = _integer(env, WORLD_SIZE)
+        if local_world_size < 1 or world_size % local_world_size:
+            raise ContractError(f"{WORLD_SIZE}={world_size} is not a multiple of {LOCAL_WORLD_SIZE}="
+                                f"{local_world_size} (every pod hosts as many ranks)")
+        if not 0 <= group_rank < world_size // local_world_size:
+            raise ContractError(f"{GROUP_RANK}={group_rank} must be in 0..{world_size // local_world_size - 1} "
+                                f"({WORLD_SIZE}={world_size} ranks in pods of {LOCAL_WORLD_SIZE}={local_world_size})")
+        first = cls.from_environ({**env, RANK: str(group_rank * local_world_size), LOCAL_RANK: "0"})
+        return [replace(first, rank=first.rank + local, local_rank=local) for local in range(local_world_size)]
 
     def to_environ(self) -> dict[str, str]:
         """The variables that carry this contract (unset optional ones left out; TANDEM_RESUME_FROM is always
@@ -153,3 +158,28 @@ class WorkerContract:
                     STATUS_FILE: self.status_file}
         environ.update({name: str(value) for name, value in optional.items() if value is not None})
         return environ
+
+    def pod_environ(self) -> dict[str, str]:
+        """The environment of the pod hosting this rank and its LOCAL_WORLD_SIZE - 1 local peers: `to_environ`'s,
+        with GROUP_RANK (the pod's index) in place of RANK and LOCAL_RANK, which its launcher gives each rank."""
+        environ = self.to_environ()
+        del environ[RANK], environ[LOCAL_RANK]
+        return {GROUP_RANK: str(self.rank // self.local_world_size), **environ}
+
+
+def _required(env: Mapping[str, str], name: str) -> str:
+    if not env.get(name):
+        raise ContractError(f"environment variable {name} is not set (the worker contract: tandem/contract.py)")
+    return env[name]
+
+
+def _integer(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    text = env.get(name) or (str(default) if default is not None else _required(env, name))
+    try:
+        return int(text)
+    except ValueError:
+        raise ContractError(f"environment variable {name}={text!r} is not an integer") from None
+
+
+def _path(env: Mapping[str, str], name: str) -> Path | None:
+    return Path(env[name]) if env.get(name) else None

@@ -1,14 +1,21 @@
-"""`python -m tandem.worker train`: the worker entry point (see tandem.worker.train.entrypoint)."""
+"""`python -m tandem.worker train` (one rank: tandem.worker.train.entrypoint) and `python -m tandem.worker launch`
+(a pod's several ranks: tandem.worker.train.launch)."""
 
 import sys
 
-from tandem.worker.train.signals import block_stop_signals
-
-block_stop_signals()  # before torch starts any thread
-
-from tandem.worker.train.entrypoint import cli  # noqa: E402
+USAGE = ("usage: python -m tandem.worker train    (one rank, configured by RANK, WORLD_SIZE, ..., TANDEM_SPEC)\n"
+         "       python -m tandem.worker launch   (a pod's ranks, configured by GROUP_RANK, LOCAL_WORLD_SIZE, ...)")
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["launch"]:
+        from tandem.worker.train.launch import launch
+
+        sys.exit(launch())
     if sys.argv[1:] != ["train"]:
-        sys.exit("usage: python -m tandem.worker train   (configured by RANK, WORLD_SIZE, ..., TANDEM_SPEC)")
+        sys.exit(USAGE)
+    from tandem.worker.train.signals import block_stop_signals
+
+    block_stop_signals()  # before torch starts any thread
+    from tandem.worker.train.entrypoint import cli
+
     sys.exit(cli())

@@ -27,6 +27,12 @@ Quantity = int | str
 _QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
 
 
+def valid_quantity(quantity: Quantity) -> Quantity:
+    if isinstance(quantity, str) and not _QUANTITY.match(quantity):
+        raise ValueError(f"{quantity!r} is not a Kubernetes quantity (e.g. 2, 500m, 4Gi)")
+    return quantity
+
+
 class ApiModel(BaseModel):
     """Base for every API object: camelCase on the wire, unknown fields rejected."""
 
@@ -65,8 +71,10 @@ class ResourceRequirements(ApiModel):
     @classmethod
     def _quantities(cls, value: dict[str, Quantity]) -> dict[str, Quantity]:
         for name, quantity in value.items():
-            if isinstance(quantity, str) and not _QUANTITY.match(quantity):
-                raise ValueError(f"{name}: {quantity!r} is not a Kubernetes quantity (e.g. 2, 500m, 4Gi)")
+            try:
+                valid_quantity(quantity)
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
         return value
 
 

@@ -6,7 +6,7 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StringConstraints, field_validator, model_validator
+from pydantic import AfterValidator, Field, StringConstraints, field_validator, model_validator
 
 from tandem.api.common import (
     API_VERSION,
@@ -16,6 +16,8 @@ from tandem.api.common import (
     Condition,
     ObjectMeta,
     PodSettings,
+    Quantity,
+    valid_quantity,
 )
 
 TrainingMode = Literal["allReduce", "sharedGradients", "averaging", "custom"]
@@ -217,13 +219,27 @@ class ParallelTrainingJobSpec(PodSettings):
                     "would move; use mixedPrecision bf16 or none"},
         {"rule": "!has(self.trainer.requireGPU) || !self.trainer.requireGPU || self.gpusPerWorker >= 1",
          "message": "trainer.requireGPU needs gpusPerWorker >= 1: a rank given no GPU trains on CPU"},
+        {"rule": "!has(self.ranksPerPod) || self.workers % self.ranksPerPod == 0",
+         "message": "workers must be a multiple of ranksPerPod (every pod hosts ranksPerPod ranks): change workers "
+                    "(or the replicas of kubectl scale, which counts ranks) or ranksPerPod"},
     ]}}
 
     workers: Annotated[int, Field(ge=1)] = 1
-    """Number of ranks (one pod each; DL4J workers)."""
+    """Number of ranks (DL4J workers; `kubectl scale` counts them too), ranksPerPod to a pod."""
+    ranks_per_pod: Annotated[int, Field(ge=1)] = 1
+    """Ranks in each pod (Kubeflow's nprocPerNode, torchrun's --nproc-per-node): a node's GPUs in one pod, where
+    NCCL joins them by NVLink or shared memory instead of the network. `workers` must be a multiple of it: the job
+    has workers / ranksPerPod pods, each started by a launcher that runs its ranks (LOCAL_RANK 0..ranksPerPod-1,
+    each on cuda:LOCAL_RANK with all the pod's GPUs visible) and fails the pod when one of them fails. `resources`
+    are each pod's, shared by its ranks (they split its CPU cores). Locally (`tandem run`) every rank is on the one
+    machine anyway: it changes nothing there."""
     gpus_per_worker: Annotated[int, Field(ge=0)] = 0
-    """GPUs given to each rank (its pod's nvidia.com/gpu limit); a rank trains on one of them with NCCL. 0: the
-    ranks train on CPU with gloo, even where CUDA is visible."""
+    """GPUs given to each rank (its pod's nvidia.com/gpu limit is ranksPerPod x this); a rank trains on one of them
+    with NCCL. 0: the ranks train on CPU with gloo, even where CUDA is visible."""
+    shm_size: Annotated[Quantity, AfterValidator(valid_quantity)] = "1Gi"
+    """The size of each rank pod's /dev/shm (a memory-backed emptyDir, counted in the pod's memory): NCCL's
+    shared-memory transport between a pod's ranks and the data loaders' worker processes need more than a
+    container's default 64 MiB."""
     trainer: TrainerSpec
     training_mode: TrainingMode = "allReduce"
     averaging: Averaging = Field(default_factory=Averaging)
@@ -249,7 +265,17 @@ class ParallelTrainingJobSpec(PodSettings):
             )
         if self.trainer.require_gpu and self.gpus_per_worker == 0:
             raise ValueError("trainer.requireGPU needs gpusPerWorker >= 1: a rank given no GPU trains on CPU")
+        if self.workers % self.ranks_per_pod:
+            raise ValueError(
+                f"workers ({self.workers}) must be a multiple of ranksPerPod ({self.ranks_per_pod}): every pod hosts "
+                f"ranksPerPod ranks; change workers (or the replicas of kubectl scale, which counts ranks) or "
+                f"ranksPerPod")
         return self
+
+    @property
+    def pods(self) -> int:
+        """How many rank pods the job has."""
+        return self.workers // self.ranks_per_pod
 
 
 class WorkersStatus(ApiModel):

@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 
 from tandem.api import ParallelTrainingJob, ParallelTrainingJobStatus
-from tandem.backends.local_ranks import POLL_SECONDS, GroupExit, Launcher
+from tandem.backends.local_ranks import Launcher
 from tandem.manifest import ManifestError, load_one
 from tandem.restart_policy import after_failure, deadline_exceeded
 from tandem.worker import checkpoint
+from tandem.worker.local_group import POLL_SECONDS, GroupExit
 from tandem.worker.train.reporting import ConsoleSink, now
 from tandem.worker.user_code import BadReference, build_model, import_reference
 

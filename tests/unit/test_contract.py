@@ -64,3 +64,26 @@ def test_gpus_without_cuda_fail_with_require_gpu_and_fall_back_loudly_without(ca
         select_device(env, gpus=1, require_gpu=True)
     assert select_device(env, gpus=1, require_gpu=False) == torch.device("cpu")
     assert "warning: spec.gpusPerWorker is 1 but CUDA is not available" in capsys.readouterr().err
+
+
+def test_a_pod_of_several_ranks_gives_each_its_rank_and_local_rank():
+    """The operator writes one contract per pod (GROUP_RANK in place of RANK and LOCAL_RANK); its launcher reads back
+    each local rank's, numbered as torchrun numbers them."""
+    first = WorkerContract(rank=4, world_size=6, local_rank=0, local_world_size=2, master_addr="job-0.job", job="job",
+                           spec_path=Path("/etc/tandem/job.json"))
+    environ = first.pod_environ()
+    assert environ["GROUP_RANK"] == "2" and "RANK" not in environ and "LOCAL_RANK" not in environ
+    ranks = WorkerContract.local_ranks_from_environ(environ)
+    assert [(r.rank, r.local_rank, r.local_world_size, r.world_size) for r in ranks] == [(4, 0, 2, 6), (5, 1, 2, 6)]
+    assert ranks[0] == first and {r.master_addr for r in ranks} == {"job-0.job"}
+
+
+@pytest.mark.parametrize(("environ", "message"), [
+    ({"GROUP_RANK": "3", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2"}, r"GROUP_RANK=3 must be in 0\.\.2"),
+    ({"GROUP_RANK": "0", "WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "2"}, "WORLD_SIZE=5 is not a multiple of LOCAL_WORLD"),
+    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, "GROUP_RANK is not set"),
+    ({"GROUP_RANK": "0", "WORLD_SIZE": "4"}, "LOCAL_WORLD_SIZE is not set"),
+], ids=["pod-beyond-the-group", "uneven-pods", "no-group-rank", "no-local-world-size"])
+def test_a_pod_contract_that_cannot_form_names_the_variable(environ, message):
+    with pytest.raises(ContractError, match=message):
+        WorkerContract.local_ranks_from_environ({**environ, "TANDEM_SPEC": "/spec.json"})

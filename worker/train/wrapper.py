@@ -42,8 +42,9 @@ class ParallelWrapper:
     Keyword options map onto the ParallelTrainingJob spec: `mode` (allReduce | sharedGradients | averaging),
     `batch_size` (per worker), `epochs`, `max_steps`, `optimizer` ("sgd" | "adam" | "adamw"), `lr`,
     `momentum`, `weight_decay`, `averaging_frequency`, `average_optimizer_state`, `prefetch_buffer`,
-    `gpus` (one GPU per worker; default: when CUDA is available), `checkpoint_dir`, and any other TrainerSpec
-    field by its Python name (e.g. `gradient_clip_norm=1.0`).
+    `gpus` (one GPU per worker; default: when CUDA is available), `checkpoint_dir`, `ranks_per_pod` (the spec's
+    ranksPerPod: checked against `workers`, and otherwise nothing on one machine, where every rank is local),
+    and any other TrainerSpec field by its Python name (e.g. `gradient_clip_norm=1.0`).
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class ParallelWrapper:
         model: torch.nn.Module,
         *,
         workers: int = 2,
+        ranks_per_pod: int = 1,
         mode: str = "allReduce",
         batch_size: int = 32,
         epochs: int = 1,
@@ -72,6 +74,7 @@ class ParallelWrapper:
         use_gpus = torch.cuda.is_available() if gpus is None else gpus
         self.spec_fields = {
             "workers": workers,
+            "ranks_per_pod": ranks_per_pod,
             "gpus_per_worker": 1 if use_gpus else 0,
             "training_mode": mode,
             "averaging": {"frequency": averaging_frequency, "average_optimizer_state": average_optimizer_state},

@@ -21,10 +21,10 @@ from typing import Any
 
 from tandem.api import API_VERSION, InferencePool, ParallelTrainingJob
 from tandem.contract import checkpoint_name
-from tandem.operator.training_objects import child_name, owner_reference
+from tandem.operator.pod_template import RUN_AS as RUN_AS  # the pods' user, which test_chart checks by module
+from tandem.operator.pod_template import SPEC_MOUNT, child_name, config_map_name, object_metadata, pod_spec
 
 POOL_LABEL = "tandem.dev/pool"
-SPEC_MOUNT = "/etc/tandem"
 SPEC_FILE = "pool.json"
 MODEL_MOUNT = "/var/lib/tandem/models"
 DRAIN_SECONDS = 25
@@ -34,15 +34,10 @@ PRE_STOP_SECONDS = 5
 STARTUP_SECONDS = 600
 """How long a server may take to load and warm up its model before the kubelet gives up on it."""
 SPEC_HASH = "tandem.dev/spec-hash"
-RUN_AS = 1000
 
 
 def deployment_name(pool: str) -> str:
     return child_name(pool, "server")
-
-
-def config_map_name(pool: str) -> str:
-    return child_name(pool, "spec")
 
 
 def model_name(pool: InferencePool) -> str:
@@ -64,12 +59,9 @@ def job_checkpoint_directory(job: ParallelTrainingJob) -> str:
     return str(PurePosixPath(MODEL_MOUNT) / job.spec.checkpoint.directory)
 
 
-def _metadata(owner: dict[str, Any], name: str) -> dict[str, Any]:
-    pool = owner["metadata"]["name"]
-    return {"name": name, "namespace": owner["metadata"].get("namespace"),
-            "labels": {**selector(pool), "app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": pool,
-                       "app.kubernetes.io/component": "inference", "app.kubernetes.io/managed-by": "tandem-operator"},
-            "ownerReferences": [owner_reference(owner)]}
+def labels(pool: str) -> dict[str, str]:
+    """What every object of a pool is labelled with besides the app.kubernetes.io labels all children carry."""
+    return {**selector(pool), "app.kubernetes.io/component": "inference"}
 
 
 def served_spec(pool: InferencePool) -> dict[str, Any]:
@@ -79,10 +71,12 @@ def served_spec(pool: InferencePool) -> dict[str, Any]:
 
 
 def spec_config_map(owner: dict[str, Any], pool: InferencePool) -> dict[str, Any]:
+    name = pool.metadata.name
     document = {"apiVersion": API_VERSION, "kind": "InferencePool",
-                "metadata": {"name": pool.metadata.name, "namespace": owner["metadata"].get("namespace")},
+                "metadata": {"name": name, "namespace": owner["metadata"].get("namespace")},
                 "spec": served_spec(pool)}
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(owner, config_map_name(pool.metadata.name)),
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": object_metadata(owner, config_map_name(name), labels(name)),
             "data": {SPEC_FILE: json.dumps(document, sort_keys=True)}}
 
 
@@ -93,69 +87,53 @@ def server_deployment(owner: dict[str, Any], pool: InferencePool, *, job: Parall
     name, spec = pool.metadata.name, pool.spec
     command = ["tandem", "serve", f"{SPEC_MOUNT}/{SPEC_FILE}", "--host", "0.0.0.0", "--port", str(spec.port),
                "--grace-period", str(DRAIN_SECONDS)]
-    mounts = [{"name": "tandem-spec", "mountPath": SPEC_MOUNT, "readOnly": True}]
-    volumes = [{"name": "tandem-spec", "configMap": {"name": config_map_name(name)}}]
+    mounts: list[dict[str, Any]] = []
+    volumes: list[dict[str, Any]] = []
     if job is not None:
         directory = job_checkpoint_directory(job)
         command += ["--checkpoint", directory if pinned_step is None else f"{directory}/{checkpoint_name(pinned_step)}"]
         mounts.append({"name": "tandem-model", "mountPath": MODEL_MOUNT, "readOnly": True})
         volumes.append({"name": "tandem-model", "persistentVolumeClaim": {
             "claimName": job.spec.checkpoint.persistent_volume_claim, "readOnly": True}})
-    resources = {kind: {key: str(quantity) for key, quantity in amounts.items()}
-                 for kind, amounts in spec.resources.to_dict().items()}
-    if spec.gpus_per_replica > 0:
-        resources.setdefault("limits", {})["nvidia.com/gpu"] = str(spec.gpus_per_replica)
     probe = {"httpGet": {"path": "/v2/health/ready", "port": "http"}, "periodSeconds": 2, "timeoutSeconds": 2}
     container = {
         "name": "server",
-        "image": spec.image or default_image,
-        "imagePullPolicy": spec.image_pull_policy,
         "command": command,
-        "env": [e.to_dict() for e in spec.env],
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
-        "resources": resources,
-        "volumeMounts": [*mounts, *(m.to_dict() for m in spec.volume_mounts)],
         "startupProbe": {**probe, "failureThreshold": STARTUP_SECONDS // 2},
         "readinessProbe": {**probe, "failureThreshold": 1},
         "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"}, "periodSeconds": 10,
                           "timeoutSeconds": 5, "failureThreshold": 3},
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}},
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
-                            "capabilities": {"drop": ["ALL"]}},
     }
-    pod_spec = {
+    pod = {
         "automountServiceAccountToken": False,  # a server needs no API access
         "terminationGracePeriodSeconds": PRE_STOP_SECONDS + DRAIN_SECONDS + 10,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [container],
-        "volumes": [*volumes, *(v.to_dict() for v in spec.volumes)],
     }
-    optional = {"nodeSelector": spec.node_selector, "tolerations": [t.to_dict() for t in spec.tolerations],
-                "schedulerName": spec.scheduler_name, "priorityClassName": spec.priority_class_name}
-    pod_spec.update({key: value for key, value in optional.items() if value})
     served = {"spec": served_spec(pool), "command": command}
     spec_hash = hashlib.sha256(json.dumps(served, sort_keys=True).encode()).hexdigest()[:16]
     template_metadata = {
-        "labels": _metadata(owner, name)["labels"],
+        "labels": object_metadata(owner, name, labels(name))["labels"],
         "annotations": {SPEC_HASH: spec_hash, "prometheus.io/scrape": "true", "prometheus.io/port": str(spec.port),
                         "prometheus.io/path": "/metrics"},
     }
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(owner, deployment_name(name)),
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": object_metadata(owner, deployment_name(name), labels(name)),
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector(name)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "template": {"metadata": template_metadata, "spec": pod_spec},
+            "template": {"metadata": template_metadata, "spec": pod_spec(
+                spec, container=container, pod=pod, gpus=spec.gpus_per_replica, spec_config_map=config_map_name(name),
+                default_image=default_image, mounts=mounts, volumes=volumes)},
         },
     }
 
 
 def service(owner: dict[str, Any], pool: InferencePool) -> dict[str, Any]:
     name = pool.metadata.name
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(owner, name),
+    return {"apiVersion": "v1", "kind": "Service", "metadata": object_metadata(owner, name, labels(name)),
             "spec": {"type": "ClusterIP", "selector": selector(name),
                      "ports": [{"name": "http", "port": pool.spec.port, "targetPort": "http", "protocol": "TCP"}]}}
 
@@ -164,7 +142,7 @@ def disruption_budget(owner: dict[str, Any], pool: InferencePool) -> dict[str, A
     """At most one server down at a time for a voluntary disruption (a node drain)."""
     name = pool.metadata.name
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": _metadata(owner, deployment_name(name)),
+            "metadata": object_metadata(owner, deployment_name(name), labels(name)),
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(name)}}}
 
 
@@ -177,7 +155,8 @@ def autoscaler(owner: dict[str, Any], pool: InferencePool) -> dict[str, Any]:
     pod. Needs a metrics adapter serving the custom metric (e.g. prometheus-adapter; see README)."""
     scaling, name = pool.spec.autoscaling, pool.metadata.name
     return {
-        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": _metadata(owner, name),
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": object_metadata(owner, name, labels(name)),
         "spec": {
             "scaleTargetRef": {"apiVersion": API_VERSION, "kind": "InferencePool", "name": name},
             "minReplicas": scaling.min_replicas, "maxReplicas": scaling.max_replicas,

@@ -11,37 +11,25 @@ Every object is owned by the job (ownerReferences), so deleting the job deletes 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import PurePosixPath
 from typing import Any
 
 from tandem.api import API_VERSION, GROUP, ParallelTrainingJob
 from tandem.contract import RESUME_LATEST, WorkerContract
+from tandem.operator.pod_template import RUN_AS as RUN_AS  # the pods' user, which test_chart checks by module
+from tandem.operator.pod_template import SPEC_MOUNT, child_name, config_map_name, object_metadata, pod_spec
 
 JOB_LABEL = "tandem.dev/job"
 RANK_LABEL = "tandem.dev/rank"
 GROUP_LABEL = "tandem.dev/group"
 """The restart generation: status.restarts when the group was created."""
 MASTER_PORT = 29500
-SPEC_MOUNT = "/etc/tandem"
 SPEC_FILE = "job.json"
 CHECKPOINT_MOUNT = "/var/lib/tandem/checkpoints"
 WORKER_COMMAND = ["tandem", "worker", "train"]
 TERMINATION_GRACE_SECONDS = 60
 """A rank's time to write its checkpoint after SIGTERM (deletion, suspend, resize) before it is killed."""
-RUN_AS = 1000
-MAX_NAME = 63
-
-
-def child_name(job: str, suffix: str) -> str:
-    """`<job>-<suffix>`, shortened with a hash of the job's name where it would pass 63 characters (a DNS label:
-    pod hostnames and Service names must be one)."""
-    name = f"{job}-{suffix}"
-    if len(name) <= MAX_NAME:
-        return name
-    digest = hashlib.sha256(job.encode()).hexdigest()[:6]
-    return f"{job[:MAX_NAME - len(suffix) - len(digest) - 2].rstrip('-')}-{digest}-{suffix}"
 
 
 def pod_name(job: str, rank: int) -> str:
@@ -50,10 +38,6 @@ def pod_name(job: str, rank: int) -> str:
 
 def service_name(job: str) -> str:
     return child_name(job, "workers")
-
-
-def config_map_name(job: str) -> str:
-    return child_name(job, "spec")
 
 
 def rank0_account_name(job: str) -> str:
@@ -80,20 +64,6 @@ def checkpoint_directory(job: ParallelTrainingJob) -> str:
     return str(PurePosixPath(CHECKPOINT_MOUNT) / job.spec.checkpoint.directory)
 
 
-def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:
-    metadata = owner["metadata"]
-    return {"apiVersion": owner.get("apiVersion", API_VERSION), "kind": owner.get("kind", "ParallelTrainingJob"),
-            "name": metadata["name"], "uid": metadata["uid"], "controller": True, "blockOwnerDeletion": True}
-
-
-def _metadata(owner: dict[str, Any], name: str, **extra: Any) -> dict[str, Any]:
-    job = owner["metadata"]["name"]
-    return {"name": name, "namespace": owner["metadata"].get("namespace"),
-            "labels": {**selector(job), "app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": job,
-                       "app.kubernetes.io/managed-by": "tandem-operator"},
-            "ownerReferences": [owner_reference(owner)], **extra}
-
-
 def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, rank: int, *, group: int, resume_from: str | None,
              default_image: str) -> dict[str, Any]:
     """The pod of one rank, running `tandem worker train` with the worker contract's environment. `resume_from`: a
@@ -108,51 +78,29 @@ def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, rank: int, *, gr
         resume_from=PurePosixPath(resume_from) if resume_from and resume_from != RESUME_LATEST else None,
         resume_latest=resume_from == RESUME_LATEST,
     )
-    contract_env = [{"name": key, "value": value} for key, value in contract.to_environ().items()]
-    resources = {kind: {name: str(quantity) for name, quantity in amounts.items()}  # quantities are strings
-                 for kind, amounts in spec.resources.to_dict().items()}
-    if spec.gpus_per_worker > 0:
-        resources.setdefault("limits", {})["nvidia.com/gpu"] = str(spec.gpus_per_worker)
-    mounts = [{"name": "tandem-spec", "mountPath": SPEC_MOUNT, "readOnly": True},
-              {"name": "tandem-checkpoints", "mountPath": CHECKPOINT_MOUNT}]
-    volumes = [{"name": "tandem-spec", "configMap": {"name": config_map_name(name)}},
-               {"name": "tandem-checkpoints", **_checkpoint_volume(job)}]
-    if spec.gpus_per_worker > 0:  # NCCL and the data loader need more shared memory than a container's 64 MiB
+    mounts, volumes = _rank_volumes(job)
+    container = {"name": "worker", "command": WORKER_COMMAND,
+                 "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}]}
+    pod = {"hostname": pod_name(name, rank), "subdomain": service_name(name), "restartPolicy": "Never",
+           "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS, "automountServiceAccountToken": rank == 0}
+    if rank == 0:
+        pod["serviceAccountName"] = rank0_account_name(name)
+    labels = {**selector(name), RANK_LABEL: str(rank), GROUP_LABEL: str(group), "app.kubernetes.io/component": "worker"}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": object_metadata(owner, pod_name(name, rank), labels),
+            "spec": pod_spec(spec, container=container, pod=pod, gpus=spec.gpus_per_worker,
+                             spec_config_map=config_map_name(name), default_image=default_image,
+                             env=[{"name": key, "value": value} for key, value in contract.to_environ().items()],
+                             mounts=mounts, volumes=volumes)}
+
+
+def _rank_volumes(job: ParallelTrainingJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A rank's own mounts and volumes (beside its spec): the checkpoint volume and, with GPUs, /dev/shm in memory."""
+    mounts = [{"name": "tandem-checkpoints", "mountPath": CHECKPOINT_MOUNT}]
+    volumes = [{"name": "tandem-checkpoints", **_checkpoint_volume(job)}]
+    if job.spec.gpus_per_worker > 0:  # NCCL and the data loader need more shared memory than a container's 64 MiB
         mounts.append({"name": "tandem-shm", "mountPath": "/dev/shm"})
         volumes.append({"name": "tandem-shm", "emptyDir": {"medium": "Memory"}})
-    container = {
-        "name": "worker",
-        "image": spec.image or default_image,
-        "imagePullPolicy": spec.image_pull_policy,
-        "command": WORKER_COMMAND,
-        "env": [*contract_env, *(e.to_dict() for e in spec.env)],
-        "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}],
-        "resources": resources,
-        "volumeMounts": [*mounts, *(m.to_dict() for m in spec.volume_mounts)],
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
-                            "capabilities": {"drop": ["ALL"]}},
-    }
-    pod_spec = {
-        "hostname": pod_name(name, rank),
-        "subdomain": service_name(name),
-        "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
-        "automountServiceAccountToken": rank == 0,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [container],
-        "volumes": [*volumes, *(v.to_dict() for v in spec.volumes)],
-    }
-    if rank == 0:
-        pod_spec["serviceAccountName"] = rank0_account_name(name)
-    optional = {"nodeSelector": spec.node_selector, "tolerations": [t.to_dict() for t in spec.tolerations],
-                "schedulerName": spec.scheduler_name, "priorityClassName": spec.priority_class_name}
-    pod_spec.update({key: value for key, value in optional.items() if value})
-    metadata = _metadata(owner, pod_name(name, rank))
-    metadata["labels"].update({RANK_LABEL: str(rank), GROUP_LABEL: str(group),
-                               "app.kubernetes.io/component": "worker"})
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+    return mounts, volumes
 
 
 def _checkpoint_volume(job: ParallelTrainingJob) -> dict[str, Any]:
@@ -165,7 +113,8 @@ def headless_service(owner: dict[str, Any], job: ParallelTrainingJob) -> dict[st
     while the others wait for its port."""
     name = job.metadata.name
     return {
-        "apiVersion": "v1", "kind": "Service", "metadata": _metadata(owner, service_name(name)),
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": object_metadata(owner, service_name(name), selector(name)),
         "spec": {"clusterIP": "None", "selector": selector(name), "publishNotReadyAddresses": True,
                  "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT, "protocol": "TCP"}]},
     }
@@ -174,10 +123,12 @@ def headless_service(owner: dict[str, Any], job: ParallelTrainingJob) -> dict[st
 def spec_config_map(owner: dict[str, Any], job: ParallelTrainingJob) -> dict[str, Any]:
     """The job the ranks run, as JSON at TANDEM_SPEC: what a group was started with (a refused change of a
     running job does not reach it)."""
+    name = job.metadata.name
     document = {"apiVersion": API_VERSION, "kind": "ParallelTrainingJob",
-                "metadata": {"name": job.metadata.name, "namespace": owner["metadata"].get("namespace")},
+                "metadata": {"name": name, "namespace": owner["metadata"].get("namespace")},
                 "spec": job.spec.to_dict()}
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(owner, config_map_name(job.metadata.name)),
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": object_metadata(owner, config_map_name(name), selector(name)),
             "data": {SPEC_FILE: json.dumps(document, sort_keys=True)}}
 
 
@@ -190,15 +141,16 @@ def applied_job(config_map: dict[str, Any] | None) -> ParallelTrainingJob | None
 
 def rank0_access(owner: dict[str, Any], job: ParallelTrainingJob) -> list[dict[str, Any]]:
     """Rank 0's ServiceAccount, a Role allowing exactly get and patch on this job and its status, the binding."""
-    name = rank0_account_name(job.metadata.name)
+    name, labels = rank0_account_name(job.metadata.name), selector(job.metadata.name)
     namespace = owner["metadata"].get("namespace")
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(owner, name),
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": object_metadata(owner, name, labels),
          "automountServiceAccountToken": True},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _metadata(owner, name),
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": object_metadata(owner, name, labels),
          "rules": [{"apiGroups": [GROUP], "resources": ["paralleltrainingjobs", "paralleltrainingjobs/status"],
                     "resourceNames": [job.metadata.name], "verbs": ["get", "patch"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _metadata(owner, name),
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": object_metadata(owner, name, labels),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
          "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
     ]

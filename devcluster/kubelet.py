@@ -337,7 +337,8 @@ class Kubelet:
         pod, get = run.pod, self.api.get
         namespace, container = pod["metadata"]["namespace"], pod["spec"]["containers"][0]
         dirs = await sandbox.volumes(get, self.root, pod)
-        mapped = sandbox.mounts(container, dirs)
+        termination = sandbox.termination_message_file(container, sandbox.pod_dir(self.root, pod))
+        mapped = sorted([*sandbox.mounts(container, dirs), termination], key=lambda m: -len(m[0]))
         own = await sandbox.environment(get, pod, container, ip=ip, node=self.node.name,
                                         allocatable=self.node.capacity)
         known = await self._known_names()
@@ -355,7 +356,8 @@ class Kubelet:
         for variable in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
             env.pop(variable, None)
         argv = [network.bind_to_pod(part, ip) for part in sandbox.command(container, env, mapped)]
-        return sandbox.Launch(argv, env, sandbox.working_directory(container, mapped, home), mapped)
+        return sandbox.Launch(argv, env, sandbox.working_directory(container, mapped, home), mapped,
+                              termination_message=termination[1])
 
     def _pod_kubeconfig(self, run: PodRun, home: Path, mapped: list[tuple[str, Path]]) -> Path:
         """The cluster's kubeconfig with the pod's own bearer token: the emulator maps the local directories in
@@ -410,9 +412,10 @@ class Kubelet:
             run.started = run.ready = False
         self.network.release(run.uid)
         code = process.returncode if process.returncode >= 0 else 128 - process.returncode
-        fallback = container.get("terminationMessagePolicy") == "FallbackToLogsOnError" and code != 0
-        return podstatus.terminated(code, started, message=podstatus.log_tail(log) if fallback else None,
-                                    container_id=container_id)
+        message = sandbox.termination_message(launch.termination_message)
+        if not message and container.get("terminationMessagePolicy") == "FallbackToLogsOnError" and code != 0:
+            message = podstatus.log_tail(log)
+        return podstatus.terminated(code, started, message=message or None, container_id=container_id)
 
     @staticmethod
     def _probed(run: PodRun, prober: probes.Prober) -> None:

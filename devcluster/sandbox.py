@@ -18,11 +18,14 @@
   emptyDir a fresh directory per pod, a persistentVolumeClaim one directory per claim name in the namespace, shared
   by every pod and kept across restarts (`claim_dir`), hostPath the path itself; `volumeMounts` (with `subPath`)
   map each mount path to its directory, and every env value, arg and the workingDir that contains a mount path is
-  rewritten to the local directory. The working directory is the mapped `workingDir`, or the pod's own directory.
+  rewritten to the local directory. The working directory is the mapped `workingDir`, or the pod's own directory;
+- the termination message: the container's `terminationMessagePath` (default /dev/termination-log) is a file of
+  the pod's own, mapped like a mount (a command given the path writes there); what it holds (up to 4096 bytes) is
+  the terminated state's message, and only when it is empty does FallbackToLogsOnError take the log's tail.
 
 Not emulated: a private filesystem (the process sees this machine's files; only paths under mounts are mapped, so a
 process writing to another absolute path writes on this machine), `readOnly`, users and security contexts,
-`terminationMessagePath` files, ConfigMap volumes updating when the ConfigMap changes, downwardAPI and projected
+ConfigMap volumes updating when the ConfigMap changes, downwardAPI and projected
 volumes (served as empty directories).
 """
 
@@ -57,6 +60,8 @@ class Launch:
     env: dict[str, str]
     cwd: Path
     mapped: list[tuple[str, Path]] = field(default_factory=list)  # (mount path, local directory): for exec hooks
+    termination_message: Path | None = None
+    """The local file standing for the container's terminationMessagePath."""
 
 
 def pod_dir(root: Path, pod: Mapping[str, Any]) -> Path:
@@ -125,6 +130,30 @@ def mounts(container: Mapping[str, Any], dirs: Mapping[str, Path]) -> list[tuple
         local = dirs[mount["name"]] / mount["subPath"] if mount.get("subPath") else dirs[mount["name"]]
         found.append((mount["mountPath"].rstrip("/") or "/", local))
     return sorted(found, key=lambda m: -len(m[0]))
+
+
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+"""A container's terminationMessagePath when it names none."""
+TERMINATION_MESSAGE_BYTES = 4096
+"""The most of a termination message file the kubelet reports."""
+
+
+def termination_message_file(container: Mapping[str, Any], pod_home: Path) -> tuple[str, Path]:
+    """(the container's terminationMessagePath, the local file standing for it), the file created empty as the
+    kubelet creates it: mapped like a mount, so a command told the path writes where the kubelet reads."""
+    local = pod_home / "termination-log"
+    local.parent.mkdir(parents=True, exist_ok=True)
+    local.write_bytes(b"")
+    return container.get("terminationMessagePath") or TERMINATION_MESSAGE_PATH, local
+
+
+def termination_message(local: Path) -> str:
+    """What the container wrote at its terminationMessagePath (its first 4096 bytes), or ''."""
+    try:
+        with open(local, "rb") as message:
+            return message.read(TERMINATION_MESSAGE_BYTES).decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def rewrite_paths(value: str, mapped: list[tuple[str, Path]]) -> str:

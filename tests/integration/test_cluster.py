@@ -329,6 +329,25 @@ def test_a_failing_pod_reports_its_last_log_lines(cluster):
     assert lines[-1] == "line 199" and len(lines) == 80  # the kubelet's 80 lines (within 2048 bytes)
 
 
+@pytest.mark.parametrize(("path", "written", "expected"), [
+    (None, "why", "why"),
+    ("/tmp/custom/why", "custom why", "custom why"),
+    (None, "", "last words"),
+    (None, "x" * 5000, "x" * 4096),
+], ids=["default-path", "own-path", "empty-falls-back-to-the-log", "cut-at-4096-bytes"])
+def test_a_container_writes_its_termination_message_at_its_path(cluster, request, path, written, expected):
+    """What the container writes at its terminationMessagePath (given to it as an argument) is the message;
+    FallbackToLogsOnError takes the log's tail only when it wrote nothing."""
+    code = "import sys\nprint('last words')\nopen(sys.argv[1], 'w').write(sys.argv[2])\nsys.exit(4)"
+    name = f"says-why-{request.node.callspec.id}"
+    manifest = pod(name, code, args=(path or "/dev/termination-log", written))
+    if path:
+        manifest["spec"]["containers"][0]["terminationMessagePath"] = path
+    cluster.core.create_namespaced_pod(NS, manifest)
+    state = phase(cluster, name, "Failed")["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert state["exitCode"] == 4 and state["message"].strip() == expected
+
+
 def test_deleting_a_running_pod_sends_sigterm_and_waits_for_the_process(cluster):
     code = textwrap.dedent("""
         import signal, sys, time

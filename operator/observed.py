@@ -3,15 +3,19 @@ models, a rank pod's state, and Kubernetes-style conditions kept with their tran
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from tandem.manifest import Resource, parse
-from tandem.operator.training_objects import GROUP_LABEL, RANK_LABEL
+from tandem.operator.training_objects import GROUP_LABEL, POD_INDEX_LABEL, RANK_LABEL
 
 MESSAGE_TAIL = 600
 """Characters of a failed rank's termination message carried into the job's status."""
+LAUNCHER_CAUSE = re.compile(r"^rank \d+ \(local rank \d+\) .*$")
+"""The first line a pod's launcher writes in its termination message when one of its ranks failed
+(tandem.worker.train.launch): which rank, which local rank, and how it ended."""
 WAITING_FAILURES = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
                     "CreateContainerError", "CrashLoopBackOff"}
 
@@ -30,7 +34,8 @@ def parse_resource(body: dict[str, Any]) -> Resource:
 class RankPod:
     """One rank pod, as far as the job's state goes."""
 
-    rank: int
+    index: int
+    """Its index among the job's rank pods (ranks index x ranksPerPod on)."""
     name: str
     group: int
     phase: str
@@ -40,6 +45,9 @@ class RankPod:
     exit_code: int | None = None
     termination_message: str = ""
     """The container's terminated reason and message (its last log lines on a failure)."""
+    failed_rank: str = ""
+    """In a pod of several ranks: the launcher's word on the rank that failed (`rank 3 (local rank 1) exited with
+    code 1`), kept whole apart from the message's tail."""
     pending_reason: str = ""
     pending_message: str = ""
     finished_at: str = ""
@@ -73,11 +81,14 @@ def observe_pod(pod: dict[str, Any]) -> RankPod:
         else:
             reason = "ContainerCreating"
     ended = terminated if terminated.get("reason") or terminated.get("message") or phase != "Failed" else status
+    said = (ended.get("message") or "").strip()
+    head, _, rest = said.partition("\n")
+    failed_rank = head if LAUNCHER_CAUSE.match(head) else ""
     # The reason (OOMKilled, Evicted, Error) is kept whole; of the message (the log's tail), its end.
-    termination = " ".join(part for part in (ended.get("reason"), (ended.get("message") or "").strip()[-MESSAGE_TAIL:])
-                           if part)
+    tail = (rest if failed_rank else said).strip()[-MESSAGE_TAIL:]
+    termination = " ".join(part for part in (ended.get("reason"), tail) if part)
     return RankPod(
-        rank=int(labels.get(RANK_LABEL, -1)),
+        index=int(labels.get(POD_INDEX_LABEL, labels.get(RANK_LABEL, -1))),  # (a pod from before ranksPerPod: a rank)
         name=metadata.get("name", ""),
         group=int(labels.get(GROUP_LABEL, 0)),
         phase="Pending" if phase == "Unknown" else phase,
@@ -85,6 +96,7 @@ def observe_pod(pod: dict[str, Any]) -> RankPod:
         terminating=bool(metadata.get("deletionTimestamp")),
         exit_code=terminated.get("exitCode"),
         termination_message=termination,
+        failed_rank=failed_rank,
         pending_reason=reason,
         pending_message=message,
         finished_at=terminated.get("finishedAt") or "",

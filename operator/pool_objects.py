@@ -21,7 +21,6 @@ from typing import Any
 
 from tandem.api import API_VERSION, InferencePool, ParallelTrainingJob
 from tandem.contract import checkpoint_name
-from tandem.operator.pod_template import RUN_AS as RUN_AS  # the pods' user, which test_chart checks by module
 from tandem.operator.pod_template import SPEC_MOUNT, child_name, config_map_name, object_metadata, pod_spec
 
 POOL_LABEL = "tandem.dev/pool"

@@ -13,12 +13,13 @@ the other's fields (a merge patch of its own). The rules, in the order they appl
    a group again from the latest checkpoint, with the spec as it is then.
 5. A running group whose trainer, image, GPUs or other group settings changed keeps running as it was, with a
    SpecChangeRefused condition (suspend and resume the job to apply them); a changed `workers` (or `kubectl
-   scale`) restarts the group at the new size from the latest checkpoint.
-6. A rank that fails, a rank pod deleted or evicted, or rank 0 silent past `heartbeatTimeoutSeconds`, fails the
-   group: every pod is deleted, and once they are gone and the backoff has passed a new group starts from
-   `status.checkpoint.latest` (tandem/restart_policy.py), until `backoffLimit` restarts are spent: Failed.
-7. Otherwise the phase follows the pods: Pending (with the scheduler's or the kubelet's reason), Running once
-   every rank runs, Succeeded when every rank exited 0.
+   scale`) or `ranksPerPod` restarts the group at the new size or layout from the latest checkpoint.
+6. A rank that fails (in a pod of several, its launcher ends the pod and names it), a rank pod deleted or evicted,
+   or rank 0 silent past `heartbeatTimeoutSeconds`, fails the group: every pod is deleted, and once they are gone
+   and the backoff has passed a new group starts from `status.checkpoint.latest` (tandem/restart_policy.py), until
+   `backoffLimit` restarts are spent: Failed.
+7. Otherwise the phase follows the pods (workers / ranksPerPod of them): Pending (with the scheduler's or the
+   kubelet's reason), Running once every pod runs, Succeeded when every pod exited 0.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from tandem.operator.training_objects import (
 from tandem.restart_policy import after_failure, backoff_seconds, deadline_exceeded, heartbeat_expired, seconds_left
 
 PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
-POLICY_FIELDS = {"workers", "suspend", "backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished",
-                 "heartbeatTimeoutSeconds"}
+POLICY_FIELDS = {"workers", "ranksPerPod", "suspend", "backoffLimit", "activeDeadlineSeconds",
+                 "ttlSecondsAfterFinished", "heartbeatTimeoutSeconds"}
 """Spec fields read live from the job; every other field is the group's, fixed while it runs."""
 WAIT_SECONDS = 1.0
 """How soon to look again while pods are on their way out."""
@@ -89,7 +90,7 @@ class _Reconciler:
         self.phase = self.status.get("phase") or "Pending"
         self.conditions = list(self.status.get("conditions") or [])
         self.restarts = int(self.status.get("restarts") or 0)
-        self.pods = sorted((observe_pod(p) for p in pods), key=lambda p: p.rank)
+        self.pods = sorted((observe_pod(p) for p in pods), key=lambda p: p.index)
         self.live = [p for p in self.pods if p.live]
         self.config_map = config_map
         self.result = Plan()
@@ -176,7 +177,7 @@ class _Reconciler:
             self.result.requeue_after = left
             return
         running = applied_job(self.config_map) or self.job  # a refused change stays refused across restarts
-        running.spec.workers = self.spec.workers
+        running.spec.workers, running.spec.ranks_per_pod = self.spec.workers, self.spec.ranks_per_pod
         self._start_group(running, "Restarted", f"starting {self.spec.workers} ranks again from "
                                                 f"{self.status.get('checkpoint', {}).get('latest') or 'scratch'}")
 
@@ -196,26 +197,33 @@ class _Reconciler:
             self._clear("SpecChangeRefused", "SpecApplied", "the ranks run the job's spec")
         if running.spec.workers != self.spec.workers:
             return f"resizing from {running.spec.workers} to {self.spec.workers} ranks from the latest checkpoint"
+        if running.spec.ranks_per_pod != self.spec.ranks_per_pod:
+            return (f"regrouping the {self.spec.workers} ranks from {running.spec.ranks_per_pod} to "
+                    f"{self.spec.ranks_per_pod} per pod from the latest checkpoint")
         return None
 
     def _failure(self) -> tuple[str, bool] | None:
         """Why the running group has failed, if it has, and whether it hangs. Of several failed ranks the first to
         end is the cause: the others lost it (their collectives fail when it goes)."""
-        failed = sorted((p for p in self.pods if p.phase == "Failed"), key=lambda p: (p.finished_at, p.rank))
+        failed = sorted((p for p in self.pods if p.phase == "Failed"), key=lambda p: (p.finished_at, p.index))
         if failed:
             pod = failed[0]
             detail = f": {pod.termination_message}" if pod.termination_message else ""
+            if pod.failed_rank:  # `rank 3 (local rank 1) exited with code 1`, from the pod's launcher
+                rank, _, how = pod.failed_rank.partition(" (local rank ")
+                local_rank, _, how = how.partition(") ")
+                return f"{rank} (pod {pod.name}, local rank {local_rank}) {how}{detail}", False
             if pod.exit_code is None:  # it never exited: its node was lost, say (the pod's reason says so)
-                return f"rank {pod.rank} (pod {pod.name}) failed{detail}", False
-            return f"rank {pod.rank} (pod {pod.name}) exited with code {pod.exit_code}{detail}", False
+                return f"{self._ranks(pod.index)} (pod {pod.name}) failed{detail}", False
+            return f"{self._ranks(pod.index)} (pod {pod.name}) exited with code {pod.exit_code}{detail}", False
         for pod in self.pods:
             if pod.terminating:
-                return f"rank {pod.rank}'s pod {pod.name} was deleted or evicted", False
-        ranks = {p.rank for p in self.pods}
+                return f"{self._ranks(pod.index)}'s pod {pod.name} was deleted or evicted", False
+        indices = {p.index for p in self.pods}
         if self.phase == "Running":
-            missing = sorted(set(range(self.spec.workers)) - ranks)
+            missing = sorted(set(range(self.spec.pods)) - indices)
             if missing:
-                return f"rank {missing[0]}'s pod {pod_name(self.job.metadata.name, missing[0])} is gone", False
+                return f"{self._ranks(missing[0])}'s pod {pod_name(self.job.metadata.name, missing[0])} is gone", False
             running_since = timestamp((condition(self.conditions, "Running") or {}).get("lastTransitionTime"))
             heartbeat = timestamp((self.status.get("progress") or {}).get("lastHeartbeat"))
             reports = self.spec.training_mode != "custom"  # a custom command reports nothing: no heartbeat to miss
@@ -239,16 +247,17 @@ class _Reconciler:
         self.result.requeue_after = WAIT_SECONDS
 
     def _follow_pods(self) -> None:
-        ranks = {p.rank for p in self.pods}
-        missing = [r for r in range(self.spec.workers) if r not in ranks]
+        indices = {p.index for p in self.pods}
+        missing = [index for index in range(self.spec.pods) if index not in indices]
         if missing:  # a group whose creation was interrupted (the operator restarted): finish it
             running = applied_job(self.config_map) or self.job
-            self.result.create += [self._pod(running, rank) for rank in missing]
-        if len(self.pods) == self.spec.workers and all(p.phase == "Succeeded" for p in self.pods):
+            self.result.create += [self._pod(running, index) for index in missing]
+        if len(self.pods) == self.spec.pods and all(p.phase == "Succeeded" for p in self.pods):
             self._set_phase("Succeeded", "Succeeded", "every rank exited 0: training complete")
             self.status["completionTime"] = isoformat(self.now)
         elif self.pods and not missing and all(p.phase in ("Running", "Succeeded") for p in self.pods):
-            self._set_phase("Running", "Running", f"{self.spec.workers} ranks running")
+            self._set_phase("Running", "Running", f"{self.spec.workers} ranks running" + (
+                f" in {self.spec.pods} pods" if self.spec.ranks_per_pod > 1 else ""))
             self.result.requeue_after = WATCH_SECONDS
         else:
             pending = next((p for p in self.pods if p.phase == "Pending"), None)
@@ -256,7 +265,7 @@ class _Reconciler:
                 message = "waiting for the rank pods to be created"
             else:
                 detail = f": {pending.pending_message}" if pending.pending_message else ""
-                message = f"rank {pending.rank} (pod {pending.name}): {pending.pending_reason}{detail}"
+                message = f"{self._ranks(pending.index)} (pod {pending.name}): {pending.pending_reason}{detail}"
             self._set_phase("Pending", pending.pending_reason if pending else "Creating", message)
             self.result.requeue_after = WATCH_SECONDS
 
@@ -264,7 +273,7 @@ class _Reconciler:
 
     def _start_group(self, job: ParallelTrainingJob, reason: str, message: str) -> None:
         self.result.create += group_objects(self.body, job)
-        self.result.create += [self._pod(job, rank) for rank in range(job.spec.workers)]
+        self.result.create += [self._pod(job, index) for index in range(job.spec.pods)]
         durable = job.spec.checkpoint.persistent_volume_claim is not None
         self.conditions = with_condition(
             self.conditions, "CheckpointsDurable", durable, "PersistentVolumeClaim" if durable else "EmptyDir",
@@ -279,9 +288,15 @@ class _Reconciler:
         self._set_phase("Pending", reason, message)
         self.result.requeue_after = WAIT_SECONDS
 
-    def _pod(self, job: ParallelTrainingJob, rank: int) -> dict[str, Any]:
-        return worker_pod(self.body, job, rank, group=self.restarts, resume_from=self._resume_from(job),
+    def _pod(self, job: ParallelTrainingJob, index: int) -> dict[str, Any]:
+        return worker_pod(self.body, job, index, group=self.restarts, resume_from=self._resume_from(job),
                           default_image=self.settings.worker_image)
+
+    def _ranks(self, index: int) -> str:
+        """The ranks pod `index` hosts, in words: `rank 1`, or `ranks 2-3`."""
+        per_pod = self.spec.ranks_per_pod
+        first = index * per_pod
+        return f"rank {first}" if per_pod == 1 else f"ranks {first}-{first + per_pod - 1}"
 
     def _resume_from(self, job: ParallelTrainingJob) -> str | None:
         """Where a group starts: the latest checkpoint rank 0 recorded; before any, with `checkpoint.resume`, the
@@ -318,11 +333,13 @@ class _Reconciler:
 
     def _finish(self) -> Plan:
         name = self.job.metadata.name
-        ready = sum(1 for p in self.pods if p.ready and p.phase == "Running")
+        ready_pods = sum(1 for p in self.pods if p.ready and p.phase == "Running")
+        ready = ready_pods * self.spec.ranks_per_pod
         self.result.status = {
             "phase": self.phase,
             "conditions": self.conditions,
-            "workers": {"ready": ready, "total": self.spec.workers, "summary": f"{ready}/{self.spec.workers}"},
+            "workers": {"ready": ready, "total": self.spec.workers, "summary": f"{ready}/{self.spec.workers}",
+                        "readyPods": ready_pods, "pods": self.spec.pods},
             "master": {"pod": pod_name(name, 0), "address": master_address(name), "port": MASTER_PORT},
             "restarts": self.restarts,
             "message": self.status.get("message", ""),

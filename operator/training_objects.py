@@ -1,7 +1,9 @@
 """The Kubernetes objects a ParallelTrainingJob becomes, built from its spec as plain manifests (pure functions):
 
-- one Pod per rank, created directly (the operator owns the gang: no Job or JobSet), named and hostnamed
-  `<job>-worker-<rank>` under a headless Service, so rank 0 has a stable DNS name, MASTER_ADDR;
+- one Pod per `ranksPerPod` ranks, created directly (the operator owns the gang: no Job or JobSet), named and
+  hostnamed `<job>-worker-<index>` under a headless Service, so rank 0 (in pod 0) has a stable DNS name,
+  MASTER_ADDR; a pod of one rank runs it (`tandem worker train`), a pod of several runs their launcher (`tandem
+  worker launch`), with all their GPUs and a /dev/shm in memory for NCCL's shared-memory transport;
 - the headless Service; a ConfigMap holding the job as JSON, mounted read-only where TANDEM_SPEC points;
 - rank 0's ServiceAccount, Role (get and patch on this one job and its status, nothing else) and RoleBinding:
   rank 0 reports progress, metrics and checkpoints into the job's status itself.
@@ -17,23 +19,27 @@ from typing import Any
 
 from tandem.api import API_VERSION, GROUP, ParallelTrainingJob
 from tandem.contract import RESUME_LATEST, WorkerContract
-from tandem.operator.pod_template import RUN_AS as RUN_AS  # the pods' user, which test_chart checks by module
 from tandem.operator.pod_template import SPEC_MOUNT, child_name, config_map_name, object_metadata, pod_spec
 
 JOB_LABEL = "tandem.dev/job"
 RANK_LABEL = "tandem.dev/rank"
+"""The pod's first rank (its only one, with ranksPerPod 1): `-l tandem.dev/rank=0` finds rank 0's pod."""
+POD_INDEX_LABEL = "tandem.dev/pod-index"
+"""The pod's index among the job's rank pods (Kubeflow's replica-index): its ranks are index x ranksPerPod on."""
 GROUP_LABEL = "tandem.dev/group"
 """The restart generation: status.restarts when the group was created."""
 MASTER_PORT = 29500
 SPEC_FILE = "job.json"
 CHECKPOINT_MOUNT = "/var/lib/tandem/checkpoints"
+TERMINATION_LOG = "/dev/termination-log"
 WORKER_COMMAND = ["tandem", "worker", "train"]
+LAUNCH_COMMAND = ["tandem", "worker", "launch", "--termination-log", TERMINATION_LOG]
 TERMINATION_GRACE_SECONDS = 60
 """A rank's time to write its checkpoint after SIGTERM (deletion, suspend, resize) before it is killed."""
 
 
-def pod_name(job: str, rank: int) -> str:
-    return child_name(job, f"worker-{rank}")
+def pod_name(job: str, index: int) -> str:
+    return child_name(job, f"worker-{index}")
 
 
 def service_name(job: str) -> str:
@@ -64,42 +70,50 @@ def checkpoint_directory(job: ParallelTrainingJob) -> str:
     return str(PurePosixPath(CHECKPOINT_MOUNT) / job.spec.checkpoint.directory)
 
 
-def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, rank: int, *, group: int, resume_from: str | None,
-             default_image: str) -> dict[str, Any]:
-    """The pod of one rank, running `tandem worker train` with the worker contract's environment. `resume_from`: a
-    checkpoint's path, RESUME_LATEST (the ranks look in the checkpoint directory), or None (afresh)."""
+def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, index: int, *, group: int, resume_from: str | None,
+               default_image: str) -> dict[str, Any]:
+    """Rank pod `index`, hosting ranks index x ranksPerPod on: one rank runs `tandem worker train` with the worker
+    contract's environment; several run under `tandem worker launch`, given the pod's contract (GROUP_RANK in place
+    of RANK and LOCAL_RANK), which starts each and writes a failed one's cause at the termination message path.
+    `resume_from`: a checkpoint's path, RESUME_LATEST (the ranks look in the checkpoint directory), or None
+    (afresh)."""
     name = job.metadata.name
     spec = job.spec
+    first_rank = index * spec.ranks_per_pod
     contract = WorkerContract(
-        rank=rank, world_size=spec.workers, local_rank=0, local_world_size=1,
+        rank=first_rank, world_size=spec.workers, local_rank=0, local_world_size=spec.ranks_per_pod,
         master_addr=master_address(name), master_port=MASTER_PORT, job=name,
         namespace=owner["metadata"].get("namespace"), spec_path=PurePosixPath(SPEC_MOUNT) / SPEC_FILE,
         checkpoint_dir=PurePosixPath(checkpoint_directory(job)),
         resume_from=PurePosixPath(resume_from) if resume_from and resume_from != RESUME_LATEST else None,
         resume_latest=resume_from == RESUME_LATEST,
     )
+    several = spec.ranks_per_pod > 1
+    environ = contract.pod_environ() if several else contract.to_environ()
     mounts, volumes = _rank_volumes(job)
-    container = {"name": "worker", "command": WORKER_COMMAND,
-                 "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}]}
-    pod = {"hostname": pod_name(name, rank), "subdomain": service_name(name), "restartPolicy": "Never",
-           "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS, "automountServiceAccountToken": rank == 0}
-    if rank == 0:
+    container = {"name": "worker", "command": LAUNCH_COMMAND if several else WORKER_COMMAND,
+                 "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}],
+                 "terminationMessagePath": TERMINATION_LOG}
+    pod = {"hostname": pod_name(name, index), "subdomain": service_name(name), "restartPolicy": "Never",
+           "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS, "automountServiceAccountToken": index == 0}
+    if index == 0:
         pod["serviceAccountName"] = rank0_account_name(name)
-    labels = {**selector(name), RANK_LABEL: str(rank), GROUP_LABEL: str(group), "app.kubernetes.io/component": "worker"}
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": object_metadata(owner, pod_name(name, rank), labels),
-            "spec": pod_spec(spec, container=container, pod=pod, gpus=spec.gpus_per_worker,
+    labels = {**selector(name), RANK_LABEL: str(first_rank), POD_INDEX_LABEL: str(index), GROUP_LABEL: str(group),
+              "app.kubernetes.io/component": "worker"}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": object_metadata(owner, pod_name(name, index), labels),
+            "spec": pod_spec(spec, container=container, pod=pod, gpus=spec.ranks_per_pod * spec.gpus_per_worker,
                              spec_config_map=config_map_name(name), default_image=default_image,
-                             env=[{"name": key, "value": value} for key, value in contract.to_environ().items()],
+                             env=[{"name": key, "value": value} for key, value in environ.items()],
                              mounts=mounts, volumes=volumes)}
 
 
 def _rank_volumes(job: ParallelTrainingJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """A rank's own mounts and volumes (beside its spec): the checkpoint volume and, with GPUs, /dev/shm in memory."""
-    mounts = [{"name": "tandem-checkpoints", "mountPath": CHECKPOINT_MOUNT}]
-    volumes = [{"name": "tandem-checkpoints", **_checkpoint_volume(job)}]
-    if job.spec.gpus_per_worker > 0:  # NCCL and the data loader need more shared memory than a container's 64 MiB
-        mounts.append({"name": "tandem-shm", "mountPath": "/dev/shm"})
-        volumes.append({"name": "tandem-shm", "emptyDir": {"medium": "Memory"}})
+    """A rank pod's own mounts and volumes (beside its spec): the checkpoint volume, and /dev/shm in memory, sized
+    by spec.shmSize (NCCL's shared-memory transport and the data loaders need more than a container's 64 MiB)."""
+    mounts = [{"name": "tandem-checkpoints", "mountPath": CHECKPOINT_MOUNT},
+              {"name": "tandem-shm", "mountPath": "/dev/shm"}]
+    volumes = [{"name": "tandem-checkpoints", **_checkpoint_volume(job)},
+               {"name": "tandem-shm", "emptyDir": {"medium": "Memory", "sizeLimit": str(job.spec.shm_size)}}]
     return mounts, volumes
 
 

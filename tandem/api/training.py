@@ -279,10 +279,17 @@ class ParallelTrainingJobSpec(PodSettings):
 
 
 class WorkersStatus(ApiModel):
+    """Ranks, and the pods that host them (ranksPerPod to a pod)."""
+
     ready: Annotated[int, Field(ge=0)] = 0
+    """Ranks in pods running and ready."""
     total: Annotated[int, Field(ge=0)] = 0
+    """Ranks: spec.workers."""
     summary: str = ""
-    """`ready/total`, for kubectl's column."""
+    """`ready/total` ranks, for kubectl's column."""
+    ready_pods: Annotated[int, Field(ge=0)] = 0
+    pods: Annotated[int, Field(ge=0)] = 0
+    """Rank pods: workers / ranksPerPod."""
 
     @model_validator(mode="after")
     def _summary(self) -> WorkersStatus:

@@ -27,7 +27,7 @@ from tandem.api.training import TrainingPhase
 from tandem.cli import build_parser
 from tandem.manifest import load_one
 from tandem.operator import main as operator_main
-from tandem.operator import pool_objects, training_objects
+from tandem.operator import pod_template, pool_objects, training_objects
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tandem"
@@ -523,7 +523,7 @@ def test_the_worker_image_pins_torch_as_constraints_do_and_both_run_as_the_pods_
     assert args["TORCH_VERSION"] == pins["torch"]
     worker = dockerfile_stages()["worker"]["lines"]
     assert any("torch==${TORCH_VERSION}" in line and "-c /opt/tandem/constraints.txt" in line for line in worker)
-    assert dockerfile_uid() == training_objects.RUN_AS == pool_objects.RUN_AS
+    assert dockerfile_uid() == pod_template.RUN_AS
     for stage in ("operator", "worker"):
         assert "USER ${UID}:${GID}" in dockerfile_stages()[stage]["lines"]
 

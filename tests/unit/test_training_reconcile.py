@@ -16,6 +16,7 @@ from tandem.operator.training_objects import (
     CHECKPOINT_MOUNT,
     GROUP_LABEL,
     JOB_LABEL,
+    POD_INDEX_LABEL,
     RANK_LABEL,
     applied_job,
     child_name,
@@ -65,9 +66,11 @@ def restarting(seconds: float, restarts: int = 0, reason: str = "Restarting") ->
     return running(restarts=restarts, phase="Restarting", conditions=conditions(Restarting=("True", reason, seconds)))
 
 
-def pod(rank: int, phase: str = "Running", *, exit_code: int | None = None, message: str = "", reason: str = "",
-        terminating: bool = False, waiting: tuple[str, str] | None = None,
-        unschedulable: str | None = None, finished: float = 1) -> dict[str, Any]:
+def pod(index: int, phase: str = "Running", *, exit_code: int | None = None, message: str = "", reason: str = "",
+        terminating: bool = False, waiting: tuple[str, str] | None = None, unschedulable: str | None = None,
+        finished: float = 1, ranks_per_pod: int = 1, labelled: bool = True) -> dict[str, Any]:
+    """Rank pod `index` (its ranks index x ranks_per_pod on); `labelled` False: as an operator from before
+    ranksPerPod labelled it (no pod index)."""
     status: dict[str, Any] = {"phase": phase, "conditions": [{"type": "Ready",
                                                              "status": "True" if phase == "Running" else "False"}]}
     if exit_code is not None:
@@ -80,8 +83,10 @@ def pod(rank: int, phase: str = "Running", *, exit_code: int | None = None, mess
     if unschedulable is not None:
         status["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                                  "message": unschedulable}]
-    metadata: dict[str, Any] = {"name": f"digits-worker-{rank}", "namespace": "ml",
-                                "labels": {JOB_LABEL: "digits", RANK_LABEL: str(rank), GROUP_LABEL: "0"}}
+    labels = {JOB_LABEL: "digits", RANK_LABEL: str(index * ranks_per_pod), GROUP_LABEL: "0"}
+    if labelled:
+        labels[POD_INDEX_LABEL] = str(index)
+    metadata: dict[str, Any] = {"name": f"digits-worker-{index}", "namespace": "ml", "labels": labels}
     if terminating:
         metadata["deletionTimestamp"] = ago(1)
     return {"metadata": metadata, "status": status}
@@ -216,6 +221,37 @@ CASES = [
       "condition_message": "spec.workers: Input should be greater than or equal to 1", "event": "InvalidSpec"}),
     ("interrupted creation (operator restarted): the missing rank is created", job({"phase": "Pending"}), [pod(0)],
      {}, {"phase": "Pending", "create": ["Pod/digits-worker-1"]}),
+    ("pods an operator before ranksPerPod created (no pod index): followed by their rank", job(running()),
+     [pod(0, labelled=False), pod(1, labelled=False)], {}, {"phase": "Running", "ready": 2, "create": []}),
+    # ranksPerPod: workers / ranksPerPod pods, each with its ranks' launcher
+    ("4 ranks, 2 per pod: a group of 2 pods", job(workers=4, ranksPerPod=2), [], None,
+     {"phase": "Pending", "create": GROUP, "resume": "latest"}),
+    ("2 pods of 2 ranks running: 4 ranks ready", job({"phase": "Pending", "startTime": ago(5)}, workers=4,
+                                                     ranksPerPod=2), [pod(0, ranks_per_pod=2), pod(1, ranks_per_pod=2)],
+     {}, {"phase": "Running", "ready": 4, "ranks": 4, "pods": 2, "message": "4 ranks running in 2 pods"}),
+    ("a pod of 2 ranks pending: both ranks named", job({"phase": "Pending"}, workers=4, ranksPerPod=2),
+     [pod(0, "Pending", ranks_per_pod=2), pod(1, ranks_per_pod=2)], {},
+     {"phase": "Pending", "message": "ranks 0-1 (pod digits-worker-0): ContainerCreating"}),
+    ("a local rank fails: its launcher's words name the rank and the local rank", job(running(), workers=4,
+                                                                                       ranksPerPod=2),
+     [pod(0, ranks_per_pod=2), pod(1, "Failed", exit_code=7, ranks_per_pod=2,
+                                   message="rank 3 (local rank 1) exited with code 7\nTraceback\nValueError: boom")],
+     {}, {"phase": "Restarting", "restarts": 1, "delete": ["digits-worker-0", "digits-worker-1"],
+          "message": "rank 3 (pod digits-worker-1, local rank 1) exited with code 7: Error Traceback\n"
+                     "ValueError: boom; restart 1 of 3"}),
+    ("a pod of 2 ranks killed for memory: both ranks named", job(running(), workers=4, ranksPerPod=2),
+     [pod(0, ranks_per_pod=2), pod(1, "Failed", exit_code=137, reason="OOMKilled", ranks_per_pod=2)], {},
+     {"phase": "Restarting", "message": "ranks 2-3 (pod digits-worker-1) exited with code 137: OOMKilled"}),
+    ("a pod of 2 ranks gone: restart", job(running(), workers=4, ranksPerPod=2), [pod(0, ranks_per_pod=2)], {},
+     {"phase": "Restarting", "restarts": 1, "message": "ranks 2-3's pod digits-worker-1 is gone"}),
+    ("ranksPerPod changed while running: regrouped from the checkpoint", job(running(), workers=4, ranksPerPod=2),
+     [pod(index) for index in range(4)], {"ranksPerPod": 1},
+     {"phase": "Restarting", "restarts": 0, "delete": [f"digits-worker-{index}" for index in range(4)],
+      "message": "regrouping the 4 ranks from 1 to 2 per pod"}),
+    ("workers not a multiple of ranksPerPod: a condition with the fix, nothing else", job(running(), workers=3,
+                                                                                          ranksPerPod=2),
+     BOTH_RUNNING, None, {"create": [], "delete": [], "condition": ("InvalidSpec", "True"),
+                          "condition_message": "workers (3) must be a multiple of ranksPerPod (2)"}),
 ]
 
 
@@ -233,7 +269,10 @@ def test_reconcile(name, body, pods, changes, expected):
     if "restarts" in expected:
         assert status["restarts"] == expected["restarts"]
     if "ready" in expected:
-        assert status["workers"] == {"ready": expected["ready"], "total": 2, "summary": f"{expected['ready']}/2"}
+        ranks, pods = expected.get("ranks", 2), expected.get("pods", 2)
+        assert status["workers"] == {"ready": expected["ready"], "total": ranks,
+                                     "summary": f"{expected['ready']}/{ranks}", "pods": pods,
+                                     "readyPods": expected["ready"] * pods // ranks}
     if "message" in expected:
         assert expected["message"] in status["message"], status["message"]
     if "event" in expected:
@@ -318,10 +357,32 @@ def test_a_rank_pod_carries_the_worker_contract_and_the_passthrough_settings():
     assert (spec["hostname"], spec["subdomain"]) == ("digits-worker-0", "digits-workers")
     assert (spec["schedulerName"], spec["priorityClassName"]) == ("volcano", "high")
     assert spec["nodeSelector"] == {"gpu": "h100"} and spec["serviceAccountName"] == "digits-rank0"
-    assert {"name": "tandem-shm", "emptyDir": {"medium": "Memory"}} in spec["volumes"]
+    assert {"name": "tandem-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}} in spec["volumes"]
     assert {"name": "data", "mountPath": "/data", "readOnly": False} in container["volumeMounts"]
     assert created["metadata"]["labels"][RANK_LABEL] == "0" and created["metadata"]["labels"][GROUP_LABEL] == "2"
     assert created["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+
+def test_a_pod_of_several_ranks_runs_their_launcher_with_all_their_gpus():
+    body = job(workers=8, ranksPerPod=4, gpusPerWorker=1, shmSize="8Gi")
+    from tandem.manifest import parse
+
+    created = worker_pod(body, parse({k: body[k] for k in ("apiVersion", "kind", "metadata", "spec")}), 1, group=0,
+                         resume_from=None, default_image="tandem-worker:1")
+    spec = created["spec"]
+    [container] = spec["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert container["command"] == ["tandem", "worker", "launch", "--termination-log", "/dev/termination-log"]
+    assert container["terminationMessagePath"] == "/dev/termination-log"
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+    assert {key: env[key] for key in ("GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")} == {
+        "GROUP_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "digits-worker-0.digits-workers"}
+    assert "RANK" not in env and "LOCAL_RANK" not in env, "the launcher gives each rank its own"
+    assert {"name": "tandem-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in spec["volumes"]
+    assert {"name": "tandem-shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert spec["hostname"] == "digits-worker-1" and "serviceAccountName" not in spec
+    assert created["metadata"]["labels"][RANK_LABEL] == "4" and created["metadata"]["labels"][POD_INDEX_LABEL] == "1"
+    kubernetes_validate.validate(created, kubernetes_validate.latest_version(), strict=True)
 
 
 def test_cpu_ranks_get_no_gpu_limit_and_other_ranks_no_service_account_token():

@@ -3,9 +3,10 @@ node's with `--nproc-per-node`.
 
 The pod's environment is the worker contract with GROUP_RANK (the pod's index) in place of RANK and LOCAL_RANK
 (tandem/contract.py). The launcher starts LOCAL_WORLD_SIZE ranks through the group supervisor `tandem run` uses
-(tandem.worker.local_group), each with its RANK and LOCAL_RANK (and the pod's GROUP_RANK, as torchrun's workers): it trains on cuda:LOCAL_RANK with every GPU of the
-pod visible (so NCCL finds the peer links between them), on its share of the pod's cores, and rank 0's status sink
-runs only in global rank 0. Their output is the pod's log, each line prefixed with its rank.
+(tandem.worker.local_group), each with its RANK and LOCAL_RANK (and the pod's GROUP_RANK, as torchrun's workers
+have it): each trains on cuda:LOCAL_RANK with every GPU of the pod visible (so NCCL finds the peer links between
+them), on its share of the pod's cores, and rank 0's status sink runs only in global rank 0. Their output is the
+pod's log, each line prefixed with its rank.
 
 SIGTERM (the pod deleted, the job suspended or resized) reaches every local rank: they agree on a step and
 checkpoint, as ranks in pods of their own do. A local rank that fails ends its siblings, and the pod exits with its

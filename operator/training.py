@@ -24,6 +24,7 @@ the other's fields (a merge patch of its own). The rules, in the order they appl
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -47,6 +48,12 @@ PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended"
 POLICY_FIELDS = {"workers", "ranksPerPod", "suspend", "backoffLimit", "activeDeadlineSeconds",
                  "ttlSecondsAfterFinished", "heartbeatTimeoutSeconds"}
 """Spec fields read live from the job; every other field is the group's, fixed while it runs."""
+PEER_LOST = re.compile(r"by peer|remote process exited|communicator was aborted", re.IGNORECASE)
+"""How gloo and NCCL say that another rank went away: a pod that says so failed because another did (see
+`_cause_on_its_way`), and of pods that ended within the same second (finishedAt's resolution) it is not the cause."""
+PEER_WAIT_SECONDS = 3.0
+"""How long a group whose only failed pods lost a peer waits for the pod that failed first to report it: a pod of
+several ranks ends a moment after its failed rank (its launcher stops the others), later than a peer that raised."""
 WAIT_SECONDS = 1.0
 """How soon to look again while pods are on their way out."""
 WATCH_SECONDS = 5.0
@@ -119,6 +126,8 @@ class _Reconciler:
             self._start_group(self.job, "Created", f"starting {self.spec.workers} ranks")
         elif (resize := self._resize()) is not None:
             self._tear_down("Resizing", resize)
+        elif self._cause_on_its_way():
+            self.result.requeue_after = WAIT_SECONDS
         elif (failure := self._failure()) is not None:
             self._group_failed(*failure)
         else:
@@ -202,10 +211,20 @@ class _Reconciler:
                     f"{self.spec.ranks_per_pod} per pod from the latest checkpoint")
         return None
 
+    def _cause_on_its_way(self) -> bool:
+        """Whether every failed pod only lost a peer, a pod still runs, and the first failure is recent: the cause
+        (the peer) is about to report, and naming the effect would mislead."""
+        failed = [p for p in self.pods if p.phase == "Failed"]
+        if not failed or not all(PEER_LOST.search(p.termination_message) for p in failed):
+            return False
+        first = min(timestamp(p.finished_at) or self.now for p in failed)
+        return any(p.live for p in self.pods) and (self.now - first).total_seconds() < PEER_WAIT_SECONDS
+
     def _failure(self) -> tuple[str, bool] | None:
         """Why the running group has failed, if it has, and whether it hangs. Of several failed ranks the first to
         end is the cause: the others lost it (their collectives fail when it goes)."""
-        failed = sorted((p for p in self.pods if p.phase == "Failed"), key=lambda p: (p.finished_at, p.index))
+        failed = sorted((p for p in self.pods if p.phase == "Failed"),
+                        key=lambda p: (p.finished_at, bool(PEER_LOST.search(p.termination_message)), p.index))
         if failed:
             pod = failed[0]
             detail = f": {pod.termination_message}" if pod.termination_message else ""

@@ -85,6 +85,8 @@ class LocalGroup:
         """(index in `contracts`, exit code) in the order the ranks exited: the first to fail is the cause, not the
         ranks that failed because it did (a rank whose peer is gone fails too, often within the same poll)."""
         self._echo_lock = threading.Lock()
+        self._exited = threading.Event()
+        """Set when a rank exits: `wait` reacts at once, before the failed rank's peers fail in their turn."""
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -118,6 +120,7 @@ class LocalGroup:
 
     def _watch(self, index: int, process: subprocess.Popen) -> None:
         self.exits.append((index, process.wait()))
+        self._exited.set()
 
     def stop(self) -> None:
         """Ask every rank to stop (SIGTERM: they agree on a step and write a final checkpoint); `wait` kills them
@@ -161,7 +164,8 @@ class LocalGroup:
                 self.kill_all()
                 on_poll()
                 return GroupExit()
-            time.sleep(POLL_SECONDS)
+            self._exited.wait(POLL_SECONDS)
+            self._exited.clear()
 
     def _exit(self, index: int, code: int) -> GroupExit:
         contract = self.contracts[index]

@@ -9,8 +9,8 @@ end; the fixes, each named here and implemented in the module beside it:
   collection; API errors (404, 409, 422) are answers, not kept as failures;
 - `__call__` (fix: state changes): kmock's pre-dispatch store mutation is skipped; each verb below does its own,
   through writes.py (uid, resourceVersion, creationTimestamp, generation, generateName, status isolation, 409 on a
-  stale resourceVersion, schema of custom resources) and lifecycle.py (finalizers, graceful pod deletion,
-  ownerReference garbage collection, namespaces, CRDs);
+  stale resourceVersion, schema of custom resources with their CEL rules: schema.py, cel.py) and lifecycle.py
+  (finalizers, graceful pod deletion, ownerReference garbage collection, namespaces, CRDs);
 - `_serve_catalog` (fix: discovery): core/v1, apps/v1, batch/v1, policy/v1 (PodDisruptionBudgets), autoscaling/v2
   (HorizontalPodAutoscalers), rbac, coordination (leases), events.k8s.io, scheduling, apiextensions (CRDs) and
   every applied CRD's resources with the subresources it declares;

@@ -15,6 +15,10 @@ On entering: the emulator serves on a real TCP port of 127.0.0.1 (`url`), `kubec
 event loop in a background thread. `shutdown()` (on leaving) kills every process (pods' and spawned ones), stops the
 server and the loop and joins the thread, so nothing is left between tests.
 
+CRDs: the rules of their schemas (`x-kubernetes-validations`) are enforced as on a cluster (a create that breaks one
+answers 422 naming the field and the rule's message; devcluster/cel.py); `crd_without_rules(name)` serves a CRD
+without them for a block, to store an object only an older CRD lets in (the operator's own checks then meet it).
+
 Also: `cluster.api` (a configured `kubernetes.client.ApiClient`; `core`, `custom`, `apps` are APIs over it),
 `request(method, path, body, content_type)` for raw HTTP, `apply(manifest)`, `history(...)` (every version of an
 object), `environ()` (the environment for a process of your own against this cluster), `process_log(name)`,
@@ -353,6 +357,38 @@ class Cluster:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
         return process.wait(10)
+
+    # -- CRDs ---------------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def crd_without_rules(self, name: str) -> Iterator[dict[str, Any]]:
+        """`with cluster.crd_without_rules("paralleltrainingjobs.tandem.dev"):` the CRD is updated (through the API)
+        with every `x-kubernetes-validations` rule removed, as an older CRD (or a server that evaluates no CEL)
+        serves it, so an object a rule refuses can be stored; the CRD's rules are put back on leaving. Objects
+        written inside keep their values: on later writes that leave them unchanged the rules are ratcheted (cel.py),
+        as on a server since 1.30."""
+        path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}"
+
+        def put(spec: dict[str, Any]) -> dict[str, Any]:
+            status, current = self.request("GET", path)
+            if status != 200:
+                raise RuntimeError(f"reading CRD {name} failed: {status} {current}")
+            status, body = self.request("PUT", path, {**current, "spec": spec})
+            if status != 200:
+                raise RuntimeError(f"updating CRD {name} failed: {status} {body}")
+            return body
+
+        def stripped(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: stripped(v) for k, v in value.items() if k != "x-kubernetes-validations"}
+            return [stripped(v) for v in value] if isinstance(value, list) else value
+
+        original = self.get("customresourcedefinitions", None, name)
+        if original is None:
+            raise KeyError(f"no CRD {name}")
+        try:
+            yield put(stripped(original["spec"]))
+        finally:
+            put(original["spec"])
 
     # -- faults (faults.py) ---------------------------------------------------------------------------------------
     def inject(self, faults: Faults | None) -> None:

@@ -6,10 +6,17 @@ validate.
   `null` for a field that is not `nullable` is dropped too;
 - defaulting: a missing field with a `default` gets it, where its parent object exists;
 - validation: types, enums, bounds, patterns and `required` (OpenAPI 3.0, by openapi-schema-validator); a write
-  that fails answers 422 Invalid with one line per problem, naming the field.
+  that fails answers 422 Invalid with one line per problem, naming the field;
+- CEL rules (`x-kubernetes-validations`, cel.py): evaluated on the pruned and defaulted object, each with `self`
+  bound to the value where its rule sits; a broken rule answers `spec: Invalid value: "object": <message>`. As on a
+  server, they are not evaluated when the OpenAPI validation found a type, `required`, enum or size error (one line
+  says so instead), and transition rules (`oldSelf`) only on updates.
 
-Not emulated: `x-kubernetes-validations` (CEL rules) are not evaluated, and validation ratcheting (a real server lets
-an update keep an invalid value it did not change) is absent: every write validates the whole object.
+Writes that validate: create, update (PUT), patch, the status subresource (the whole object, as a server does) and
+the scale subresource (the object with its new replicas), all through `Writer.admit`.
+
+Not emulated: validation ratcheting of the OpenAPI part (a real server lets an update keep an invalid value it did
+not change): every write validates the whole object against the OpenAPI schema. CEL rules are ratcheted (cel.py).
 """
 
 from __future__ import annotations
@@ -20,8 +27,12 @@ from typing import Any
 
 from openapi_schema_validator import OAS30Validator
 
+from . import cel
+
 _META = ("apiVersion", "kind", "metadata")
 _validators: dict[int, tuple[Mapping[str, Any], OAS30Validator]] = {}
+# The OpenAPI errors after which a server does not evaluate CEL rules (apiextensions' hasBlockingErr).
+_BLOCKING = frozenset({"type", "required", "enum", "maxLength", "maxItems", "maxProperties"})
 
 
 def prune_and_default(value: Any, schema: Mapping[str, Any] | None, *, root: bool = False) -> Any:
@@ -58,13 +69,18 @@ def _validator(schema: Mapping[str, Any]) -> OAS30Validator:
     return cached[1]
 
 
-def problems(obj: Mapping[str, Any], schema: Mapping[str, Any] | None) -> list[str]:
-    """One line per violation, `spec.workers: 0 is less than the minimum of 1`; empty when valid."""
+def problems(obj: Mapping[str, Any], schema: Mapping[str, Any] | None, old: Mapping[str, Any] | None = None
+             ) -> list[str]:
+    """One line per violation, `spec.workers: 0 is less than the minimum of 1`, then one per broken CEL rule
+    (`spec: Invalid value: "object": <message>`); empty when valid. `old` is the stored object of an update."""
     if not schema:
         return []
     body = {key: value for key, value in obj.items() if key not in _META}
-    lines = []
+    lines, blocking = [], False
     for error in sorted(_validator(schema).iter_errors(body), key=lambda e: list(map(str, e.absolute_path))):
         path = ".".join(str(part) for part in error.absolute_path) or "<root>"
         lines.append(f"{path}: {error.message}")
+        blocking = blocking or error.validator in _BLOCKING
+    if cel.has_rules(schema):
+        lines += [cel.BLOCKED] if blocking else cel.violations(obj, schema, old)
     return lines

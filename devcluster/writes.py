@@ -8,7 +8,8 @@
 - `isolate_status`: writes to the object never change `status`; writes to `/status` change only `status`;
 - `check_finalizers`: no new finalizer on an object being deleted (422);
 - `check_pod_update`: a pod's spec is immutable but for images, activeDeadlineSeconds and tolerations (422);
-- custom resources are pruned, defaulted and validated against their CRD's schema (schema.py);
+- custom resources are pruned, defaulted and validated against their CRD's schema, CEL rules included (schema.py,
+  cel.py), on every write: create, update, patch, status and scale; a CRD whose rule does not compile is refused;
 - names and labels are validated as a real API server does (422);
 - `bump_generation`: generation + 1 when anything but metadata (and status) changed;
 - a no-op update keeps its resourceVersion and sends no watch event, as a real API server does;
@@ -27,7 +28,7 @@ from typing import Any
 
 import kmock
 
-from . import schema
+from . import cel, schema
 from .catalog import Catalog, Kind
 from .store import Key, Store
 
@@ -96,7 +97,7 @@ class Writer:
                             name=meta["name"], kind=kind.plural)
         self.stamp_new(kind, obj, namespace)
         self.initial_status(kind, obj)
-        obj = self.admit(kind, obj)
+        obj = self.admit(kind, obj, None)
         return self.commit(kind, key, "ADDED", obj, None)
 
     def _namespace_for_create(self, kind: Kind, from_path: str | None, from_body: str | None) -> str | None:
@@ -172,7 +173,7 @@ class Writer:
         if not system:
             self.check_finalizers(kind, current, new)
             self.check_pod_update(kind, current, new)
-        new = self.admit(kind, new)
+        new = self.admit(kind, new, current)
         self.bump_generation(kind, current, new)
         if new == current:
             return current
@@ -255,12 +256,16 @@ class Writer:
         return self.commit(kind, key, "DELETED", copy.deepcopy(current), current)
 
     # -- admission: what every written object must satisfy -----------------------------------------------------------
-    def admit(self, kind: Kind, obj: dict[str, Any]) -> dict[str, Any]:
+    def admit(self, kind: Kind, obj: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
+        """The object as stored (pruned, defaulted), or 422 naming every problem; `old` is the stored object of an
+        update (CEL transition rules and ratcheting read it), None on create."""
         name = obj["metadata"]["name"]
         problems = self._name_problems(kind, name) + self._label_problems(obj["metadata"].get("labels"))
         if kind.schema:
             obj = schema.prune_and_default(obj, kind.schema, root=True)
-            problems += schema.problems(obj, kind.schema)
+            problems += schema.problems(obj, kind.schema, old)
+        if (kind.group, kind.plural) == ("apiextensions.k8s.io", "customresourcedefinitions"):
+            problems += cel.crd_problems(obj)
         if problems:
             raise invalid(kind, name, problems)
         return obj

@@ -6,6 +6,9 @@ harness's emulations (tests/cluster/, with what they leave out in their docstrin
 
 from __future__ import annotations
 
+import json
+
+import kubernetes
 import kubernetes_validate
 import pytest
 import yaml
@@ -202,11 +205,19 @@ def test_ttl_after_finished_deletes_the_job_and_its_objects(cluster):
 
 
 def test_a_manifest_the_models_reject_gets_a_condition_and_the_operator_serves_the_rest(cluster):
-    """requireGPU without gpusPerWorker: a CEL rule the emulator does not evaluate (an older CRD would let it in
-    too), refused by the operator's models."""
+    """requireGPU without gpusPerWorker: the CRD's CEL rule refuses the create (422, as a cluster does); an object
+    stored under an older CRD without that rule (made here with `crd_without_rules`, the rule put back at once) is
+    refused by the operator's models, with the InvalidSpec condition. Its status and finalizer writes still pass:
+    they leave the spec unchanged, so the rule is ratcheted, as on a server since 1.30."""
     bad = custom_job("bad")
     bad["spec"]["trainer"]["requireGPU"] = True
-    create(cluster, bad)
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        create(cluster, bad)
+    assert refused.value.status == 422
+    assert "spec: Invalid value: \"object\": trainer.requireGPU needs gpusPerWorker >= 1" in \
+        json.loads(refused.value.body)["message"]
+    with cluster.crd_without_rules(f"{JOBS}.{GROUP}"):
+        create(cluster, bad)
     condition = cluster.wait_for(lambda: next((c for c in status(cluster, "bad").get("conditions", [])
                                                 if c["type"] == "InvalidSpec"), None), 30, "the InvalidSpec condition")
     assert condition["status"] == "True" and "requireGPU needs gpusPerWorker >= 1" in condition["message"]

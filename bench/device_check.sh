@@ -7,7 +7,8 @@
 # The device image brings python3 with torch (and numpy, rich, pyyaml, scikit-learn, uvloop); the wheels add
 # pydantic and the rest. It runs `tandem run` on one GPU, an exact-resume check there, then benchmark (a):
 # Tandem's loop against the plain DDP loop, one rank over NCCL, on the bench's small MLP (where per-step overheads
-# and host syncs show most) and on a wider one; then the inference server's batched vs sequential and ceiling figures on the GPU.
+# and host syncs show most) and on a wider one; then the inference server's batched vs sequential and ceiling figures on the GPU;
+# with several GPUs, one pod of N ranks against N pods of one (bench/bench_ranks_per_pod.py).
 # Figures land in $OUT. Locally, as a dry run:
 #   PYTHON=.venv/bin/python DEVICE=cpu ROUNDS=1 STEPS=30 SHAPES="--hidden 64 --batch 16" SERVE_SECONDS=0.5 \
 #       bash bench/device_check.sh
@@ -54,3 +55,16 @@ done
 # in-process ceiling (the LitServe comparison stays a CPU figure: its GPU set-up is a study of its own).
 timeout ${SERVE_TIMEOUT:-150} "$PYTHON" bench/bench_inference.py --device "$DEVICE" --workers 1 \
     --only modes --only ceiling --seconds "${SERVE_SECONDS:-3}" 2>&1 | tee -a "$OUT/bench_inference_$DEVICE.txt"
+
+# Several ranks per pod (ranksPerPod): one pod of N ranks, every GPU visible (NVLink/P2P), against N pods of one rank,
+# each seeing its own GPU, when the device has more than one GPU (issue 18; unmeasured until such a device is lent).
+GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ "$DEVICE" = cuda ] && [ "$GPUS" -gt 1 ]; then
+    timeout 300 "$PYTHON" bench/bench_ranks_per_pod.py --device cuda --ranks "$GPUS" 2>&1 \
+        | tee "$OUT/bench_ranks_per_pod.txt"
+elif [ "$DEVICE" = cpu ]; then
+    timeout 120 "$PYTHON" bench/bench_ranks_per_pod.py --device cpu --ranks 2 --hidden 256 --steps 30 2>&1 \
+        | tee "$OUT/bench_ranks_per_pod.txt"
+else
+    echo "ranksPerPod: $GPUS GPU(s): one pod of several ranks needs at least 2 (not measured)"
+fi

@@ -7,6 +7,9 @@ harness's emulations (tests/cluster/, with what they leave out in their docstrin
 from __future__ import annotations
 
 import json
+import os
+import signal
+from pathlib import Path
 
 import kubernetes
 import kubernetes_validate
@@ -96,7 +99,7 @@ def test_digits_trains_to_success_and_a_killed_rank_restarts_the_group_from_its_
         assert pod["metadata"]["labels"]["tandem.dev/group"] == "1"
     expected_events = ["Created", "Running", "Restarting", "Restarted", "Running", "Succeeded"]
     wait_events(cluster, "digits-train", expected_events)
-    assert final["workers"] == {"ready": 0, "total": 2, "summary": "0/2"}
+    assert final["workers"] == {"ready": 0, "total": 2, "summary": "0/2", "readyPods": 0, "pods": 2}
     assert final["master"] == {"pod": "digits-train-worker-0", "address": "digits-train-worker-0.digits-train-workers",
                                "port": 29500}
 
@@ -255,6 +258,82 @@ def test_scaling_restarts_the_group_at_the_new_size_and_other_changes_are_refuse
     cluster.wait_for(lambda: "Resizing" in events(cluster, "elastic"), 10, "the Resizing Event")
     assert yaml.safe_load(cluster.get("configmaps", NS, "elastic-spec")["data"]["job.json"])["spec"]["workers"] == 3
     delete(cluster, "elastic")
+
+
+def local_rank_process(launcher: int, rank: int) -> int:
+    """The process of global rank `rank` among a pod's launcher's children (read from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if parent == launcher and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no process of rank {rank} under the launcher {launcher}")
+
+
+def test_four_ranks_in_two_pods_train_restart_and_suspend_on_the_cluster(cluster):
+    """The digits example with `workers: 4, ranksPerPod: 2` on a claim: two pods, each with its launcher and two real
+    gloo ranks. Killing one local rank's process fails its pod, which names the rank, and the whole group restarts
+    from the checkpoint rank 0 recorded; a suspension stops all four ranks with a checkpoint at the step they agree
+    on; resumed, the job trains to Succeeded with rank 0's status."""
+    document = yaml.safe_load((ROOT / "examples" / "digits-train.yaml").read_text())
+    document["metadata"]["name"] = "quad"
+    document["spec"].update(workers=4, ranksPerPod=2)
+    document["spec"]["checkpoint"].update({"persistentVolumeClaim": "quad-checkpoints", "everySteps": 20,
+                                           "directory": "quad"})
+    claim(cluster, "quad-checkpoints")
+    create(cluster, document)
+    running = cluster.wait_for(lambda: status(cluster, "quad").get("checkpoint", {}).get("latest") and
+                               status(cluster, "quad"), STARTUP, "a first checkpoint")
+    assert running["workers"] == {"ready": 4, "total": 4, "summary": "4/4", "readyPods": 2, "pods": 2}
+    first = pods(cluster, "quad")
+    assert [p["metadata"]["name"] for p in first] == ["quad-worker-0", "quad-worker-1"]
+    assert first[1]["spec"]["containers"][0]["command"][:3] == ["tandem", "worker", "launch"]
+
+    os.kill(local_rank_process(cluster.kubelet.pid(NS, "quad-worker-1"), 3), signal.SIGKILL)
+    restarted = cluster.wait_for(lambda: status(cluster, "quad").get("restarts") == 1 and status(cluster, "quad"),
+                                 STARTUP, "a restart")
+    [why] = [e["message"] for e in cluster.list("events", NS)
+             if e["involvedObject"]["name"] == "quad" and e["reason"] == "Restarting"]
+    assert why.startswith("rank 3 (pod quad-worker-1, local rank 1) exited with code -9 (killed by SIGKILL)"), why
+    first_checkpoint = restarted["checkpoint"]["latest"]
+
+    cluster.wait_for(lambda: status(cluster, "quad").get("phase") == "Running" and
+                     status(cluster, "quad")["progress"]["step"] > 40, STARTUP, "progress after the restart")
+    patch(cluster, "quad", {"spec": {"suspend": True}})
+    cluster.wait_for(lambda: not pods(cluster, "quad"), STARTUP, "all four ranks to stop")
+    suspended = status(cluster, "quad")
+    assert suspended["phase"] == "Suspended"
+    assert suspended["checkpoint"]["step"] == suspended["progress"]["step"] > 40, "the ranks' agreed step"
+    assert suspended["checkpoint"]["latest"] != first_checkpoint
+
+    patch(cluster, "quad", {"spec": {"suspend": False}})
+    final = wait_phase(cluster, "quad", "Succeeded", timeout=180)
+    assert final["restarts"] == 1 and final["progress"]["step"] == final["progress"]["totalSteps"]
+    assert final["metrics"]["accuracy"] >= 0.9
+    resumed = {e["name"]: e.get("value") for e in pods(cluster, "quad")[0]["spec"]["containers"][0]["env"]}
+    assert resumed["TANDEM_RESUME_FROM"] == suspended["checkpoint"]["latest"]
+
+
+def test_scaling_to_a_number_pods_cannot_split_is_refused(cluster):
+    """`kubectl scale` counts ranks: to 3 ranks in pods of 2 is refused by the API server (the CRD's rule), and the
+    job keeps its 4."""
+    document = custom_job("pairs", workers=4, ranksPerPod=2)
+    create(cluster, document)
+    wait_phase(cluster, "pairs", "Running")
+    code, answer = cluster.request("PATCH", f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{JOBS}/pairs/scale",
+                                   {"spec": {"replicas": 3}}, "application/merge-patch+json")
+    assert code == 422 and "workers must be a multiple of ranksPerPod" in json.dumps(answer), answer
+    assert cluster.get("ptj", NS, "pairs")["spec"]["workers"] == 4
+    uneven = {**document, "metadata": {"name": "uneven"}, "spec": {**document["spec"], "workers": 3}}
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, JOBS, uneven)
+    assert refused.value.status == 422 and "workers must be a multiple of ranksPerPod" in refused.value.body
+    delete(cluster, "pairs")
 
 
 def test_a_restarted_operator_carries_on_without_duplicates(cluster):

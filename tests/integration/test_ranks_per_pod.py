@@ -1,7 +1,6 @@
-"""Several ranks in one pod (spec.ranksPerPod). The worker's side: the pod's launcher (`tandem worker launch`) run as a
-pod runs it, by hand, with the environment the operator writes (WorkerContract.pod_environ). The operator's side:
-`tandem operator` on the emulated cluster (devcluster/: its API server, kubelet and scheduler are emulations, with
-what they leave out in their docstrings), real gloo ranks in pods of two."""
+"""Several ranks in one pod (spec.ranksPerPod), the worker's side: the pod's launcher (`tandem worker launch`) run as
+a pod runs it, by hand, with the environment the operator writes (WorkerContract.pod_environ). The operator's side,
+on the emulated cluster, is in test_operator.py."""
 
 from __future__ import annotations
 
@@ -14,14 +13,10 @@ import textwrap
 import time
 from pathlib import Path
 
-import kubernetes
-import pytest
 import torch
 import yaml
-from jobs import ROOT, TESTS, final_weights, leftover_processes, manifest, tandem_run
-from operator_runs import GROUP, JOBS, NS, STARTUP, VERSION, claim, job_pods, start_operator
+from jobs import TESTS, final_weights, leftover_processes, manifest, tandem_run
 
-from devcluster import Cluster
 from tandem.contract import WorkerContract, checkpoint_name
 from tandem.worker import checkpoint
 from tandem.worker.train.process_group import free_port
@@ -165,99 +160,3 @@ def test_tandem_run_refuses_workers_that_pods_cannot_split(tmp_path):
     result = tandem_run(manifest(tmp_path, "uneven", workers=3, ranksPerPod=2))
     assert result.returncode == 2
     assert "workers (3) must be a multiple of ranksPerPod (2)" in result.stderr
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with Cluster(tmp_path_factory.mktemp("cluster"), extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
-        start_operator(cluster)
-        yield cluster
-
-
-def job_status(cluster: Cluster, name: str) -> dict:
-    return (cluster.get("ptj", NS, name) or {}).get("status") or {}
-
-
-def wait_status(cluster: Cluster, name: str, holds, what: str, timeout: float = STARTUP) -> dict:
-    try:
-        return cluster.wait_for(lambda: holds(status := job_status(cluster, name)) and status, timeout, what)
-    except TimeoutError:
-        print(cluster.process_log("operator")[-4000:])
-        raise AssertionError(f"{name}: no {what}: {job_status(cluster, name)}") from None
-
-
-def local_rank_process(launcher: int, rank: int) -> int:
-    """The process of global rank `rank` among a pod's launcher's children (read from /proc)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if parent == launcher and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    raise AssertionError(f"no process of rank {rank} under the launcher {launcher}")
-
-
-def test_four_ranks_in_two_pods_train_restart_and_suspend_on_the_cluster(cluster):
-    """The digits example with `workers: 4, ranksPerPod: 2` on a claim: two pods, each with its launcher and two real
-    gloo ranks. Killing one local rank's process fails its pod, which names the rank, and the whole group restarts
-    from the checkpoint rank 0 recorded; a suspension stops all four ranks with a checkpoint at the step they agree
-    on; resumed, the job trains to Succeeded with rank 0's status."""
-    document = yaml.safe_load((ROOT / "examples" / "digits-train.yaml").read_text())
-    document["metadata"]["name"] = "quad"
-    document["spec"].update(workers=4, ranksPerPod=2)
-    document["spec"]["checkpoint"].update({"persistentVolumeClaim": "quad-checkpoints", "everySteps": 20,
-                                           "directory": "quad"})
-    claim(cluster, "quad-checkpoints")
-    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, JOBS, document)
-    running = wait_status(cluster, "quad", lambda s: s.get("checkpoint", {}).get("latest"), "first checkpoint")
-    assert running["workers"] == {"ready": 4, "total": 4, "summary": "4/4", "readyPods": 2, "pods": 2}
-    pods = job_pods(cluster, "quad")
-    assert [p["metadata"]["name"] for p in pods] == ["quad-worker-0", "quad-worker-1"]
-    assert pods[1]["spec"]["containers"][0]["command"][:3] == ["tandem", "worker", "launch"]
-
-    os.kill(local_rank_process(cluster.kubelet.pid(NS, "quad-worker-1"), 3), signal.SIGKILL)
-    restarted = wait_status(cluster, "quad", lambda s: s.get("restarts") == 1, "restart")
-    [why] = [e["message"] for e in cluster.list("events", NS)
-             if e["involvedObject"]["name"] == "quad" and e["reason"] == "Restarting"]
-    assert why.startswith("rank 3 (pod quad-worker-1, local rank 1) exited with code -9 (killed by SIGKILL)"), why
-    first_checkpoint = restarted["checkpoint"]["latest"]
-
-    wait_status(cluster, "quad", lambda s: s.get("phase") == "Running" and s["progress"]["step"] > 40, "progress")
-    cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, JOBS, "quad", {"spec": {"suspend": True}})
-    cluster.wait_for(lambda: not job_pods(cluster, "quad"), STARTUP, "all four ranks to stop")
-    suspended = job_status(cluster, "quad")
-    assert suspended["phase"] == "Suspended"
-    assert suspended["checkpoint"]["step"] == suspended["progress"]["step"] > 40, "the ranks' agreed step"
-    assert suspended["checkpoint"]["latest"] != first_checkpoint
-
-    cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, JOBS, "quad", {"spec": {"suspend": False}})
-    final = wait_status(cluster, "quad", lambda s: s.get("phase") == "Succeeded", "success", timeout=180)
-    assert final["restarts"] == 1 and final["progress"]["step"] == final["progress"]["totalSteps"]
-    assert final["metrics"]["accuracy"] >= 0.9
-    resumed = {e["name"]: e.get("value") for e in job_pods(cluster, "quad")[0]["spec"]["containers"][0]["env"]}
-    assert resumed["TANDEM_RESUME_FROM"] == suspended["checkpoint"]["latest"]
-
-
-def test_scaling_to_a_number_pods_cannot_split_is_refused(cluster):
-    """`kubectl scale` counts ranks: to 3 ranks in pods of 2 is refused by the API server (the CRD's rule), and the
-    job keeps its 4."""
-    document = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": "pairs"},
-                "spec": {"workers": 4, "ranksPerPod": 2, "trainingMode": "custom",
-                         "custom": {"command": ["python", "-c", "import time; time.sleep(600)"]},
-                         "trainer": {"model": "tandem.examples.digits:mlp",
-                                     "data": "tandem.examples.digits:train_data"}}}
-    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, JOBS, document)
-    wait_status(cluster, "pairs", lambda s: s.get("phase") == "Running", "Running")
-    code, answer = cluster.request("PATCH", f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{JOBS}/pairs/scale",
-                                   {"spec": {"replicas": 3}}, "application/merge-patch+json")
-    assert code == 422 and "workers must be a multiple of ranksPerPod" in json.dumps(answer), answer
-    assert cluster.get("ptj", NS, "pairs")["spec"]["workers"] == 4
-    uneven = {**document, "metadata": {"name": "uneven"}, "spec": {**document["spec"], "workers": 3}}
-    with pytest.raises(kubernetes.client.ApiException) as refused:
-        cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, JOBS, uneven)
-    assert refused.value.status == 422 and "workers must be a multiple of ranksPerPod" in refused.value.body
-    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, JOBS, "pairs")

@@ -24,8 +24,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.api import ParallelTrainingJobSpec
 from tandem.contract import WorkerContract
 
+TRAIN_COMMAND = [sys.executable, "-m", "tandem.worker", "train"]
 POLL_SECONDS = 0.2
 LOG_TAIL_LINES = 30
 _PR_SET_PDEATHSIG = 1
@@ -38,6 +40,11 @@ def _on_parent_death(sig: int) -> Callable[[], None]:
         libc.prctl(_PR_SET_PDEATHSIG, sig)
 
     return arrange
+
+
+def rank_command(spec: ParallelTrainingJobSpec) -> list[str]:
+    """What each rank runs: Tandem's trainer (`tandem worker train`), or the custom command."""
+    return [*spec.custom.command, *spec.custom.args] if spec.training_mode == "custom" else TRAIN_COMMAND
 
 
 @dataclass(frozen=True)

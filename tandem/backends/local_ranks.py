@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from tandem.api import ParallelTrainingJob, ParallelTrainingJobStatus
 from tandem.contract import WorkerContract
-from tandem.worker.local_group import GroupExit, LocalGroup
+from tandem.worker.local_group import GroupExit, LocalGroup, rank_command
 from tandem.worker.train.process_group import free_port
 from tandem.worker.train.reporting import read_status_file
 
 SHOWN_PREFIX = "tandem worker: "
-WORKER_COMMAND = [sys.executable, "-m", "tandem.worker", "train"]
 
 
 class Launcher(LocalGroup):
@@ -42,9 +40,9 @@ class Launcher(LocalGroup):
             checkpoint_dir=Path(spec.checkpoint.directory).resolve(), resume_from=resume_from,
             status_file=self.status_file,
         ) for rank in range(spec.workers)]
-        command = [*spec.custom.command, *spec.custom.args] if spec.training_mode == "custom" else WORKER_COMMAND
-        super().__init__(command, contracts, environ={**os.environ, **{e.name: e.value or "" for e in spec.env}},
-                         log_dir=run_dir, grace_seconds=grace_seconds)
+        super().__init__(rank_command(spec), contracts,
+                         environ={**os.environ, **{e.name: e.value or "" for e in spec.env}}, log_dir=run_dir,
+                         grace_seconds=grace_seconds)
         self.status: ParallelTrainingJobStatus | None = None
         """Rank 0's latest."""
         self._shown_up_to = 0

@@ -24,14 +24,13 @@ import tempfile
 from pathlib import Path
 
 from tandem.contract import ContractError, WorkerContract
-from tandem.worker.local_group import GroupExit, LocalGroup
+from tandem.worker.local_group import GroupExit, LocalGroup, rank_command
 from tandem.worker.train.entrypoint import load_job
 
 TERMINATION_LOG = Path("/dev/termination-log")
 """A container's terminationMessagePath by default; the kubelet reports what is written there as the message."""
 TERMINATION_MESSAGE_BYTES = 4096
 """The most of it the kubelet keeps."""
-RANK_COMMAND = [sys.executable, "-m", "tandem.worker", "train"]
 
 
 def termination_message(ended: GroupExit, log_tail: str) -> str:
@@ -55,10 +54,9 @@ def launch(termination_log: Path = TERMINATION_LOG) -> int:
     except (ContractError, OSError, ValueError) as error:
         print(f"tandem worker launch: {error}", file=sys.stderr, flush=True)
         return 2
-    spec = job.spec
-    command = [*spec.custom.command, *spec.custom.args] if spec.training_mode == "custom" else RANK_COMMAND
-    group = LocalGroup(command, contracts, environ=os.environ, log_dir=Path(tempfile.mkdtemp(prefix="tandem-ranks-")),
-                       echo=True, own_sessions=False, parent_death_signal=signal.SIGKILL, grace_seconds=None)
+    group = LocalGroup(rank_command(job.spec), contracts, environ=os.environ,
+                       log_dir=Path(tempfile.mkdtemp(prefix="tandem-ranks-")), echo=True, own_sessions=False,
+                       parent_death_signal=signal.SIGKILL, grace_seconds=None)
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, lambda signum, frame: group.stop())
     group.start()

@@ -13,9 +13,11 @@ from tandem.operator.training_objects import GROUP_LABEL, POD_INDEX_LABEL, RANK_
 
 MESSAGE_TAIL = 600
 """Characters of a failed rank's termination message carried into the job's status."""
-LAUNCHER_CAUSE = re.compile(r"^rank \d+ \(local rank \d+\) .*$")
+LAUNCHER_CAUSE = re.compile(r"^rank (?P<rank>\d+) \(local rank (?P<local_rank>\d+)\) (?P<how>.*)$")
 """The first line a pod's launcher writes in its termination message when one of its ranks failed
 (tandem.worker.train.launch): which rank, which local rank, and how it ended."""
+PEER_LOST = re.compile(r"by peer|remote process exited|communicator was aborted", re.IGNORECASE)
+"""How gloo and NCCL say that another rank went away."""
 WAITING_FAILURES = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
                     "CreateContainerError", "CrashLoopBackOff"}
 
@@ -45,9 +47,9 @@ class RankPod:
     exit_code: int | None = None
     termination_message: str = ""
     """The container's terminated reason and message (its last log lines on a failure)."""
-    failed_rank: str = ""
-    """In a pod of several ranks: the launcher's word on the rank that failed (`rank 3 (local rank 1) exited with
-    code 1`), kept whole apart from the message's tail."""
+    failed_rank: tuple[str, str, str] | None = None
+    """In a pod of several ranks: the launcher's word on the rank that failed, (rank, local rank, how it ended:
+    `exited with code 1`), kept whole apart from the message's tail."""
     pending_reason: str = ""
     pending_message: str = ""
     finished_at: str = ""
@@ -56,6 +58,12 @@ class RankPod:
     @property
     def finished(self) -> bool:
         return self.phase in ("Succeeded", "Failed")
+
+    @property
+    def lost_a_peer(self) -> bool:
+        """Whether its rank failed because another went away (gloo's or NCCL's words say so): an effect, not a
+        cause."""
+        return bool(PEER_LOST.search(self.termination_message))
 
     @property
     def live(self) -> bool:
@@ -83,9 +91,9 @@ def observe_pod(pod: dict[str, Any]) -> RankPod:
     ended = terminated if terminated.get("reason") or terminated.get("message") or phase != "Failed" else status
     said = (ended.get("message") or "").strip()
     head, _, rest = said.partition("\n")
-    failed_rank = head if LAUNCHER_CAUSE.match(head) else ""
+    launcher = LAUNCHER_CAUSE.match(head)
     # The reason (OOMKilled, Evicted, Error) is kept whole; of the message (the log's tail), its end.
-    tail = (rest if failed_rank else said).strip()[-MESSAGE_TAIL:]
+    tail = (rest if launcher else said).strip()[-MESSAGE_TAIL:]
     termination = " ".join(part for part in (ended.get("reason"), tail) if part)
     return RankPod(
         index=int(labels.get(POD_INDEX_LABEL, labels.get(RANK_LABEL, -1))),  # (a pod from before ranksPerPod: a rank)
@@ -96,7 +104,7 @@ def observe_pod(pod: dict[str, Any]) -> RankPod:
         terminating=bool(metadata.get("deletionTimestamp")),
         exit_code=terminated.get("exitCode"),
         termination_message=termination,
-        failed_rank=failed_rank,
+        failed_rank=launcher.group("rank", "local_rank", "how") if launcher else None,
         pending_reason=reason,
         pending_message=message,
         finished_at=terminated.get("finishedAt") or "",

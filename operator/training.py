@@ -24,7 +24,6 @@ the other's fields (a merge patch of its own). The rules, in the order they appl
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -48,12 +47,10 @@ PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended"
 POLICY_FIELDS = {"workers", "ranksPerPod", "suspend", "backoffLimit", "activeDeadlineSeconds",
                  "ttlSecondsAfterFinished", "heartbeatTimeoutSeconds"}
 """Spec fields read live from the job; every other field is the group's, fixed while it runs."""
-PEER_LOST = re.compile(r"by peer|remote process exited|communicator was aborted", re.IGNORECASE)
-"""How gloo and NCCL say that another rank went away: a pod that says so failed because another did (see
-`_cause_on_its_way`), and of pods that ended within the same second (finishedAt's resolution) it is not the cause."""
 PEER_WAIT_SECONDS = 3.0
-"""How long a group whose only failed pods lost a peer waits for the pod that failed first to report it: a pod of
-several ranks ends a moment after its failed rank (its launcher stops the others), later than a peer that raised."""
+"""How long a group whose only failed pods lost a peer (RankPod.lost_a_peer) waits for the pod that failed first to
+report it: a pod of several ranks ends a moment after its failed rank (its launcher stops the others), later than a
+peer that raised."""
 WAIT_SECONDS = 1.0
 """How soon to look again while pods are on their way out."""
 WATCH_SECONDS = 5.0
@@ -215,23 +212,23 @@ class _Reconciler:
         """Whether every failed pod only lost a peer, a pod still runs, and the first failure is recent: the cause
         (the peer) is about to report, and naming the effect would mislead."""
         failed = [p for p in self.pods if p.phase == "Failed"]
-        if not failed or not all(PEER_LOST.search(p.termination_message) for p in failed):
+        if not failed or not all(p.lost_a_peer for p in failed):
             return False
         first = min(timestamp(p.finished_at) or self.now for p in failed)
         return any(p.live for p in self.pods) and (self.now - first).total_seconds() < PEER_WAIT_SECONDS
 
     def _failure(self) -> tuple[str, bool] | None:
         """Why the running group has failed, if it has, and whether it hangs. Of several failed ranks the first to
-        end is the cause: the others lost it (their collectives fail when it goes)."""
+        end is the cause: the others lost it (their collectives fail when it goes); of those that ended within the
+        same second (finishedAt's resolution), one that lost a peer is not."""
         failed = sorted((p for p in self.pods if p.phase == "Failed"),
-                        key=lambda p: (p.finished_at, bool(PEER_LOST.search(p.termination_message)), p.index))
+                        key=lambda p: (p.finished_at, p.lost_a_peer, p.index))
         if failed:
             pod = failed[0]
             detail = f": {pod.termination_message}" if pod.termination_message else ""
-            if pod.failed_rank:  # `rank 3 (local rank 1) exited with code 1`, from the pod's launcher
-                rank, _, how = pod.failed_rank.partition(" (local rank ")
-                local_rank, _, how = how.partition(") ")
-                return f"{rank} (pod {pod.name}, local rank {local_rank}) {how}{detail}", False
+            if pod.failed_rank is not None:  # named by the pod's launcher
+                rank, local_rank, how = pod.failed_rank
+                return f"rank {rank} (pod {pod.name}, local rank {local_rank}) {how}{detail}", False
             if pod.exit_code is None:  # it never exited: its node was lost, say (the pod's reason says so)
                 return f"{self._ranks(pod.index)} (pod {pod.name}) failed{detail}", False
             return f"{self._ranks(pod.index)} (pod {pod.name}) exited with code {pod.exit_code}{detail}", False

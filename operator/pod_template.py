@@ -12,6 +12,7 @@ A kind's module adds only what is its own (a rank's contract and gang, a server'
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,18 @@ def child_name(owner: str, suffix: str) -> str:
 def config_map_name(owner: str) -> str:
     """The ConfigMap holding the spec a job's or a pool's pods run."""
     return child_name(owner, "spec")
+
+
+def spec_file_config_map(owner: dict[str, Any], kind: str, spec: dict[str, Any], *, file: str,
+                         labels: dict[str, str]) -> dict[str, Any]:
+    """The ConfigMap the owner's pods mount at SPEC_MOUNT: the resource (`kind`, its name and namespace, `spec`) as
+    JSON in `file`, what its pods run."""
+    metadata = owner["metadata"]
+    document = {"apiVersion": API_VERSION, "kind": kind,
+                "metadata": {"name": metadata["name"], "namespace": metadata.get("namespace")}, "spec": spec}
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": object_metadata(owner, config_map_name(metadata["name"]), labels),
+            "data": {file: json.dumps(document, sort_keys=True)}}
 
 
 def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,14 @@ from typing import Any
 
 from tandem.api import API_VERSION, InferencePool, ParallelTrainingJob
 from tandem.contract import checkpoint_name
-from tandem.operator.pod_template import SPEC_MOUNT, child_name, config_map_name, object_metadata, pod_spec
+from tandem.operator.pod_template import (
+    SPEC_MOUNT,
+    child_name,
+    config_map_name,
+    object_metadata,
+    pod_spec,
+    spec_file_config_map,
+)
 
 POOL_LABEL = "tandem.dev/pool"
 SPEC_FILE = "pool.json"
@@ -70,13 +77,8 @@ def served_spec(pool: InferencePool) -> dict[str, Any]:
 
 
 def spec_config_map(owner: dict[str, Any], pool: InferencePool) -> dict[str, Any]:
-    name = pool.metadata.name
-    document = {"apiVersion": API_VERSION, "kind": "InferencePool",
-                "metadata": {"name": name, "namespace": owner["metadata"].get("namespace")},
-                "spec": served_spec(pool)}
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": object_metadata(owner, config_map_name(name), labels(name)),
-            "data": {SPEC_FILE: json.dumps(document, sort_keys=True)}}
+    return spec_file_config_map(owner, "InferencePool", served_spec(pool), file=SPEC_FILE,
+                                labels=labels(pool.metadata.name))
 
 
 def server_deployment(owner: dict[str, Any], pool: InferencePool, *, job: ParallelTrainingJob | None,

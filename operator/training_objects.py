@@ -13,13 +13,19 @@ Every object is owned by the job (ownerReferences), so deleting the job deletes 
 
 from __future__ import annotations
 
-import json
 from pathlib import PurePosixPath
 from typing import Any
 
-from tandem.api import API_VERSION, GROUP, ParallelTrainingJob
+from tandem.api import GROUP, ParallelTrainingJob
 from tandem.contract import RESUME_LATEST, WorkerContract
-from tandem.operator.pod_template import SPEC_MOUNT, child_name, config_map_name, object_metadata, pod_spec
+from tandem.operator.pod_template import (
+    SPEC_MOUNT,
+    child_name,
+    config_map_name,
+    object_metadata,
+    pod_spec,
+    spec_file_config_map,
+)
 
 JOB_LABEL = "tandem.dev/job"
 RANK_LABEL = "tandem.dev/rank"
@@ -137,13 +143,8 @@ def headless_service(owner: dict[str, Any], job: ParallelTrainingJob) -> dict[st
 def spec_config_map(owner: dict[str, Any], job: ParallelTrainingJob) -> dict[str, Any]:
     """The job the ranks run, as JSON at TANDEM_SPEC: what a group was started with (a refused change of a
     running job does not reach it)."""
-    name = job.metadata.name
-    document = {"apiVersion": API_VERSION, "kind": "ParallelTrainingJob",
-                "metadata": {"name": name, "namespace": owner["metadata"].get("namespace")},
-                "spec": job.spec.to_dict()}
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": object_metadata(owner, config_map_name(name), selector(name)),
-            "data": {SPEC_FILE: json.dumps(document, sort_keys=True)}}
+    return spec_file_config_map(owner, "ParallelTrainingJob", job.spec.to_dict(), file=SPEC_FILE,
+                                labels=selector(job.metadata.name))
 
 
 def applied_job(config_map: dict[str, Any] | None) -> ParallelTrainingJob | None:

@@ -97,12 +97,15 @@ class Cluster:
             return None
         return self.api.sanitize_for_serialization(written)
 
-    async def delete(self, kind: str, name: str, namespace: str, grace_seconds: int | None = None) -> None:
-        """Delete an object (one already gone is fine). A pod gets SIGTERM, then its own grace period (or
-        `grace_seconds`) before SIGKILL."""
-        with contextlib.suppress(ApiException):  # 404: done
+    async def delete(self, kind: str, name: str, namespace: str, grace_seconds: int | None = None) -> bool:
+        """Delete an object (one already gone is fine); whether it was there (False: 404). A pod gets SIGTERM, then
+        its own grace period (or `grace_seconds`) before SIGKILL."""
+        try:
             await call("delete", kind, f"{namespace}/{name}", self._writers[kind][2], name, namespace,
                        grace_period_seconds=grace_seconds)
+        except ApiException:  # 404, the only answer `call` hands back to a delete
+            return False
+        return True
 
     async def patch_status(self, plural: str, name: str, namespace: str, status: dict[str, Any]) -> None:
         """A merge patch of the status subresource; a resource deleted meanwhile is left alone."""

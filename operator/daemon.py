@@ -12,6 +12,9 @@ look again, and after an API failure, by the operator's error policy (api_policy
 - `Refused` (400, 403, 422): an APIRequestRefused condition on the object names the call, the API's message and
   the fix, with a Warning Event; decided again on any change, or after REFUSED_SECONDS (RBAC may be fixed).
 
+A child the API answers 404 for while kopf's index still holds it (kopf's relist after a watch's 410 Gone reports
+no deletions, so one deleted meanwhile stays there) is left out of every later pass (`Reconciliation.present`).
+
 An API failure ends a pass, nothing more: it never restarts a group and never counts toward `backoffLimit` (those
 are decided from the pods alone). The operator's status fields are kept as last written (`written`) and laid over
 the body the pass reads, because the watch can lag behind the operator's own patch; they are only ever the
@@ -62,11 +65,24 @@ class Reconciliation:
     """The operator's status fields as last patched (the watch may not have brought them yet)."""
     refusal: Refused | None = None
     """The last call the API refused, until a pass completes."""
+    gone: set[str] = field(default_factory=set)
+    """Uids of children the API answered 404 for while kopf's index still held them: kopf's relist after a watch's
+    410 Gone reports no deletions, so a child deleted meanwhile stays in the index for good."""
 
     def observed(self, body: kopf.Body) -> dict[str, Any]:
         """The body, with the operator's own status fields as last written."""
         return {**body, "status": {**(body.get("status") or {}), **self.written}}
 
+    def present(self, children: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The children kopf's index holds, less those the API has said are gone."""
+        return [child for child in children if child["metadata"].get("uid") not in self.gone]
+
+    def found_gone(self, child: dict[str, Any]) -> None:
+        """The API answered 404 for `child`, which the index held: from now on it is not `present`, whatever the
+        index says (a new object of the same name has another uid)."""
+        log.info("%s %s was deleted while a watch was down; kopf's index still holds it", child.get("kind", "object"),
+                 child["metadata"]["name"])
+        self.gone.add(child["metadata"].get("uid"))
 
 async def run(state: Reconciliation, waker: asyncio.Event, stopped: kopf.DaemonStopped,
               one_pass: Callable[[], Awaitable[float | None]]) -> None:

@@ -2,7 +2,8 @@
 
 Each ParallelTrainingJob gets one daemon that reconciles it whenever something it depends on changes (the job
 itself, one of its rank pods) and at least as often as the plan asks (backoffs, heartbeats, deadlines, TTLs):
-read the job and its pods and ConfigMap from kopf's in-memory indices (no API reads), decide, apply — in the loop
+read the job and its pods and ConfigMap from kopf's in-memory indices (no API reads; a pod the API has answered
+404 for is left out: `Reconciliation.present`), decide, apply — in the loop
 that pools share (daemon.py), under the operator's API error policy (api_policy.py). The job's status is patched
 only when the operator's fields change, so its own writes do not wake it in a loop. kopf's progress is kept in
 annotations: the status is shared with rank 0, and the operator writes only its own fields there.
@@ -77,8 +78,9 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
     async def one_pass() -> float | None:
         observed = state.observed(body)
         config_map = next(iter(job_specs.get(key, [])), None)
-        plan = reconcile(observed, list(job_pods.get(key, [])), config_map, datetime.now(UTC), SETTINGS)
-        await _apply(plan, observed, memo.cluster, state)
+        pods = state.present(job_pods.get(key, []))
+        plan = reconcile(observed, pods, config_map, datetime.now(UTC), SETTINGS)
+        await _apply(plan, observed, pods, memo.cluster, state)
         memo.phases.set(key, plan.status.get("phase"))
         return daemon.FINISHED if plan.delete_job else plan.requeue_after
 
@@ -89,7 +91,8 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
         memo.phases.set(key, None)
 
 
-async def _apply(plan: Plan, body: dict[str, Any], cluster: Cluster, state: daemon.Reconciliation) -> None:
+async def _apply(plan: Plan, body: dict[str, Any], pods: list[dict[str, Any]], cluster: Cluster,
+                 state: daemon.Reconciliation) -> None:
     """The decision first (the status), then the pods: an operator stopped between the two finds its decision in
     the status when it starts again (a group torn down is still Restarting, its failure counted once; a group being
     created is Pending and its missing ranks are created), never pods without the decision that made them. A
@@ -97,9 +100,14 @@ async def _apply(plan: Plan, body: dict[str, Any], cluster: Cluster, state: daem
     concurrently: their retries overlap instead of adding up."""
     grace = 0 if plan.kill_at_once else None
 
+    indexed = {pod["metadata"]["name"]: pod for pod in pods}
+
+    async def delete_pod(name: str) -> None:
+        if not await cluster.delete("Pod", name, state.namespace, grace_seconds=grace) and name in indexed:
+            state.found_gone(indexed[name])
+
     async def delete_pods() -> None:
-        await daemon.all_of(cluster.delete("Pod", pod, state.namespace, grace_seconds=grace)
-                            for pod in plan.delete_pods)
+        await daemon.all_of(delete_pod(pod) for pod in plan.delete_pods)
 
     if plan.stop_first:
         await delete_pods()

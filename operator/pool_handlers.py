@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+from kubernetes.client.exceptions import ApiException
 
 from tandem.api import GROUP, VERSION
 from tandem.operator import daemon, handlers
@@ -86,9 +87,9 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
             observed = state.observed(body)
             reads = sources(observed)
             memo.pool_sources[key] = reads.job if reads else None
-            children = put.over({kind: next(iter(indices[f"pool_{plural}"].get(key, [])), None)
+            children = put.over({kind: next(iter(state.present(indices[f"pool_{plural}"].get(key, []))), None)
                                  for (_, _, plural), kind in CHILD_KINDS.items()})
-            pods = list(pool_pods.get(key, []))
+            pods = state.present(pool_pods.get(key, []))
             job = next(iter(training_jobs.get((namespace, reads.job), [])), None) if reads and reads.job else None
             served = await _ask_servers(session, reads, pods) if reads else []
             plan = reconcile_pool(observed, children, pods, served, job, datetime.now(UTC),
@@ -156,10 +157,20 @@ async def _apply(plan: PoolPlan, body: dict[str, Any], children: dict[str, dict[
 
     async def put_one(manifest: dict[str, Any]) -> None:
         existing = children.get(manifest["kind"])
-        written = await cluster.put(manifest, existing)
+        try:
+            written = await cluster.put(manifest, existing)
+        except ApiException:  # 404 on the replace: gone, though the index holds it; decided again
+            if existing is not None:
+                state.found_gone(existing)
+            raise
         if written is not None and existing is None:
             put.add(written)
 
+    async def delete_one(kind: str, name: str) -> None:
+        existing = children.get(kind)
+        if not await cluster.delete(kind, name, state.namespace) and existing and existing["metadata"]["name"] == name:
+            state.found_gone(existing)
+
     await daemon.all_of(put_one(manifest) for manifest in plan.apply)
-    await daemon.all_of(cluster.delete(kind, child, state.namespace) for kind, child in plan.delete)
+    await daemon.all_of(delete_one(kind, name) for kind, name in plan.delete)
     await daemon.publish(cluster, state, body, plan.status, plan.events)

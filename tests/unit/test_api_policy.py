@@ -287,3 +287,59 @@ def test_every_event_handler_runs_on_the_event_loop():
     found = {h.id: inspect.iscoroutinefunction(h.fn) for h in kopf.get_default_registry()._watching.get_all_handlers()}
     assert {"pod_changed", "job_changed", "pool_changed", "pool_pods_changed"} <= set(found)
     assert all(found.values()), found
+
+
+def test_a_child_the_api_says_is_gone_is_left_out_while_kopfs_index_still_holds_it():
+    """kopf's relist after a watch's 410 Gone reports no deletions: a pod deleted meanwhile stays in its index for
+    good. Once the API has answered 404 for it, the daemon leaves it out; a new pod of the same name (another uid)
+    is there."""
+    ghost, live = ({"metadata": {"name": f"j-worker-{rank}", "uid": f"u{rank}"}} for rank in (0, 1))
+    state = daemon.Reconciliation("paralleltrainingjobs", "default", "j")
+    assert state.present([ghost, live]) == [ghost, live]
+    state.found_gone(ghost)
+    assert state.present([ghost, live]) == [live]
+    recreated = {"metadata": {"name": "j-worker-0", "uid": "u2"}}
+    assert state.present([recreated, live]) == [recreated, live]
+
+
+def test_a_pod_delete_answered_404_marks_the_pod_gone():
+    """handlers._apply: the plan deletes two pods; the API has one of them no more."""
+    from tandem.operator import handlers
+    from tandem.operator.training import Plan
+
+    class Deleter(Recorder):
+        async def delete(self, kind, name, namespace, grace_seconds=None):
+            return name != "j-worker-0"
+
+    state = daemon.Reconciliation("paralleltrainingjobs", "default", "j")
+    pods = [{"metadata": {"name": f"j-worker-{rank}", "uid": f"u{rank}"}} for rank in (0, 1)]
+    body = {"metadata": {"name": "j", "namespace": "default"}, "status": {}}
+    asyncio.run(handlers._apply(Plan(delete_pods=["j-worker-0", "j-worker-1"]), body, pods, Deleter(), state))
+    assert state.gone == {"u0"}
+
+
+def test_a_pools_child_answered_404_is_marked_gone_and_the_pass_decided_again():
+    """pool_handlers._apply: the index holds a Deployment and a Service the API has no more; replacing the one
+    (404: the pass ends, to be decided again) and deleting the other mark both gone."""
+    from tandem.operator import pool_handlers
+    from tandem.operator.pools import PoolPlan
+
+    class Vanished(Recorder):
+        async def put(self, manifest, existing):
+            raise ApiException(status=404, reason="Not Found")
+
+        async def delete(self, kind, name, namespace, grace_seconds=None):
+            return False
+
+    deployment = {"kind": "Deployment", "metadata": {"name": "p-server", "uid": "d1"}}
+    service = {"kind": "Service", "metadata": {"name": "p", "uid": "s1"}}
+    state = daemon.Reconciliation("inferencepools", "default", "p")
+    body = {"metadata": {"name": "p", "namespace": "default"}, "status": {}}
+    delete = PoolPlan(delete=[("Service", "p")])
+    asyncio.run(pool_handlers._apply(delete, body, {"Service": service}, Vanished(), pool_handlers.RecentlyPut(),
+                                     state))
+    replace = PoolPlan(apply=[{"kind": "Deployment", "metadata": {"name": "p-server"}}])
+    with pytest.raises(ApiException):
+        asyncio.run(pool_handlers._apply(replace, body, {"Deployment": deployment}, Vanished(),
+                                         pool_handlers.RecentlyPut(), state))
+    assert state.gone == {"d1", "s1"}

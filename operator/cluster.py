@@ -107,6 +107,12 @@ class Cluster:
             return False
         return True
 
+    async def pod_uids(self, namespace: str, selector: str) -> set[str]:
+        """The uids of the pods `selector` picks, as the API holds them now (a LIST)."""
+        listed = await call("list", "Pod", f"{namespace}/{selector}", self.core.list_namespaced_pod, namespace,
+                            label_selector=selector)
+        return {pod.metadata.uid for pod in listed.items}
+
     async def patch_status(self, plural: str, name: str, namespace: str, status: dict[str, Any]) -> None:
         """A merge patch of the status subresource; a resource deleted meanwhile is left alone."""
         with contextlib.suppress(ApiException):  # 404: deleted meanwhile

@@ -12,8 +12,9 @@ look again, and after an API failure, by the operator's error policy (api_policy
 - `Refused` (400, 403, 422): an APIRequestRefused condition on the object names the call, the API's message and
   the fix, with a Warning Event; decided again on any change, or after REFUSED_SECONDS (RBAC may be fixed).
 
-A child the API answers 404 for while kopf's index still holds it (kopf's relist after a watch's 410 Gone reports
-no deletions, so one deleted meanwhile stays there) is left out of every later pass (`Reconciliation.present`).
+kopf's relist after a watch's 410 Gone reports no deletions, so a child deleted meanwhile stays in its index for
+good. A child the API answers 404 for, or that a LIST no longer holds while the index shows it terminating
+(`Reconciliation.confirm_deletions`), is left out of every later pass (`Reconciliation.present`).
 
 An API failure ends a pass, nothing more: it never restarts a group and never counts toward `backoffLimit` (those
 are decided from the pods alone). The operator's status fields are kept as last written (`written`) and laid over
@@ -42,6 +43,7 @@ log = logging.getLogger("tandem.operator")
 
 PASS_BACKOFF = Backoff(base=0.5, cap=5.0)
 STALE_SECONDS = 0.2
+CONFIRM_SECONDS = 2.0
 REFUSED_SECONDS = 30.0
 DAEMON_BACKOFF = 1.0
 """kopf's backoff after a daemon raised something unexpected (a bug): a last resort, never kopf's 60 s default."""
@@ -66,8 +68,10 @@ class Reconciliation:
     refusal: Refused | None = None
     """The last call the API refused, until a pass completes."""
     gone: set[str] = field(default_factory=set)
-    """Uids of children the API answered 404 for while kopf's index still held them: kopf's relist after a watch's
-    410 Gone reports no deletions, so a child deleted meanwhile stays in the index for good."""
+    """Uids of children the API no longer holds while kopf's index still does: kopf's relist after a watch's 410
+    Gone reports no deletions, so a child deleted meanwhile stays in the index for good."""
+    confirmed_at: float = -CONFIRM_SECONDS
+    """When `confirm_deletions` last listed the children (time.monotonic())."""
 
     def observed(self, body: kopf.Body) -> dict[str, Any]:
         """The body, with the operator's own status fields as last written."""
@@ -76,6 +80,21 @@ class Reconciliation:
     def present(self, children: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         """The children kopf's index holds, less those the API has said are gone."""
         return [child for child in children if child["metadata"].get("uid") not in self.gone]
+
+    async def confirm_deletions(self, children: list[dict[str, Any]],
+                                listed: Callable[[], Awaitable[set[str]]]) -> list[dict[str, Any]]:
+        """`children` less the terminating ones the API no longer holds. While the index shows a child terminating
+        (a pass waits for it to go), at most every CONFIRM_SECONDS, `listed()` (a LIST: the uids the API holds)
+        confirms it is still there: a deletion the watch missed would otherwise be waited for forever."""
+        if (not any(child["metadata"].get("deletionTimestamp") for child in children)
+                or time.monotonic() - self.confirmed_at < CONFIRM_SECONDS):
+            return children
+        self.confirmed_at = time.monotonic()
+        held = await listed()
+        for child in children:
+            if child["metadata"].get("uid") not in held:
+                self.found_gone(child)
+        return self.present(children)
 
     def found_gone(self, child: dict[str, Any]) -> None:
         """The API answered 404 for `child`, which the index held: from now on it is not `present`, whatever the

@@ -2,8 +2,8 @@
 
 Each ParallelTrainingJob gets one daemon that reconciles it whenever something it depends on changes (the job
 itself, one of its rank pods) and at least as often as the plan asks (backoffs, heartbeats, deadlines, TTLs):
-read the job and its pods and ConfigMap from kopf's in-memory indices (no API reads; a pod the API has answered
-404 for is left out: `Reconciliation.present`), decide, apply — in the loop
+read the job and its pods and ConfigMap from kopf's in-memory indices (no API reads, but for a LIST confirming pods
+the index shows terminating, and a pod the API has said is gone is left out: daemon.py), decide, apply — in the loop
 that pools share (daemon.py), under the operator's API error policy (api_policy.py). The job's status is patched
 only when the operator's fields change, so its own writes do not wake it in a loop. kopf's progress is kept in
 annotations: the status is shared with rank 0, and the operator writes only its own fields there.
@@ -25,7 +25,7 @@ from tandem.operator import daemon, metrics
 from tandem.operator.api_policy import configure_kopf
 from tandem.operator.cluster import Cluster, login
 from tandem.operator.training import Plan, Settings, reconcile
-from tandem.operator.training_objects import JOB_LABEL, config_map_name
+from tandem.operator.training_objects import JOB_LABEL, config_map_name, selector_string
 
 JOBS = "paralleltrainingjobs"
 SETTINGS = Settings()
@@ -78,7 +78,8 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
     async def one_pass() -> float | None:
         observed = state.observed(body)
         config_map = next(iter(job_specs.get(key, [])), None)
-        pods = state.present(job_pods.get(key, []))
+        pods = await state.confirm_deletions(state.present(job_pods.get(key, [])), lambda: memo.cluster.pod_uids(
+            namespace, selector_string(name)))
         plan = reconcile(observed, pods, config_map, datetime.now(UTC), SETTINGS)
         await _apply(plan, observed, pods, memo.cluster, state)
         memo.phases.set(key, plan.status.get("phase"))

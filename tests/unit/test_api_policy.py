@@ -343,3 +343,32 @@ def test_a_pools_child_answered_404_is_marked_gone_and_the_pass_decided_again():
         asyncio.run(pool_handlers._apply(replace, body, {"Deployment": deployment}, Vanished(),
                                          pool_handlers.RecentlyPut(), state))
     assert state.gone == {"d1", "s1"}
+
+
+def test_pods_the_index_shows_terminating_are_confirmed_by_a_list_at_most_every_two_seconds(monkeypatch):
+    """A pod whose deletion the watch missed stays terminating in kopf's index: while a pass waits on terminating
+    pods, a LIST (at most every CONFIRM_SECONDS) leaves out those the API no longer holds; without a terminating pod
+    nothing is listed."""
+    clock = [100.0]
+    monkeypatch.setattr(daemon.time, "monotonic", lambda: clock[0])
+    lists = []
+
+    def listed(uids):
+        async def list_uids():
+            lists.append(uids)
+            return uids
+        return list_uids
+
+    running = {"metadata": {"name": "j-worker-0", "uid": "u0"}}
+    ghost = {"metadata": {"name": "j-worker-1", "uid": "u1", "deletionTimestamp": "2026-12-01T00:00:00Z"}}
+    stopping = {"metadata": {"name": "j-worker-2", "uid": "u2", "deletionTimestamp": "2026-12-01T00:00:00Z"}}
+    state = daemon.Reconciliation("paralleltrainingjobs", "default", "j")
+    assert asyncio.run(state.confirm_deletions([running], listed({"u0"}))) == [running] and lists == []
+    pods = [running, ghost, stopping]
+    assert asyncio.run(state.confirm_deletions(pods, listed({"u0", "u2"}))) == [running, stopping]
+    assert state.present(pods) == [running, stopping]
+    clock[0] += 1.0
+    assert asyncio.run(state.confirm_deletions([running, stopping], listed({"u0"}))) == [running, stopping]
+    assert len(lists) == 1, "listed again within CONFIRM_SECONDS"
+    clock[0] += daemon.CONFIRM_SECONDS
+    assert asyncio.run(state.confirm_deletions([running, stopping], listed({"u0"}))) == [running]

@@ -68,7 +68,7 @@ namespace) or by a Role in each watched namespace. Exact verbs, from what the op
   resources: [paralleltrainingjobs/finalizers, inferencepools/finalizers]
   verbs: [update]
 # Rank pods, created and deleted a whole group at a time; rank pods and server pods are read from kopf's indices
-# (list and watch: the operator never reads an object any other way).
+# (list and watch), and a job waiting for its pods to go lists them to confirm the index (operator/daemon.py).
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch, create, delete]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from tandem.api.training import TRAINING_PHASES
+
 JOBS = Gauge("tandem_operator_jobs", "ParallelTrainingJobs by phase, as last reconciled", ["phase"])
 RESTARTS = Counter("tandem_operator_restarts_total", "Whole-group restarts of ParallelTrainingJobs after a failure")
 RECONCILE_SECONDS = Histogram("tandem_operator_reconcile_seconds", "Time to reconcile one job and apply the plan",
@@ -18,7 +20,6 @@ PASS_FAILURES = Counter("tandem_operator_pass_failures_total", "Reconciliation p
                         "failure ended early, by outcome (unavailable, stale, refused); each is decided again",
                         ["resource", "outcome"])
 
-PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
 
 
 class PhaseCount:
@@ -32,5 +33,5 @@ class PhaseCount:
             self.phases.pop(key, None)
         else:
             self.phases[key] = phase
-        for name in PHASES:
+        for name in TRAINING_PHASES:
             JOBS.labels(name).set(sum(1 for p in self.phases.values() if p == name))

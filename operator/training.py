@@ -29,6 +29,7 @@ from datetime import datetime
 from typing import Any
 
 from tandem.api import ParallelTrainingJob
+from tandem.api.training import TRAINING_PHASES
 from tandem.contract import RESUME_LATEST
 from tandem.manifest import ManifestError
 from tandem.operator.observed import condition, isoformat, observe_pod, parse_resource, timestamp, with_condition
@@ -43,7 +44,6 @@ from tandem.operator.training_objects import (
 )
 from tandem.restart_policy import after_failure, backoff_seconds, deadline_exceeded, heartbeat_expired, seconds_left
 
-PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
 POLICY_FIELDS = {"workers", "ranksPerPod", "suspend", "backoffLimit", "activeDeadlineSeconds",
                  "ttlSecondsAfterFinished", "heartbeatTimeoutSeconds"}
 """Spec fields read live from the job; every other field is the group's, fixed while it runs."""
@@ -335,7 +335,7 @@ class _Reconciler:
         """The phase, its condition True (the other phases' False), and an Event when the phase changes."""
         if phase != self.phase:
             self.result.events.append(("Warning" if warning else "Normal", reason, message))
-        for kind in PHASES:
+        for kind in TRAINING_PHASES:
             if kind == phase:
                 self.conditions = with_condition(self.conditions, kind, True, reason, message, self.now)
             elif condition(self.conditions, kind) is not None:

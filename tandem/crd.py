@@ -50,6 +50,8 @@ RESOURCES = {
             {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
             {"name": "Checkpoint", "type": "string", "jsonPath": ".status.checkpoint.latest",
              "description": "latest checkpoint complete on disk"},
+            {"name": "Queue", "type": "string", "jsonPath": ".status.queue.name",
+             "description": "the Kueue LocalQueue (kueue.x-k8s.io/queue-name)"},
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],
     ),

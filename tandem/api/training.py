@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, Field, StringConstraints, field_validator, model_validator
 
@@ -17,11 +17,13 @@ from tandem.api.common import (
     ObjectMeta,
     PodSettings,
     Quantity,
+    SubdomainName,
     valid_quantity,
 )
 
 TrainingMode = Literal["allReduce", "sharedGradients", "averaging", "custom"]
-TrainingPhase = Literal["Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
+TrainingPhase = Literal["Queued", "Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
+TRAINING_PHASES: tuple[str, ...] = get_args(TrainingPhase)
 DataRef = Annotated[str, StringConstraints(min_length=1)]
 
 # DL4J's AdaptiveThresholdAlgorithm: decay 0.5 per 20 steps, sparsity target 1e-4..1e-2.
@@ -208,6 +210,22 @@ class CheckpointSpec(ApiModel):
     """Resume from the latest complete checkpoint in `directory` when one exists."""
 
 
+class Gang(ApiModel):
+    """Gang scheduling without Kueue: the operator creates a PodGroup of the job's rank pods with `minMember` = the
+    number of pods, so that the scheduler places all of them or none (no GPUs held idle by a part of the group)."""
+
+    scheduler: Literal["coscheduling", "volcano"]
+    """`coscheduling`: scheduler-plugins' PodGroup (scheduling.x-k8s.io/v1alpha1), the pods labelled
+    `scheduling.x-k8s.io/pod-group` and scheduled by `scheduler-plugins-scheduler`; `volcano`: Volcano's PodGroup
+    (scheduling.volcano.sh/v1beta1), the pods annotated `scheduling.k8s.io/group-name` and scheduled by `volcano`.
+    spec.schedulerName, when set, names the scheduler instead."""
+    schedule_timeout_seconds: Annotated[int, Field(ge=1)] | None = None
+    """coscheduling: how long the scheduler waits for the whole group before it gives the placed pods' resources
+    back and tries again (scheduler-plugins' default: 60)."""
+    queue: SubdomainName | None = None
+    """volcano: the Volcano Queue the PodGroup goes to (Volcano's default: `default`)."""
+
+
 class ParallelTrainingJobSpec(PodSettings):
     """Desired state of a ParallelTrainingJob."""
 
@@ -219,6 +237,12 @@ class ParallelTrainingJobSpec(PodSettings):
                     "would move; use mixedPrecision bf16 or none"},
         {"rule": "!has(self.trainer.requireGPU) || !self.trainer.requireGPU || self.gpusPerWorker >= 1",
          "message": "trainer.requireGPU needs gpusPerWorker >= 1: a rank given no GPU trains on CPU"},
+        {"rule": "!has(self.gang) || !has(self.gang.queue) || self.gang.scheduler == 'volcano'",
+         "message": "gang.queue is a Volcano queue: set gang.scheduler to volcano, or use Kueue's "
+                    "kueue.x-k8s.io/queue-name label for a Kueue queue"},
+        {"rule": "!has(self.gang) || !has(self.gang.scheduleTimeoutSeconds) || self.gang.scheduler == 'coscheduling'",
+         "message": "gang.scheduleTimeoutSeconds is scheduler-plugins' coscheduling timeout: set gang.scheduler to "
+                    "coscheduling, or remove it"},
         {"rule": "!has(self.ranksPerPod) || self.workers % self.ranksPerPod == 0",
          "message": "workers must be a multiple of ranksPerPod (every pod hosts ranksPerPod ranks): change workers "
                     "(or the replicas of kubectl scale, which counts ranks) or ranksPerPod"},
@@ -253,6 +277,9 @@ class ParallelTrainingJobSpec(PodSettings):
     suspend: bool = False
     heartbeat_timeout_seconds: Annotated[int, Field(ge=1)] = 300
     """Rank 0 must report progress this often, or the job is restarted as hung."""
+    gang: Gang | None = None
+    """Schedule the rank pods as one gang through a PodGroup (scheduler-plugins' coscheduling or Volcano). Not
+    needed under Kueue (label the job `kueue.x-k8s.io/queue-name`), which admits the job's pods together."""
 
     @model_validator(mode="after")
     def _mode_settings(self) -> ParallelTrainingJobSpec:
@@ -265,6 +292,13 @@ class ParallelTrainingJobSpec(PodSettings):
             )
         if self.trainer.require_gpu and self.gpus_per_worker == 0:
             raise ValueError("trainer.requireGPU needs gpusPerWorker >= 1: a rank given no GPU trains on CPU")
+        if self.gang is not None and self.gang.queue is not None and self.gang.scheduler != "volcano":
+            raise ValueError("gang.queue is a Volcano queue: set gang.scheduler to volcano, or use Kueue's "
+                             "kueue.x-k8s.io/queue-name label for a Kueue queue")
+        if (self.gang is not None and self.gang.schedule_timeout_seconds is not None
+                and self.gang.scheduler != "coscheduling"):
+            raise ValueError("gang.scheduleTimeoutSeconds is scheduler-plugins' coscheduling timeout: set "
+                             "gang.scheduler to coscheduling, or remove it")
         if self.workers % self.ranks_per_pod:
             raise ValueError(
                 f"workers ({self.workers}) must be a multiple of ranksPerPod ({self.ranks_per_pod}): every pod hosts "
@@ -349,6 +383,35 @@ class CheckpointStatus(ApiModel):
     history: list[CheckpointRecord] = Field(default_factory=list)
 
 
+class QueueStatus(ApiModel):
+    """Where a job labelled `kueue.x-k8s.io/queue-name` stands in Kueue (written by the operator from its
+    Workload)."""
+
+    name: str
+    """The LocalQueue (the label's value)."""
+    workload: str | None = None
+    cluster_queue: str | None = None
+    """The ClusterQueue that admitted it (while admitted)."""
+    priority: int | None = None
+    admitted: bool = False
+    reason: str = ""
+    """Why it waits (Kueue's reason: Pending, Inadmissible, Preempted, ...) or `Admitted`."""
+    message: str = ""
+    evictions: Annotated[int, Field(ge=0)] = 0
+    """Times the group was stopped by Kueue (preempted, deactivated, its quota reclaimed) and queued again."""
+
+
+class PreemptionCost(ApiModel):
+    """What stopping the group now would cost (written by rank 0 with its progress), for an administrator or a
+    queue choosing what to evict: with a grace period, the ranks checkpoint at an agreed step and lose nothing but
+    `checkpointSeconds`; killed outright, they lose the steps since the last complete checkpoint."""
+
+    steps_since_checkpoint: Annotated[int, Field(ge=0)] = 0
+    checkpoint_seconds: Annotated[float, Field(ge=0)] | None = None
+    """How long the latest checkpoint took to write (rank 0's wall time, from the agreed step to complete on
+    disk)."""
+
+
 class ParallelTrainingJobStatus(ApiModel):
     """Observed state of a ParallelTrainingJob, written by the operator and rank 0."""
 
@@ -361,6 +424,8 @@ class ParallelTrainingJobStatus(ApiModel):
     """Named metrics; `accuracy` is evaluation accuracy in 0..1."""
     communication: CommunicationStatus = Field(default_factory=CommunicationStatus)
     checkpoint: CheckpointStatus = Field(default_factory=CheckpointStatus)
+    preemption_cost: PreemptionCost | None = None
+    queue: QueueStatus | None = None
     restarts: Annotated[int, Field(ge=0)] = 0
     start_time: datetime | None = None
     completion_time: datetime | None = None

@@ -90,6 +90,7 @@ def _sample_job() -> dict:
             "progress": {"epoch": 3, "step": 120, "totalSteps": 450, "loss": 0.31},
             "restarts": 1,
             "checkpoint": {"latest": "/ckpt/step-00000100.pt", "step": 100, "time": "2026-11-29T10:05:00Z"},
+            "queue": {"name": "team-a", "workload": "digits-train", "admitted": True, "reason": "Admitted"},
         },
     }).status.to_dict()
     return job
@@ -113,7 +114,7 @@ def test_printer_columns_resolve_against_a_sample_status():
     columns = {c["name"]: _jsonpath(job, c["jsonPath"]) for c in RESOURCES["ParallelTrainingJob"].printer_columns}
     assert columns == {
         "Phase": "Running", "Ready": "1/2", "Step": "120/450", "Loss": 0.31, "Restarts": 1,
-        "Checkpoint": "/ckpt/step-00000100.pt", "Age": "2026-11-29T10:00:00Z",
+        "Checkpoint": "/ckpt/step-00000100.pt", "Queue": "team-a", "Age": "2026-11-29T10:00:00Z",
     }
     pool = _sample_pool()
     columns = {c["name"]: _jsonpath(pool, c["jsonPath"]) for c in RESOURCES["InferencePool"].printer_columns}

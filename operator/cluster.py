@@ -40,6 +40,7 @@ class Cluster:
         self.core = client.CoreV1Api(api)
         self.rbac = client.RbacAuthorizationV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.scheduling = client.SchedulingV1Api(api)
         apps, policy, autoscaling = client.AppsV1Api(api), client.PolicyV1Api(api), client.AutoscalingV2Api(api)
         core, rbac = self.core, self.rbac
         self._writers: dict[str, tuple[Callable, Callable, Callable]] = {  # kind: (create, replace, delete)
@@ -64,15 +65,32 @@ class Cluster:
         }
 
     async def create(self, manifest: dict[str, Any]) -> None:
-        """Create an object; one that exists is kept, except a ConfigMap, which is replaced."""
+        """Create an object; one that exists is kept, except a ConfigMap, which is replaced, and a PodGroup, whose
+        spec is patched (both follow the group). Kinds of other API groups (a Workload, a PodGroup) are custom
+        objects, their resource the kind's plural."""
         kind, metadata = manifest["kind"], manifest["metadata"]
-        create, replace, _ = self._writers[kind]
         target = f"{metadata['namespace']}/{metadata['name']}"
+        if kind not in self._writers:
+            await self._create_custom(manifest, target)
+            return
+        create, replace, _ = self._writers[kind]
         try:
             await call("create", kind, target, create, metadata["namespace"], manifest)
         except ApiException as error:  # 409: it exists
             if kind == "ConfigMap" and error.status == CONFLICT:
                 await call("replace", kind, target, replace, metadata["name"], metadata["namespace"], manifest)
+
+    async def _create_custom(self, manifest: dict[str, Any], target: str) -> None:
+        group, version = manifest["apiVersion"].split("/")
+        kind, namespace, plural = manifest["kind"], manifest["metadata"]["namespace"], custom_plural(manifest["kind"])
+        try:
+            await call("create", kind, target, self.custom.create_namespaced_custom_object, group, version, namespace,
+                       plural, manifest)
+        except ApiException as error:  # 409: it exists
+            if kind == "PodGroup" and error.status == CONFLICT:
+                await call("patch", kind, target, self.custom.patch_namespaced_custom_object, group, version,
+                           namespace, plural, manifest["metadata"]["name"], {"spec": manifest["spec"]},
+                           _content_type="application/merge-patch+json")
 
     async def put(self, manifest: dict[str, Any], existing: dict[str, Any] | None) -> dict[str, Any] | None:
         """Make an object as `manifest` says: create it, or replace `existing` (the version the decision saw), and
@@ -120,7 +138,41 @@ class Cluster:
                        self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace, plural, name,
                        {"status": status}, _content_type="application/merge-patch+json")
 
-    async def delete_custom(self, plural: str, name: str, namespace: str) -> None:
-        with contextlib.suppress(ApiException):  # 404: done
-            await call("delete", plural, f"{namespace}/{name}", self.custom.delete_namespaced_custom_object, GROUP,
-                       VERSION, namespace, plural, name)
+    async def delete_custom(self, plural: str, name: str, namespace: str, group: str = GROUP,
+                            version: str = VERSION) -> bool:
+        """Delete a custom object (one already gone is fine); whether it was there (False: 404)."""
+        try:
+            await call("delete", plural, f"{namespace}/{name}", self.custom.delete_namespaced_custom_object, group,
+                       version, namespace, plural, name)
+        except ApiException:  # 404: done
+            return False
+        return True
+
+    async def patch_custom_status(self, group: str, version: str, plural: str, namespace: str, name: str,
+                                  patch: dict[str, Any]) -> dict[str, Any]:
+        """A merge patch of a custom object's status subresource (with the resourceVersion it was decided on, if the
+        patch names one: 409, `Stale`, when the object has moved on); the object as the API now holds it."""
+        written = await call("patch", f"{plural}/status", f"{namespace}/{name}",
+                             self.custom.patch_namespaced_custom_object_status, group, version, namespace, plural,
+                             name, patch, _content_type="application/merge-patch+json")
+        return self.api.sanitize_for_serialization(written)
+
+    async def read_cluster_custom(self, group: str, version: str, plural: str, name: str) -> dict[str, Any] | None:
+        """A cluster-scoped custom object (a Kueue ResourceFlavor or WorkloadPriorityClass); None if there is none."""
+        try:
+            return await call("get", plural, name, self.custom.get_cluster_custom_object, group, version, plural, name)
+        except ApiException:  # 404
+            return None
+
+    async def priority_class_value(self, name: str) -> int | None:
+        """A PriorityClass's value (scheduling.k8s.io); None if there is none."""
+        try:
+            found = await call("get", "priorityclasses", name, self.scheduling.read_priority_class, name)
+        except ApiException:  # 404
+            return None
+        return found.value
+
+
+def custom_plural(kind: str) -> str:
+    """The resource of a custom kind the operator writes (all regular: Workload, PodGroup)."""
+    return kind.lower() + "s"

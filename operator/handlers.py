@@ -21,13 +21,16 @@ from typing import Any
 import kopf
 
 from tandem.api import GROUP, VERSION
-from tandem.operator import daemon, metrics
+from tandem.manifest import ManifestError
+from tandem.operator import daemon, metrics, queueing
 from tandem.operator.api_policy import configure_kopf
 from tandem.operator.cluster import Cluster, login
-from tandem.operator.training import Plan, Settings, reconcile
+from tandem.operator.observed import parse_resource
+from tandem.operator.training import Plan, Queueing, Settings, reconcile
 from tandem.operator.training_objects import JOB_LABEL, config_map_name, selector_string
 
 JOBS = "paralleltrainingjobs"
+WORKLOADS = "workloads"
 SETTINGS = Settings()
 """Replaced by `tandem operator` from its options before kopf starts."""
 
@@ -68,20 +71,40 @@ async def job_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> N
     wake_pools_of(memo, namespace, name)
 
 
+def watch_workloads() -> None:
+    """Index the jobs' Kueue Workloads (`job_workloads`) and wake a job when its Workload changes. Registered by
+    `tandem operator --kueue` only: without it the operator neither watches nor may read Workloads."""
+    api_version = f"{queueing.KUEUE_GROUP}/{queueing.KUEUE_VERSION}"
+
+    @kopf.index(api_version, WORKLOADS, labels={JOB_LABEL: kopf.PRESENT}, id="job_workloads")
+    def job_workloads(namespace: str, labels: dict[str, str], body: kopf.Body,
+                      **_: Any) -> dict[tuple[str, str], dict]:
+        return {(namespace, labels[JOB_LABEL]): dict(body)}
+
+    @kopf.on.event(api_version, WORKLOADS, labels={JOB_LABEL: kopf.PRESENT}, id="workload_changed")
+    async def workload_changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
+        wake(memo, namespace, labels[JOB_LABEL])
+
+
 @kopf.daemon(GROUP, VERSION, JOBS, cancellation_timeout=10, backoff=daemon.DAEMON_BACKOFF)
 async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo,
-                    job_pods: kopf.Index, job_specs: kopf.Index, **_: Any) -> None:
+                    job_pods: kopf.Index, job_specs: kopf.Index, **indices: Any) -> None:
     key = (namespace, name)
     waker = memo.wakers.setdefault(key, asyncio.Event())
     state = daemon.Reconciliation(JOBS, namespace, name)
+    reads = QueueReads()
 
     async def one_pass() -> float | None:
         observed = state.observed(body)
         config_map = next(iter(job_specs.get(key, [])), None)
         pods = await state.confirm_deletions(state.present(job_pods.get(key, [])), lambda: memo.cluster.pod_uids(
             namespace, selector_string(name)))
-        plan = reconcile(observed, pods, config_map, datetime.now(UTC), SETTINGS)
-        await _apply(plan, observed, pods, memo.cluster, state)
+        queued = None
+        if SETTINGS.kueue and queueing.queue_name(observed):
+            workloads = state.present(indices["job_workloads"].get(key, []))
+            queued = await reads.read(memo.cluster, observed, next(iter(workloads), None))
+        plan = reconcile(observed, pods, config_map, datetime.now(UTC), SETTINGS, queued)
+        await _apply(plan, observed, pods, memo.cluster, state, reads)
         memo.phases.set(key, plan.status.get("phase"))
         return daemon.FINISHED if plan.delete_job else plan.requeue_after
 
@@ -92,8 +115,56 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
         memo.phases.set(key, None)
 
 
+class QueueReads:
+    """What a queued job's daemon reads beside kopf's indices: the priority class of a Workload to create, the
+    ResourceFlavors of an admission (once per admission), and the Workload as its own last status patch left it
+    (until the index catches up with it)."""
+
+    def __init__(self) -> None:
+        self.patched: tuple[str | None, dict[str, Any]] | None = None
+        """(the resourceVersion the patch was decided on, the Workload the API answered)."""
+        self.flavors: tuple[tuple[str, ...], dict[str, dict[str, Any]]] = ((), {})
+
+    async def read(self, cluster: Cluster, body: dict[str, Any], indexed: dict[str, Any] | None) -> Queueing:
+        workload = indexed
+        if indexed is not None and self.patched is not None and (
+                indexed["metadata"].get("resourceVersion") == self.patched[0]):
+            workload = self.patched[1]  # the index has not caught up with the operator's own patch
+        if workload is None:
+            return await self._priority(cluster, body)
+        admission = queueing.admission_of(workload)
+        if admission.admitted and self.flavors[0] != admission.flavors:
+            found = {}
+            for flavor in admission.flavors:
+                read = await cluster.read_cluster_custom(queueing.KUEUE_GROUP, queueing.KUEUE_VERSION,
+                                                         "resourceflavors", flavor)
+                found[flavor] = (read or {}).get("spec") or {}
+            self.flavors = (admission.flavors, found)
+        flavors = self.flavors[1] if admission.admitted else {}
+        return Queueing(workload=workload, placement=queueing.placement(admission, flavors))
+
+    @staticmethod
+    async def _priority(cluster: Cluster, body: dict[str, Any]) -> Queueing:
+        try:
+            source = queueing.priority_source(body, parse_resource(body))
+        except ManifestError:
+            return Queueing()  # the decision reports the spec's problems
+        if source is None:
+            return Queueing()
+        group, kind, name = source
+        if kind == "PriorityClass":
+            value = await cluster.priority_class_value(name)
+        else:
+            found = await cluster.read_cluster_custom(group, queueing.KUEUE_VERSION, "workloadpriorityclasses", name)
+            value = None if found is None else found.get("value")
+        if value is None:
+            return Queueing(priority_problem=f"the {kind} {name} the job's Workload takes its priority from does "
+                                             f"not exist: create it, or name another")
+        return Queueing(priority=queueing.Priority(group, kind, name, int(value)))
+
+
 async def _apply(plan: Plan, body: dict[str, Any], pods: list[dict[str, Any]], cluster: Cluster,
-                 state: daemon.Reconciliation) -> None:
+                 state: daemon.Reconciliation, reads: QueueReads) -> None:
     """The decision first (the status), then the pods: an operator stopped between the two finds its decision in
     the status when it starts again (a group torn down is still Restarting, its failure counted once; a group being
     created is Pending and its missing ranks are created), never pods without the decision that made them. A
@@ -112,6 +183,11 @@ async def _apply(plan: Plan, body: dict[str, Any], pods: list[dict[str, Any]], c
 
     if plan.stop_first:
         await delete_pods()
+    if plan.workload_status is not None:  # before the job's status: an eviction is counted once it is given back
+        metadata = plan.workload_status["metadata"]
+        reads.patched = (metadata["resourceVersion"], await cluster.patch_custom_status(
+            queueing.KUEUE_GROUP, queueing.KUEUE_VERSION, WORKLOADS, state.namespace, metadata["name"],
+            plan.workload_status))
     before = (body.get("status") or {}).get("restarts", 0)
     changed = await daemon.publish(cluster, state, body, plan.status, plan.events)
     if changed.get("restarts", 0) > before:
@@ -120,6 +196,9 @@ async def _apply(plan: Plan, body: dict[str, Any], pods: list[dict[str, Any]], c
     await daemon.all_of(cluster.create(m) for m in plan.create if m["kind"] == "Pod")
     if not plan.stop_first:
         await delete_pods()
+    if plan.delete_workload is not None:
+        await cluster.delete_custom(WORKLOADS, plan.delete_workload, state.namespace, queueing.KUEUE_GROUP,
+                                    queueing.KUEUE_VERSION)
     if plan.delete_job:
         await cluster.delete_custom(JOBS, state.name, state.namespace)
 

@@ -26,6 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"else {DEFAULT_WORKER_IMAGE})")
     parser.add_argument("--restart-backoff-seconds", type=float, default=10.0, metavar="S",
                         help="base of the exponential backoff between group restarts (default 10)")
+    parser.add_argument("--kueue", action="store_true",
+                        help="admit jobs labelled kueue.x-k8s.io/queue-name through Kueue: the operator creates, "
+                             "watches and updates their Workloads (kueue.x-k8s.io/v1beta2; the chart's "
+                             "kueue.enabled grants it that)")
+    parser.add_argument("--gang-scheduling", action="store_true",
+                        help="create a PodGroup (scheduler-plugins' or Volcano's) for jobs with spec.gang (the "
+                             "chart's gangScheduling.enabled grants it that)")
     parser.add_argument("--metrics-port", type=int, metavar="P", help="serve Prometheus metrics on this port")
     parser.add_argument("--health-port", type=int, metavar="P",
                         help="serve kopf's liveness probe on http://0.0.0.0:P/healthz")
@@ -54,7 +61,10 @@ def run(args: argparse.Namespace) -> int:
     for handler in logging.getLogger().handlers:
         handler.addFilter(KopfRequestFailures())
 
-    handlers.SETTINGS = Settings(worker_image=args.worker_image, restart_backoff_seconds=args.restart_backoff_seconds)
+    handlers.SETTINGS = Settings(worker_image=args.worker_image, restart_backoff_seconds=args.restart_backoff_seconds,
+                                 kueue=args.kueue, gang_scheduling=args.gang_scheduling)
+    if args.kueue:
+        handlers.watch_workloads()
     if args.metrics_port is not None:
         start_http_server(args.metrics_port)
     kopf.run(

@@ -9,8 +9,14 @@ the other's fields (a merge patch of its own). The rules, in the order they appl
 2. Succeeded or Failed is final: rank pods still running are deleted (their GPUs released; finished pods stay for
    their logs), and `ttlSecondsAfterFinished` after completion the job itself is deleted.
 3. Past `activeDeadlineSeconds`: Failed (DeadlineExceeded), pods deleted.
-4. `suspend: true`: the pods are deleted (SIGTERM: the ranks checkpoint), phase Suspended; `suspend: false` starts
-   a group again from the latest checkpoint, with the spec as it is then.
+4. `suspend: true`: the pods are deleted (SIGTERM: the ranks checkpoint), phase Suspended (a queued job leaves its
+   queue: its Workload is deleted once the pods are gone); `suspend: false` starts a group again from the latest
+   checkpoint, with the spec as it is then.
+4a. A job labelled `kueue.x-k8s.io/queue-name` runs only while Kueue admits its Workload (queueing.py): until then,
+   and once evicted, it is Queued with no pods (an evicted group is stopped as a suspension stops it, and its quota
+   given back once every pod is gone); admitted, a group starts from the latest checkpoint on the assigned flavours.
+   A group whose pod set changed (a resize) queues again with a new Workload. `spec.gang` needs the operator's
+   gang scheduling (--gang-scheduling): the group's PodGroup is created with it.
 5. A running group whose trainer, image, GPUs or other group settings changed keeps running as it was, with a
    SpecChangeRefused condition (suspend and resume the job to apply them); a changed `workers` (or `kubectl
    scale`) or `ranksPerPod` restarts the group at the new size or layout from the latest checkpoint.
@@ -32,6 +38,7 @@ from tandem.api import ParallelTrainingJob
 from tandem.api.training import TRAINING_PHASES
 from tandem.contract import RESUME_LATEST
 from tandem.manifest import ManifestError
+from tandem.operator import queueing
 from tandem.operator.observed import condition, isoformat, observe_pod, parse_resource, timestamp, with_condition
 from tandem.operator.training_objects import (
     MASTER_PORT,
@@ -39,6 +46,7 @@ from tandem.operator.training_objects import (
     group_objects,
     master_address,
     pod_name,
+    selector,
     selector_string,
     worker_pod,
 )
@@ -61,6 +69,24 @@ WATCH_SECONDS = 5.0
 class Settings:
     worker_image: str = "tandem-worker:latest"
     restart_backoff_seconds: float = 10.0
+    kueue: bool = False
+    """Admit jobs labelled kueue.x-k8s.io/queue-name through Kueue's Workloads (tandem operator --kueue)."""
+    gang_scheduling: bool = False
+    """Create PodGroups for jobs with spec.gang (tandem operator --gang-scheduling)."""
+
+
+@dataclass(frozen=True)
+class Queueing:
+    """What the operator read for a job labelled kueue.x-k8s.io/queue-name."""
+
+    workload: dict[str, Any] | None = None
+    """Its Workload, as the API holds it."""
+    priority: queueing.Priority | None = None
+    """The priority its Workload is created with (read from its class)."""
+    priority_problem: str | None = None
+    """Why that class could not be read (it does not exist, say): the Workload waits for it."""
+    placement: queueing.Placement = field(default_factory=queueing.Placement)
+    """What its admission adds to the rank pods (the flavours read)."""
 
 
 @dataclass
@@ -74,6 +100,10 @@ class Plan:
     """Delete those pods before writing the status: a suspension, which the spec itself records (an operator
     stopped between the two suspends again from the spec), so a refused status patch does not hold the ranks up."""
     delete_job: bool = False
+    delete_workload: str | None = None
+    """The name of the job's Workload to delete (it left its queue, or no longer stands for the group)."""
+    workload_status: dict[str, Any] | None = None
+    """A merge patch of the Workload's status subresource (with the resourceVersion it was decided on)."""
     status: dict[str, Any] = field(default_factory=dict)
     """The operator's status fields (a merge patch of the status subresource)."""
     events: list[tuple[str, str, str]] = field(default_factory=list)
@@ -82,14 +112,18 @@ class Plan:
 
 
 def reconcile(body: dict[str, Any], pods: list[dict[str, Any]], config_map: dict[str, Any] | None, now: datetime,
-              settings: Settings) -> Plan:
-    return _Reconciler(body, pods, config_map, now, settings).plan()
+              settings: Settings, queued: Queueing | None = None) -> Plan:
+    return _Reconciler(body, pods, config_map, now, settings, queued or Queueing()).plan()
 
 
 class _Reconciler:
     def __init__(self, body: dict[str, Any], pods: list[dict[str, Any]], config_map: dict[str, Any] | None,
-                 now: datetime, settings: Settings):
-        self.body, self.now, self.settings = body, now, settings
+                 now: datetime, settings: Settings, queued: Queueing):
+        self.body, self.now, self.settings, self.queued = body, now, settings, queued
+        self.queue = queueing.queue_name(body)
+        self.queue_status: dict[str, Any] | None = None
+        self.admitted = False
+        """The group runs under a Kueue admission."""
         self.status = dict(body.get("status") or {})
         self.phase = self.status.get("phase") or "Pending"
         self.conditions = list(self.status.get("conditions") or [])
@@ -115,7 +149,9 @@ class _Reconciler:
                                            f"({self.spec.active_deadline_seconds} s)")
         elif self.spec.suspend:
             self._suspend()
-        elif self.phase == "Suspended":
+        elif not self._may_run():
+            pass
+        elif self.phase in ("Suspended", "Queued"):
             self._resume()
         elif self.phase == "Restarting":
             self._restart_when_ready()
@@ -141,6 +177,10 @@ class _Reconciler:
 
     def _finished(self) -> None:
         self._delete(p for p in self.live)
+        if self.queued.workload is not None:
+            self._admission()
+            self.result.workload_status = queueing.finished(
+                self.queued.workload, self.phase == "Succeeded", self.status.get("message") or self.phase, self.now)
         ttl = self.spec.ttl_seconds_after_finished
         completed = timestamp(self.status.get("completionTime"))
         if ttl is not None and completed is not None:
@@ -155,17 +195,118 @@ class _Reconciler:
         self.result.stop_first = True
         waiting = [p for p in self.pods if not p.finished]
         message = f"suspended: {len(waiting)} rank(s) stopping" if waiting else "suspended"
+        if self.queue is not None:
+            message += f" (out of queue {self.queue} until resumed)"
+            if not self.pods and self.queued.workload is not None:
+                self.result.delete_workload = self.queued.workload["metadata"]["name"]
         self._set_phase("Suspended", "Suspended", message)
         if waiting:
             self.result.requeue_after = WAIT_SECONDS
 
     def _resume(self) -> None:
-        """`suspend: false` again: once the suspended ranks are gone, a group starts with the spec as it is now."""
+        """`suspend: false` again, or admitted by Kueue: once the stopped ranks are gone, a group starts with the spec
+        as it is now."""
         if self.pods:
             self._delete(p for p in self.pods if not p.terminating)
             self.result.requeue_after = WAIT_SECONDS
             return
-        self._start_group(self.job, "Resumed", "resumed: starting the ranks from the latest checkpoint")
+        if self.phase == "Queued":
+            self._start_group(self.job, "Admitted", f"admitted by Kueue in {self.queued_in()}: starting the ranks "
+                                                    "from the latest checkpoint")
+        else:
+            self._start_group(self.job, "Resumed", "resumed: starting the ranks from the latest checkpoint")
+
+    # -- queues and gangs ----------------------------------------------------------------------------------------
+
+    def _may_run(self) -> bool:
+        """Whether the group may run: a job outside any queue may; a queued job while Kueue admits its Workload.
+        Otherwise the job is Queued (its ranks stopped, an evicted Workload's quota given back), or held Pending
+        where the operator lacks what the spec asks for."""
+        if self.spec.gang is not None and not self.settings.gang_scheduling:
+            return self._held("Pending", "GangSchedulingDisabled",
+                              "spec.gang asks for a PodGroup, but the operator runs without gang scheduling: start it "
+                              "with --gang-scheduling (the chart's gangScheduling.enabled: true), or remove spec.gang")
+        if self.queue is None:
+            return True
+        admission = self._admission()
+        if not self.settings.kueue:
+            return self._held("Queued", "KueueDisabled",
+                              f"labelled for Kueue's queue {self.queue}, but the operator runs without Kueue: start it "
+                              "with --kueue (the chart's kueue.enabled: true), or remove the label "
+                              f"{queueing.QUEUE_LABEL}")
+        existing = self.queued.workload
+        if existing is None:
+            if self.queued.priority_problem:
+                return self._held("Queued", "PriorityClassNotFound", self.queued.priority_problem)
+            self.result.create.append(self._workload())
+            return self._held("Queued", "Queued", f"queued in {self.queue}: waiting for Kueue to admit it")
+        name = existing["metadata"]["name"]
+        if not queueing.same_pod_set(existing, self._workload()):
+            if not self.pods:
+                self.result.delete_workload = name
+            return self._held("Queued", "PodSetChanged",
+                              f"the group changed ({self.spec.pods} pods): queued again in {self.queue}")
+        if admission.admitted:
+            self.admitted = True
+            return True
+        if admission.evicted and not self.pods and admission.holds_quota:
+            self.result.workload_status = queueing.released(existing, self.now)
+            self.queue_status["evictions"] += 1
+            self.result.events.append(("Normal", "Requeued", f"the ranks stopped; Kueue's quota given back, queued "
+                                                             f"again in {self.queue}"))
+        what = "evicted by Kueue" if admission.evicted else "waiting for Kueue"
+        return self._held("Queued", admission.reason, f"{what} in {self.queue} ({admission.reason}): "
+                                                      f"{admission.message}")
+
+    def _held(self, phase: str, reason: str, message: str) -> bool:
+        """Stop the group if it runs (as a suspension does: SIGTERM, the ranks checkpoint) and wait in `phase`."""
+        stopping = [p for p in self.pods if not p.finished]
+        if self.pods:
+            self._delete(p for p in self.pods if not p.terminating)
+            self.result.stop_first = True
+            self.result.requeue_after = WAIT_SECONDS
+        if stopping:
+            message += f"; {len(stopping) * self.spec.ranks_per_pod} rank(s) stopping (they checkpoint)"
+        self._set_phase(phase, reason, message, warning=phase == "Queued" and bool(stopping))
+        if self.queue_status is not None and self.queued.workload is None:  # no word from Kueue: the operator's
+            self.queue_status.update(reason=reason, message=message)
+        self.result.requeue_after = self.result.requeue_after or WATCH_SECONDS
+        return False
+
+    def _admission(self) -> queueing.Admission:
+        """The Workload's state, kept for status.queue."""
+        admission = queueing.admission_of(self.queued.workload or {})
+        previous = self.status.get("queue") or {}
+        self.queue_status = {
+            "name": self.queue, "workload": (self.queued.workload or {}).get("metadata", {}).get("name"),
+            "admitted": admission.admitted, "reason": admission.reason, "message": admission.message,
+            "evictions": int(previous.get("evictions") or 0),
+            **({"clusterQueue": admission.cluster_queue} if admission.cluster_queue else {}),
+            **({"priority": self.queued.workload["spec"]["priority"]}
+               if "priority" in (self.queued.workload or {}).get("spec", {}) else {}),
+        }
+        return admission
+
+    def queued_in(self) -> str:
+        cluster_queue = (self.queue_status or {}).get("clusterQueue")
+        return f"{self.queue}" + (f" (ClusterQueue {cluster_queue})" if cluster_queue else "")
+
+    def _workload(self) -> dict[str, Any]:
+        """The Workload the next group needs (its pods as they are before an admission places them)."""
+        job = self._next_group()
+        template = worker_pod(self.body, job, 0, group=self.restarts, resume_from=None,
+                              default_image=self.settings.worker_image)
+        return queueing.workload(self.body, job, template, self.queued.priority, selector(job.metadata.name))
+
+    def _next_group(self) -> ParallelTrainingJob:
+        """The spec the next group runs: while a group runs or restarts (after a failure or for a resize), the
+        running group's (a refused change stays refused) at the size and layout the job asks for; otherwise (a first
+        group, one resumed or admitted) the job as it is now."""
+        running = applied_job(self.config_map) if self.pods or self.phase == "Restarting" else None
+        if running is None:
+            return self.job
+        running.spec.workers, running.spec.ranks_per_pod = self.spec.workers, self.spec.ranks_per_pod
+        return running
 
     def _restart_when_ready(self) -> None:
         """The group is torn down after a failure or for a resize: start the next once every pod is gone and the
@@ -182,8 +323,7 @@ class _Reconciler:
         if left > 0:
             self.result.requeue_after = left
             return
-        running = applied_job(self.config_map) or self.job  # a refused change stays refused across restarts
-        running.spec.workers, running.spec.ranks_per_pod = self.spec.workers, self.spec.ranks_per_pod
+        running = self._next_group()
         self._start_group(running, "Restarted", f"starting {self.spec.workers} ranks again from "
                                                 f"{self.status.get('checkpoint', {}).get('latest') or 'scratch'}")
 
@@ -305,8 +445,9 @@ class _Reconciler:
         self.result.requeue_after = WAIT_SECONDS
 
     def _pod(self, job: ParallelTrainingJob, index: int) -> dict[str, Any]:
-        return worker_pod(self.body, job, index, group=self.restarts, resume_from=self._resume_from(job),
-                          default_image=self.settings.worker_image)
+        pod = worker_pod(self.body, job, index, group=self.restarts, resume_from=self._resume_from(job),
+                         default_image=self.settings.worker_image)
+        return queueing.placed(pod, self.queued.placement) if self.queue is not None else pod
 
     def _ranks(self, index: int) -> str:
         """The ranks pod `index` hosts, in words: `rank 1`, or `ranks 2-3`."""
@@ -363,6 +504,11 @@ class _Reconciler:
             "selector": selector_string(name),
             **{key: self.status[key] for key in ("startTime", "completionTime") if self.status.get(key)},
         }
+        if self.queue_status is not None:
+            self.result.status["queue"] = self.queue_status
+            if self.admitted and self.result.workload_status is None:
+                self.result.workload_status = queueing.pods_ready(self.queued.workload, self.phase == "Running",
+                                                                  self.now)
         left = seconds_left(timestamp(self.status.get("startTime")), self.spec.active_deadline_seconds, self.now)
         if left is not None and left > 0 and self.phase not in ("Succeeded", "Failed"):
             self.result.requeue_after = min(self.result.requeue_after or left, left)

@@ -18,6 +18,7 @@ from typing import Any
 
 from tandem.api import GROUP, ParallelTrainingJob
 from tandem.contract import RESUME_LATEST, WorkerContract
+from tandem.operator.gangs import gang_member, pod_group
 from tandem.operator.pod_template import (
     SPEC_MOUNT,
     child_name,
@@ -106,11 +107,12 @@ def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, index: int, *, g
         pod["serviceAccountName"] = rank0_account_name(name)
     labels = {**selector(name), RANK_LABEL: str(first_rank), POD_INDEX_LABEL: str(index), GROUP_LABEL: str(group),
               "app.kubernetes.io/component": "worker"}
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": object_metadata(owner, pod_name(name, index), labels),
-            "spec": pod_spec(spec, container=container, pod=pod, gpus=spec.ranks_per_pod * spec.gpus_per_worker,
-                             spec_config_map=config_map_name(name), default_image=default_image,
-                             env=[{"name": key, "value": value} for key, value in environ.items()],
-                             mounts=mounts, volumes=volumes)}
+    return gang_member({
+        "apiVersion": "v1", "kind": "Pod", "metadata": object_metadata(owner, pod_name(name, index), labels),
+        "spec": pod_spec(spec, container=container, pod=pod, gpus=spec.ranks_per_pod * spec.gpus_per_worker,
+                         spec_config_map=config_map_name(name), default_image=default_image,
+                         env=[{"name": key, "value": value} for key, value in environ.items()],
+                         mounts=mounts, volumes=volumes)}, job)
 
 
 def _rank_volumes(job: ParallelTrainingJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -172,5 +174,7 @@ def rank0_access(owner: dict[str, Any], job: ParallelTrainingJob) -> list[dict[s
 
 
 def group_objects(owner: dict[str, Any], job: ParallelTrainingJob) -> list[dict[str, Any]]:
-    """Everything but the pods, created with the first group and kept for the job's life."""
-    return [headless_service(owner, job), spec_config_map(owner, job), *rank0_access(owner, job)]
+    """Everything but the pods, created with the first group and kept for the job's life (the ConfigMap and a
+    PodGroup, which follow the group's spec and size, replaced with each group)."""
+    gang = [pod_group(owner, job, selector(job.metadata.name))] if job.spec.gang is not None else []
+    return [headless_service(owner, job), spec_config_map(owner, job), *rank0_access(owner, job), *gang]

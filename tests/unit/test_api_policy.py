@@ -314,7 +314,8 @@ def test_a_pod_delete_answered_404_marks_the_pod_gone():
     state = daemon.Reconciliation("paralleltrainingjobs", "default", "j")
     pods = [{"metadata": {"name": f"j-worker-{rank}", "uid": f"u{rank}"}} for rank in (0, 1)]
     body = {"metadata": {"name": "j", "namespace": "default"}, "status": {}}
-    asyncio.run(handlers._apply(Plan(delete_pods=["j-worker-0", "j-worker-1"]), body, pods, Deleter(), state))
+    asyncio.run(handlers._apply(Plan(delete_pods=["j-worker-0", "j-worker-1"]), body, pods, Deleter(), state,
+                                handlers.QueueReads()))
     assert state.gone == {"u0"}
 
 

@@ -53,6 +53,7 @@ VALUE_SETS = {
     "defaults": {},
     "namespaced-peered-monitored": NAMESPACED,
     "clusterwide-peered": {"replicas": 3, "serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
+    "queues": {"kueue": {"enabled": True}, "gangScheduling": {"enabled": True}},
 }
 NO_OFFICIAL_SCHEMA = {"monitoring.coreos.com/v1"}
 """The Prometheus Operator's kinds: kubernetes-validate has no schema for them."""
@@ -152,6 +153,9 @@ def test_the_deployment_runs_the_operator_with_options_it_accepts():
 
     default = build_parser().parse_args(["operator", *operator_container({})["args"]])
     assert default.worker_image == "tandem-worker:0.1.0" and default.namespace == [] and default.standalone
+    assert not default.kueue and not default.gang_scheduling
+    queues = build_parser().parse_args(["operator", *operator_container(QUEUES)["args"]])
+    assert queues.kueue and queues.gang_scheduling
 
 
 def test_the_operator_runs_as_the_images_non_root_user_with_a_read_only_root_and_no_capabilities():
@@ -272,7 +276,20 @@ OWN_RESOURCES = {
 }
 
 
-@pytest.mark.parametrize("values", [{}, NAMESPACED], ids=["clusterwide", "namespaced"])
+QUEUES = {"kueue": {"enabled": True}, "gangScheduling": {"enabled": True}}
+QUEUE_VERBS = {
+    ("kueue.x-k8s.io", "workloads"): ["list", "watch", "create", "delete"],  # a queued job's Workload, its index
+    ("kueue.x-k8s.io", "workloads/status"): ["patch"],  # quota given back, PodsReady, Finished
+    ("kueue.x-k8s.io", "resourceflavors"): ["get"],  # an admission's node labels and tolerations
+    ("kueue.x-k8s.io", "workloadpriorityclasses"): ["get"],  # the Workload's priority
+    ("scheduling.k8s.io", "priorityclasses"): ["get"],
+    ("scheduling.x-k8s.io", "podgroups"): ["create", "patch"],  # spec.gang: the PodGroup, resized with its group
+    ("scheduling.volcano.sh", "podgroups"): ["create", "patch"],
+}
+
+
+@pytest.mark.parametrize("values", [{}, NAMESPACED, QUEUES, {**NAMESPACED, **QUEUES}],
+                         ids=["clusterwide", "namespaced", "queues", "namespaced-queues"])
 def test_the_operator_may_do_exactly_what_it_does(values):
     """Least privilege: list and watch what kopf's indices read, create what the operator builds, update what it
     replaces (a pool's objects, a job's ConfigMap), delete rank pods and a pool's optional objects; its own
@@ -287,6 +304,10 @@ def test_the_operator_may_do_exactly_what_it_does(values):
             needed.add((group, resource, "update"))
     needed |= {("", "pods", "delete"), ("policy", "poddisruptionbudgets", "delete"),
                ("autoscaling", "horizontalpodautoscalers", "delete")}
+    if values.get("kueue", {}).get("enabled"):
+        needed |= {(g, r, v) for (g, r), verbs in QUEUE_VERBS.items() if "podgroups" not in r for v in verbs}
+    if values.get("gangScheduling", {}).get("enabled"):
+        needed |= {(g, r, v) for (g, r), verbs in QUEUE_VERBS.items() if r == "podgroups" for v in verbs}
     if values.get("watchNamespaces"):  # kopf's namespace observer runs only when it watches named namespaces
         needed |= {("", "namespaces", "list"), ("", "namespaces", "watch")}
     if values.get("replicas", 1) > 1:
@@ -294,6 +315,14 @@ def test_the_operator_may_do_exactly_what_it_does(values):
         needed |= {("kopf.dev", kind, verb) for verb in ("get", "list", "watch", "patch")}
     permissions = operator_permissions(values, "ml-a")
     assert permissions == needed, (sorted(permissions - needed), sorted(needed - permissions))
+
+
+def test_queues_grant_outside_the_watched_namespaces_only_the_cluster_scoped_reads():
+    outside = operator_permissions({**NAMESPACED, **QUEUES}, "elsewhere") - operator_permissions(NAMESPACED,
+                                                                                                  "elsewhere")
+    assert outside == {("kueue.x-k8s.io", "resourceflavors", "get"), ("kueue.x-k8s.io", "workloadpriorityclasses",
+                                                                      "get"), ("scheduling.k8s.io", "priorityclasses",
+                                                                               "get")}
 
 
 def test_a_namespaced_install_grants_nothing_outside_its_namespaces_but_what_kopf_reads():

@@ -100,6 +100,24 @@ namespace) or by a Role in each watched namespace. Exact verbs, from what the op
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+{{- if .Values.kueue.enabled }}
+# Kueue (kueue.enabled, tandem operator --kueue): a queued job's Workload is created, read from kopf's index (list,
+# watch), deleted when the job leaves its queue or its group changes, and its status patched (quota given back after
+# an eviction, PodsReady, Finished).
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [list, watch, create, delete]
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads/status]
+  verbs: [patch]
+{{- end }}
+{{- if .Values.gangScheduling.enabled }}
+# Gang scheduling (gangScheduling.enabled, tandem operator --gang-scheduling): a job's PodGroup, created with its
+# group and its spec patched when a later group's size differs.
+- apiGroups: [scheduling.x-k8s.io, scheduling.volcano.sh]
+  resources: [podgroups]
+  verbs: [create, patch]
+{{- end }}
 {{- if and (gt (int .Values.replicas) 1) .Values.watchNamespaces }}
 # kopf's peering: each replica's keep-alive in the KopfPeering of every namespace it watches.
 - apiGroups: [kopf.dev]
@@ -109,11 +127,21 @@ namespace) or by a Role in each watched namespace. Exact verbs, from what the op
 {{- end -}}
 
 {{/* What kopf reads cluster-wide, whatever it watches: CRDs (to notice its resources' definitions change) and,
-when it watches named namespaces, the namespaces themselves. */}}
+when it watches named namespaces, the namespaces themselves; with Kueue, the cluster-scoped objects it reads. */}}
 {{- define "tandem.clusterRules" -}}
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [list, watch]
+{{- if .Values.kueue.enabled }}
+# Kueue: the admitted flavours' node labels and tolerations, and the priority class a Workload's priority is read
+# from (cluster-scoped, read when the Workload is created or admitted).
+- apiGroups: [kueue.x-k8s.io]
+  resources: [resourceflavors, workloadpriorityclasses]
+  verbs: [get]
+- apiGroups: [scheduling.k8s.io]
+  resources: [priorityclasses]
+  verbs: [get]
+{{- end }}
 {{- if .Values.watchNamespaces }}
 - apiGroups: [""]
   resources: [namespaces]

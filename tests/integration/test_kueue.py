@@ -1,0 +1,154 @@
+"""Queued training on the emulated cluster: `tandem operator --kueue` against devcluster's emulated Kueue admission
+(devcluster/kueue.py: a ClusterQueue's quota, the queue order, preemption, the Workload's conditions; not Kueue
+itself, which needs a real cluster) and the upstream Kueue CRDs (tests/upstream_crds/), so that every Workload the
+operator writes is checked against Kueue's own schema. The ranks are real gloo processes run by the test kubelet.
+
+One ClusterQueue of 2 CPUs (a flavour whose node label the node has), and jobs of 2 ranks asking 1 CPU each: one job
+fits at a time."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import yaml
+from jobs import TESTS, final_weights, manifest, tandem_run
+from operator_runs import GROUP, JOBS, NS, STARTUP, VERSION, claim, custom_job, events, start_operator
+from operator_runs import job_pods as pods
+
+from devcluster import Cluster
+from tandem.contract import checkpoint_name
+from tandem.operator import queueing
+from tandem.worker import checkpoint
+
+KUEUE = f"{queueing.KUEUE_GROUP}/{queueing.KUEUE_VERSION}"
+FLAVOR_LABEL = {"tandem.dev/node-pool": "cpu"}
+# The dropout MLP draws random numbers every step, so an inexact resume shows in the weights; 0.05 s a step keeps
+# the job running long enough to be preempted mid-run.
+TRAINER = {"model": "userland:dropout_mlp", "modelArgs": {"hidden": 32, "p": 0.3, "step_seconds": 0.05},
+           "evalData": None, "deterministic": True, "epochs": 100, "maxSteps": 240,
+           "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}}
+EVERY = 50
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with Cluster(tmp_path_factory.mktemp("kueue"), kueue=True, node_labels=FLAVOR_LABEL,
+                 extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
+        for document in queue_objects():
+            cluster.apply(document)
+        start_operator(cluster, "--kueue")
+        yield cluster
+
+
+def queue_objects() -> list[dict]:
+    """What a platform team creates (the README's manifests): a flavour, a ClusterQueue of 2 CPUs that preempts
+    lower priorities, a LocalQueue in the namespace, two priority classes."""
+    return [
+        {"apiVersion": KUEUE, "kind": "ResourceFlavor", "metadata": {"name": "cpu"},
+         "spec": {"nodeLabels": FLAVOR_LABEL}},
+        {"apiVersion": KUEUE, "kind": "ClusterQueue", "metadata": {"name": "team"},
+         "spec": {"namespaceSelector": {}, "preemption": {"withinClusterQueue": "LowerPriority"},
+                  "resourceGroups": [{"coveredResources": ["cpu"], "flavors": [
+                      {"name": "cpu", "resources": [{"name": "cpu", "nominalQuota": "2"}]}]}]}},
+        {"apiVersion": KUEUE, "kind": "LocalQueue", "metadata": {"name": "team-a", "namespace": NS},
+         "spec": {"clusterQueue": "team"}},
+        {"apiVersion": KUEUE, "kind": "WorkloadPriorityClass", "metadata": {"name": "low"}, "value": 10},
+        {"apiVersion": KUEUE, "kind": "WorkloadPriorityClass", "metadata": {"name": "high"}, "value": 1000},
+    ]
+
+
+def queued(document: dict, priority: str) -> dict:
+    document["metadata"]["labels"] = {queueing.QUEUE_LABEL: "team-a", queueing.PRIORITY_LABEL: priority}
+    document["spec"]["resources"] = {"requests": {"cpu": "1"}}
+    return document
+
+
+def create(cluster: Cluster, document: dict) -> None:
+    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, JOBS, document)
+
+
+def status(cluster: Cluster, name: str) -> dict:
+    return (cluster.get("ptj", NS, name) or {}).get("status") or {}
+
+
+def wait_status(cluster: Cluster, name: str, predicate, what: str, timeout: float = STARTUP) -> dict:
+    try:
+        return cluster.wait_for(lambda: predicate(s := status(cluster, name)) and s, timeout, what)
+    except TimeoutError:
+        print(cluster.process_log("operator")[-4000:])
+        raise AssertionError(f"{name}: {what}: {status(cluster, name)}") from None
+
+
+def workload_of(cluster: Cluster, name: str) -> dict | None:
+    return next((w for w in cluster.list("workloads", NS) if w["metadata"]["labels"].get("tandem.dev/job") == name),
+                None)
+
+
+def test_a_higher_priority_job_preempts_a_running_one_which_resumes_bit_identical(cluster, tmp_path):
+    """Two jobs on a quota that fits one: the first runs, the second waits Queued with no pods. A third of higher
+    priority preempts the first: its ranks checkpoint at the step they agree on and stop, its quota goes back, and
+    the third runs. Admitted again, the first resumes from that checkpoint and ends with the weights of an
+    uninterrupted run (`tandem run` of the same job); nothing counts as a failure."""
+    reference = manifest(tmp_path, "reference", trainer=TRAINER)
+    first = yaml.safe_load(reference.read_text())
+    first["metadata"]["name"] = "first"
+    first["spec"]["checkpoint"] = {"directory": "first", "persistentVolumeClaim": "first-checkpoints",
+                                   "everySteps": EVERY}
+    claim(cluster, "first-checkpoints")
+    create(cluster, queued(first, "low"))
+    running = wait_status(cluster, "first", lambda s: s.get("phase") == "Running" and s.get("progress", {}).get(
+        "step", 0) > 0, "the first job to run")
+    assert running["queue"]["admitted"] and running["queue"]["clusterQueue"] == "team"
+    workload = workload_of(cluster, "first")
+    assert workload["spec"]["priority"] == 10 and workload["spec"]["podSets"][0]["count"] == 2
+    assert workload["metadata"]["ownerReferences"][0]["name"] == "first"
+    assert all(p["spec"]["nodeSelector"] == FLAVOR_LABEL for p in pods(cluster, "first"))
+
+    create(cluster, queued(custom_job("second", [sys.executable, "-c", "pass"]), "low"))
+    waiting = wait_status(cluster, "second", lambda s: s.get("phase") == "Queued" and "insufficient unused quota" in
+                          s.get("queue", {}).get("message", ""), "the second job to wait in the queue for quota")
+    assert waiting["queue"]["reason"] == "Pending" and not waiting["queue"]["admitted"]
+    assert not pods(cluster, "second")
+
+    wait_status(cluster, "first", lambda s: s.get("checkpoint", {}).get("step"), "a first checkpoint")
+    create(cluster, queued(custom_job("urgent", [sys.executable, "-c", "import time; time.sleep(2)"]), "high"))
+    preempted = wait_status(cluster, "first", lambda s: s.get("phase") == "Queued" and not pods(cluster, "first"),
+                            "the first job to be preempted and its ranks gone")
+    stopped_at = preempted["checkpoint"]["step"]
+    assert stopped_at == preempted["progress"]["step"] < TRAINER["maxSteps"], "a checkpoint at the agreed step"
+    wait_status(cluster, "urgent", lambda s: s.get("phase") == "Succeeded", "the urgent job to run and finish")
+
+    final = wait_status(cluster, "first", lambda s: s.get("phase") == "Succeeded", "the first job to resume and end",
+                        timeout=240)
+    assert final["restarts"] == 0, "a preemption is not a failure"
+    assert final["queue"]["evictions"] == 1
+    assert final["progress"]["step"] == TRAINER["maxSteps"]
+    assert {"Requeued", "Admitted"} <= set(events(cluster, "first"))
+    resumed_env = {e["name"]: e.get("value") for e in pods(cluster, "first")[0]["spec"]["containers"][0]["env"]}
+    assert resumed_env["TANDEM_RESUME_FROM"].endswith(checkpoint_name(stopped_at))
+    cluster.wait_for(lambda: any(c["type"] == "Finished" and c["status"] == "True" for c in (
+        workload_of(cluster, "first").get("status") or {}).get("conditions", [])), 10, "the Workload marked Finished")
+    wait_status(cluster, "second", lambda s: s.get("phase") == "Succeeded", "the second job, admitted last")
+
+    straight = tandem_run(reference)
+    assert straight.returncode == 0, straight.stderr
+    on_cluster = checkpoint.load(checkpoint.latest(cluster.kubelet.claim_dir(NS, "first-checkpoints") / "first"))
+    expected = final_weights(tmp_path, "reference")
+    assert on_cluster["model"].keys() == expected.keys()
+    differing = [key for key in expected if not torch.equal(expected[key], on_cluster["model"][key])]
+    assert not differing, f"the preempted job's weights differ from an uninterrupted run's: {differing}"
+
+
+def test_a_job_without_a_queue_label_is_untouched_by_kueue(cluster):
+    create(cluster, custom_job("unqueued", [sys.executable, "-c", "pass"]))
+    done = wait_status(cluster, "unqueued", lambda s: s.get("phase") == "Succeeded", "the job to run unqueued")
+    assert "queue" not in done
+    assert workload_of(cluster, "unqueued") is None
+
+
+def test_operator_log_has_no_errors(cluster):
+    log = cluster.process_log("operator")
+    assert "Traceback" not in log and "[ERROR]" not in log, log[-4000:]
+

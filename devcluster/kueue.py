@@ -1,12 +1,13 @@
 """An emulation of Kueue's admission, not Kueue: the ClusterQueue's quota, the queue order, preemption within a
 ClusterQueue and the Workload's status conditions, as Kueue's scheduler and workload controller write them
-(kueue.x-k8s.io/v1beta2; read from kubernetes-sigs/kueue at ff69552e, whose release is v0.19.2). It lets an operator
+(kueue.x-k8s.io/v1beta2; read from kubernetes-sigs/kueue at ff69552e, main after release v0.19.2). It lets an operator
 that creates Workloads for its jobs (the job integration's part) be tested on the emulated cluster. Like the
 Deployment controller (deployments.py), it is a client of the API: it lists and watches Workloads, ClusterQueues,
 LocalQueues, ResourceFlavors and Namespaces, and writes Workloads' status through the status subresource (a merge
-patch with the resourceVersion it read: a conflict is decided again on the next event). `Cluster(kueue=True)`
+patch with the resourceVersion it read: a conflict is decided again, on what the watch brought). `Cluster(kueue=True)`
 installs the upstream CRDs (`KUEUE_CRDS`) and runs it; its requests are client `kueue`'s (faults.py). The decisions are
-pure functions in kueue_admission.py.
+pure functions: kueue_admission.py (flavors, victims, one pass) over kueue_objects.py (quantities, requests, conditions,
+a ClusterQueue's quotas).
 
 What it does (Kueue's wording throughout):
 
@@ -78,7 +79,8 @@ from pathlib import Path
 from typing import Any
 
 from .apiclient import MERGE_PATCH, Api, ApiError, Informer
-from .kueue_admission import Decision, World, holders, plan
+from .kueue_admission import Decision, World, plan
+from .kueue_objects import holds_quota
 from .writes import timestamp
 
 logger = logging.getLogger(__name__)
@@ -127,7 +129,7 @@ class KueueController:
     def _on_workload(self, type_: str, workload: dict[str, Any]) -> None:
         uid = workload["metadata"]["uid"]
         self._seen.setdefault(uid, next(self._counter))
-        held = type_ != "DELETED" and uid in holders([workload])
+        held = type_ != "DELETED" and holds_quota(workload)
         if uid in self._holding and not held:
             self._record("released", workload)
         self._holding.discard(uid)
@@ -184,8 +186,9 @@ class KueueController:
             answer = await self.api.request("PATCH", path, {"metadata": {"resourceVersion": meta["resourceVersion"]},
                                                             "status": patch}, MERGE_PATCH)
         except ApiError as error:
-            if error.status in (404, 409):  # gone, or changed since read: the watch brings it, decided again
+            if error.status in (404, 409):  # gone, or changed since read: decided again on what the watch brings
                 logger.debug("kueue: %s/%s not written (%s)", meta["namespace"], meta["name"], error)
+                asyncio.get_running_loop().call_later(0.2, self._kick.set)
                 return
             raise
         logger.debug("kueue: %s/%s %s: %s", meta["namespace"], meta["name"], decision.event or "status",

@@ -13,19 +13,10 @@ import urllib.request
 
 import pytest
 
-from devcluster import Cluster
+from devcluster import Cluster, Faults
 from devcluster.kueue import API, COSCHEDULING_CRDS, VOLCANO_CRDS
-from devcluster.kueue_admission import (
-    Queue,
-    World,
-    amount,
-    assign_flavors,
-    choose_victims,
-    plan,
-    pod_requests,
-    quantity,
-    queue_key,
-)
+from devcluster.kueue_admission import World, assign_flavors, choose_victims, may_preempt, plan
+from devcluster.kueue_objects import Queue, amount, pod_requests, quantity, queue_key
 from devcluster.writes import timestamp
 
 NS = "default"
@@ -51,10 +42,11 @@ def flavor(cluster: Cluster, name: str, **labels: str) -> None:
 
 
 def queue(cluster: Cluster, name: str, cpu: str = "2", *, flavors: tuple[tuple[str, str], ...] | None = None,
-          policy: str | None = None, strategy: str | None = None, selector: dict | None = None,
-          local_queue: bool = True, cluster_queue: bool = True) -> None:
+          policy: str | None = None, strategy: str | None = None, selector: dict | str | None = None,
+          local_queue: bool = True, cluster_queue: bool = True, namespace: str = NS) -> None:
     """A ClusterQueue `name` covering cpu (one resource group: `flavors` as (flavor, quota), else `default` with
-    `cpu`) and a LocalQueue `name` in `default` pointing to it."""
+    `cpu`; `selector` its namespaceSelector, `{}` by default, "null" for none) and a LocalQueue `name` in
+    `namespace` pointing to it."""
     if cluster_queue:
         spec: dict = {"namespaceSelector": {} if selector is None else selector, "resourceGroups": [{
             "coveredResources": ["cpu"],
@@ -68,13 +60,13 @@ def queue(cluster: Cluster, name: str, cpu: str = "2", *, flavors: tuple[tuple[s
             del spec["namespaceSelector"]
         cluster.apply({"apiVersion": KUEUE, "kind": "ClusterQueue", "metadata": {"name": name}, "spec": spec})
     if local_queue:
-        cluster.apply({"apiVersion": KUEUE, "kind": "LocalQueue", "metadata": {"name": name, "namespace": NS},
+        cluster.apply({"apiVersion": KUEUE, "kind": "LocalQueue", "metadata": {"name": name, "namespace": namespace},
                        "spec": {"clusterQueue": name}})
 
 
 def workload(cluster: Cluster, name: str, queue_name: str, cpu: str = "1", *, count: int = 1,
              priority: int | None = None, memory: str | None = None, node_selector: dict | None = None,
-             labels: dict | None = None) -> dict:
+             labels: dict | None = None, namespace: str = NS) -> dict:
     requests = {"cpu": cpu, **({"memory": memory} if memory else {})}
     pod = {"containers": [{"name": "rank", "image": "tandem", "resources": {"requests": requests}}]}
     if node_selector:
@@ -82,27 +74,27 @@ def workload(cluster: Cluster, name: str, queue_name: str, cpu: str = "1", *, co
     spec: dict = {"queueName": queue_name, "podSets": [{"name": "main", "count": count, "template": {"spec": pod}}]}
     if priority is not None:
         spec["priority"] = priority
-    meta = {"name": name, "namespace": NS, **({"labels": labels} if labels else {})}
+    meta = {"name": name, "namespace": namespace, **({"labels": labels} if labels else {})}
     return cluster.apply({"apiVersion": KUEUE, "kind": "Workload", "metadata": meta, "spec": spec})[0]
 
 
-def get(cluster: Cluster, name: str) -> dict:
-    return cluster.get("workloads", NS, name)
+def get(cluster: Cluster, name: str, namespace: str = NS) -> dict:
+    return cluster.get("workloads", namespace, name)
 
 
-def condition(cluster: Cluster, name: str, type_: str) -> dict | None:
-    return next((c for c in (get(cluster, name).get("status") or {}).get("conditions") or []
+def condition(cluster: Cluster, name: str, type_: str, namespace: str = NS) -> dict | None:
+    return next((c for c in (get(cluster, name, namespace).get("status") or {}).get("conditions") or []
                  if c["type"] == type_), None)
 
 
-def admitted(cluster: Cluster, name: str) -> bool:
-    return (condition(cluster, name, "Admitted") or {}).get("status") == "True" and \
-        (condition(cluster, name, "QuotaReserved") or {}).get("status") == "True"
+def admitted(cluster: Cluster, name: str, namespace: str = NS) -> bool:
+    return (condition(cluster, name, "Admitted", namespace) or {}).get("status") == "True" and \
+        (condition(cluster, name, "QuotaReserved", namespace) or {}).get("status") == "True"
 
 
-def pending(cluster: Cluster, name: str) -> dict | None:
+def pending(cluster: Cluster, name: str, namespace: str = NS) -> dict | None:
     """The QuotaReserved=False condition, once written."""
-    found = condition(cluster, name, "QuotaReserved")
+    found = condition(cluster, name, "QuotaReserved", namespace)
     return found if found and found["status"] == "False" else None
 
 
@@ -279,7 +271,10 @@ def test_a_workload_that_does_not_fit_stays_pending_without_blocking_smaller_one
     settled(cluster, *expected, "fit-first", "fit-small")
 
 
-def test_strict_fifo_head_blocks_the_queue_and_a_null_namespace_selector_admits_nothing(cluster):
+def test_strict_fifo_namespace_selectors_and_missing_flavors(cluster):
+    """StrictFIFO: a head that does not fit holds back the rest (never looked at: no status). namespaceSelector:
+    null admits no namespace, a selector admits the namespaces it matches (kubernetes.io/metadata.name included). A
+    ClusterQueue naming a ResourceFlavor that does not exist is inactive."""
     flavor(cluster, "default")
     queue(cluster, "strict", cpu="1", strategy="StrictFIFO")
     workload(cluster, "strict-head", "strict", cpu="2")
@@ -290,7 +285,15 @@ def test_strict_fifo_head_blocks_the_queue_and_a_null_namespace_selector_admits_
     queue(cluster, "closed", selector="null")
     workload(cluster, "closed-one", "closed")
     found = cluster.wait_for(lambda: pending(cluster, "closed-one"))
-    assert found["message"] == "workload namespace doesn't match ClusterQueue selector"
+    assert (found["reason"], found["message"]) == ("Pending", "workload namespace doesn't match ClusterQueue selector")
+    selector = {"matchLabels": {"kubernetes.io/metadata.name": "other"}}
+    queue(cluster, "team", selector=selector, namespace="other")
+    queue(cluster, "team", cluster_queue=False)
+    workload(cluster, "team-here", "team")
+    workload(cluster, "team-there", "team", namespace="other")
+    cluster.wait_for(lambda: admitted(cluster, "team-there", "other"))
+    assert cluster.wait_for(lambda: pending(cluster, "team-here"))["message"] == \
+        "workload namespace doesn't match ClusterQueue selector"
     queue(cluster, "noflavor", flavors=(("absent", "2"),))
     workload(cluster, "noflavor-one", "noflavor")
     found = cluster.wait_for(lambda: pending(cluster, "noflavor-one"))
@@ -520,3 +523,58 @@ def test_queue_order_and_a_pass_that_is_a_fixed_point():
     for decision in decisions:
         world.workloads[decision.workload["metadata"]["uid"]]["status"] = decision.status
     assert plan(world, "2026-01-01T00:02:00Z") == []
+
+
+def test_the_controller_recovers_from_failed_writes(cluster):
+    """Its writes answered 500, 503, 429 or 409 (nothing written) half of the time: it decides again and ends where
+    it would have."""
+    flavor(cluster, "default")
+    queue(cluster, "faulty", cpu="2", policy="LowerPriority")
+    with cluster.faulty(Faults(clients={"kueue"}, write_fraction=0.5, write_codes=(500, 503, 429, 409), seed=7)):
+        for index in range(3):
+            workload(cluster, f"faulty-{index}", "faulty")
+        cluster.wait_for(lambda: admitted(cluster, "faulty-0") and admitted(cluster, "faulty-1")
+                         and pending(cluster, "faulty-2"), timeout=20)
+        workload(cluster, "faulty-high", "faulty", priority=3)
+        cluster.wait_for(lambda: (condition(cluster, "faulty-1", "Evicted") or {}).get("status") == "True",
+                         timeout=20)
+        clear_reservation(cluster, "faulty-1")
+        cluster.wait_for(lambda: admitted(cluster, "faulty-high"), timeout=20)
+    assert any(key[0] == "kueue" for key in cluster.emulator.injected)
+    assert [e for e, _ in events_of(cluster, "faulty-0", "faulty-1", "faulty-2", "faulty-high")] == [
+        "admitted", "admitted", "preempted", "released", "admitted"]
+
+
+@pytest.mark.parametrize(("policy", "preemptor", "candidate", "allowed"), [
+    ("Never", (5, 1), (0, 2), False),
+    ("LowerPriority", (5, 1), (0, 2), True),
+    ("LowerPriority", (0, 1), (0, 2), False),
+    ("LowerOrNewerEqualPriority", (0, 1), (0, 2), True),  # equal priority, the candidate later in the queue
+    ("LowerOrNewerEqualPriority", (0, 2), (0, 1), False),
+    ("LowerOrNewerEqualPriority", (0, 1), (1, 2), False),
+    ("LowerOrNewerEqualPriority", (1, 2), (0, 1), True),
+])
+def test_may_preempt(policy, preemptor, candidate, allowed):
+    """(priority, creation second) of each."""
+    first = _wl("preemptor", (1, "1"), priority=preemptor[0], created=f"2026-01-01T00:00:0{preemptor[1]}Z")
+    second = _wl("candidate", (1, "1"), priority=candidate[0], created=f"2026-01-01T00:00:0{candidate[1]}Z")
+    assert may_preempt(policy, first, second, {}) is allowed
+
+
+def test_granular_reasons_of_unadmitted_workloads_observability():
+    """granular_reasons: the reasons Kueue writes with UnadmittedWorkloadsObservability on (main's default)."""
+    fits, huge, lost = _wl("fits", (1, "2")), _wl("huge", (1, "3")), _wl("lost", (1, "1"))
+    lost["spec"]["queueName"] = "nowhere"
+    world = World(workloads={w["metadata"]["uid"]: w for w in (fits, huge, lost)},
+                  cluster_queues={"q": {"metadata": {"name": "q"}, "spec": {
+                      "namespaceSelector": {}, "resourceGroups": [{"coveredResources": ["cpu"], "flavors": [
+                          {"name": "a", "resources": [{"name": "cpu", "nominalQuota": "2"}]}]}]}}},
+                  local_queues={(NS, "q"): {"metadata": {"name": "q"}, "spec": {"clusterQueue": "q"}}},
+                  flavors={"a": {"metadata": {"name": "a"}, "spec": {}}}, namespaces={NS: {"metadata": {"name": NS}}})
+    statuses = {d.workload["metadata"]["name"]: d.status for d in plan(world, "2026-01-01T00:01:00Z", granular=True)}
+    reasons = {name: [(c["type"], c["status"], c["reason"]) for c in status["conditions"]]
+               for name, status in statuses.items()}
+    assert reasons == {
+        "fits": [("QuotaReserved", "True", "QuotaReserved"), ("Admitted", "True", "Admitted")],
+        "huge": [("QuotaReserved", "False", "ExceedsMaxQuota"), ("Admitted", "False", "NoReservation")],
+        "lost": [("QuotaReserved", "False", "Misconfigured"), ("Admitted", "False", "NoReservation")]}

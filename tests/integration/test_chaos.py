@@ -59,7 +59,7 @@ from tandem.operator.daemon import OPERATOR_FIELDS
 from tandem.operator.observed import REFUSED
 from tandem.operator.training_objects import CHECKPOINT_MOUNT, GROUP_LABEL, JOB_LABEL, RANK_LABEL
 
-RANK0_FIELDS = {"progress", "metrics", "communication", "checkpoint"}
+RANK0_FIELDS = {"progress", "metrics", "communication", "checkpoint", "preemptionCost"}
 FINAL = f"{CHECKPOINT_MOUNT}/runs/digits-train/checkpoints/step-00000230.pt"
 FAULTS = {
     "api-errors": Faults(write_fraction=0.1, latency=0.01, watch_end_after=5.0, seed=1),

@@ -1,15 +1,21 @@
 """Rank 0's report into its job's status (worker/train/status_sink.py: KubernetesStatusSink, and the Reporter in
-reporting.py), against the emulated API server (devcluster/): only rank 0's four fields are written, at most every
+reporting.py), against the emulated API server (devcluster/): only rank 0's five fields are written, at most every
 few seconds but at once for a checkpoint; a deleted job ends reporting quietly; the first status after a resume shows
-the resumed step. While the API misbehaves (faults injected with kmock's DSL: a reaction answers a status patch with
-an error, a Retry-After, or holds it): transient errors are retried and the newest status ends up stored, the stored
-step and checkpoint never go backwards, the final status gets through refusals, Retry-After is honoured, a stalled
-API never holds up `publish()`, a 403 gives one line with the fix, and a restarted group keeps the stored history."""
+the resumed step; a real rank's status carries what a preemption would cost (`preemptionCost`). While the API
+misbehaves (faults injected with kmock's DSL: a reaction answers a status patch with an error, a Retry-After, or
+holds it): transient errors are retried and the newest status ends up stored, the stored step and checkpoint never go
+backwards, the final status gets through refusals, Retry-After is honoured, a stalled API never holds up
+`publish()`, a 403 gives one line with the fix, and a restarted group keeps the stored history."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,9 +24,10 @@ import kmock
 import pytest
 
 from devcluster import Cluster
-from tandem.api import ParallelTrainingJobStatus
+from tandem.api import ParallelTrainingJob, ParallelTrainingJobStatus
 from tandem.api_errors import Backoff, retry_after
 from tandem.worker.train import status_sink
+from tandem.worker.train.preemption import preemption_cost
 from tandem.worker.train.reporting import Reporter
 from tandem.worker.train.status_sink import KubernetesStatusSink
 
@@ -90,7 +97,7 @@ def status(step: int, checkpoint: str | None = None) -> ParallelTrainingJobStatu
     return value
 
 
-def test_rank_zero_writes_its_four_fields_and_never_the_operators(cluster):
+def test_rank_zero_writes_its_own_fields_and_never_the_operators(cluster):
     sink = KubernetesStatusSink("digits", NS, interval=60)
     sink.publish(status(10))
     assert sink.flush(10)
@@ -305,3 +312,59 @@ def test_a_group_restarted_from_scratch_removes_no_checkpoint(cluster):
     for version in versions:
         assert version["checkpoint"]["latest"] == paths[-1]
         assert [record["path"] for record in version["checkpoint"]["history"]] == paths
+
+
+def test_a_status_behind_the_one_handed_over_keeps_its_preemption_cost_consistent_with_what_is_sent(cluster):
+    """The sink never sends an older step or checkpoint than it handed over; the preemption cost it sends is the one
+    of the step and checkpoint it sends."""
+    def with_cost(step: int, checkpointed: int, seconds: float) -> ParallelTrainingJobStatus:
+        value = status(step, checkpoint=f"/ckpt/step-{checkpointed:04d}.pt")
+        value.checkpoint.step = checkpointed
+        value.preemption_cost = preemption_cost(value, seconds)
+        return value
+
+    sink = KubernetesStatusSink("digits", NS, interval=0)
+    sink.publish(with_cost(20, 15, 0.5))
+    sink.publish(with_cost(12, 10, 0.25))
+    sink.close()
+    written = stored(cluster)
+    assert (written["progress"]["step"], written["checkpoint"]["step"]) == (20, 15)
+    assert written["preemptionCost"] == {"stepsSinceCheckpoint": 5, "checkpointSeconds": 0.5}
+
+
+def test_a_real_ranks_status_carries_its_preemption_cost(cluster, tmp_path):
+    """One rank of `tandem worker train` on the cluster's contract (TANDEM_NAMESPACE: the Kubernetes sink), 25 steps
+    with a checkpoint every 10: every stored version's preemptionCost counts the steps since its checkpoint (all the
+    steps before the first), and once a checkpoint is stored, how long it took to write."""
+    job = cluster.get("ptj", NS, "digits")
+    job["spec"]["trainer"].update({"modelArgs": {"hidden": 16}, "batchSizePerWorker": 16, "maxSteps": 25})
+    job["spec"]["checkpoint"] = {"everySteps": 10}
+    spec = tmp_path / "digits.json"
+    spec.write_text(ParallelTrainingJob.model_validate({key: job[key] for key in ("apiVersion", "kind", "spec")} | {
+        "metadata": {"name": "digits", "namespace": NS}}).model_dump_json(by_alias=True))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TANDEM_SPEC": str(spec), "TANDEM_JOB": "digits",
+           "TANDEM_NAMESPACE": NS, "TANDEM_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
+    result = subprocess.run([sys.executable, "-m", "tandem.cli", "worker", "train"], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+    final = stored(cluster)
+    assert (final["progress"]["step"], final["checkpoint"]["step"]) == (25, 25)
+    assert final["preemptionCost"]["stepsSinceCheckpoint"] == 0
+    assert 0 < final["preemptionCost"]["checkpointSeconds"] < 60
+    versions = [v["status"] for v in cluster.history("ptj", NS, "digits")
+                if v and "preemptionCost" in v.get("status", {})]
+    checkpointed = [v["checkpoint"]["step"] for v in versions if (v.get("checkpoint") or {}).get("latest")]
+    assert checkpointed and set(checkpointed) <= {10, 20, 25}, checkpointed
+    at_stake = []
+    for version in versions:
+        checkpoint, cost = version.get("checkpoint") or {}, version["preemptionCost"]
+        since = checkpoint["step"] if checkpoint.get("latest") else 0
+        assert cost["stepsSinceCheckpoint"] == version["progress"]["step"] - since, json.dumps(version)
+        assert ("checkpointSeconds" in cost) == bool(checkpoint.get("latest")), json.dumps(version)
+        at_stake.append(cost["stepsSinceCheckpoint"])
+    assert at_stake[0] > 0, "the first status, before any checkpoint, has every step done at stake"

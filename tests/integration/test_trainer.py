@@ -40,6 +40,9 @@ def test_each_mode_trains_digits_to_near_its_measured_accuracy_with_its_example(
     assert status["progress"]["step"] == status["progress"]["totalSteps"] > 0
     assert status["metrics"]["accuracy"] >= EXAMPLES[example], f"measured {MEASURED[example]}: {status['metrics']}"
     assert status["checkpoint"]["latest"] == str(checkpoint.latest(tmp_path / "checkpoints"))
+    cost = status["preemptionCost"]  # the final checkpoint is at the last step: nothing left at stake
+    assert cost["stepsSinceCheckpoint"] == status["progress"]["step"] - status["checkpoint"]["step"] == 0, cost
+    assert 0 < cost["checkpointSeconds"] < 60, cost
     communication = status["communication"]
     assert communication["denseBytes"] > 0
     if document["spec"]["trainingMode"] == "sharedGradients":

@@ -1,4 +1,5 @@
-"""Progress reporting: rank 0 keeps one status object (the CR's `.status` shape) and publishes it to sinks.
+"""Progress reporting: rank 0 keeps one status object (the CR's `.status` shape) and publishes it to sinks. Each
+published status carries what a preemption would cost then (`preemptionCost`, preemption.py).
 
 Sinks: a status file (what `tandem run` reads and renders), the console (a rich progress bar on a
 terminal, plain log lines otherwise), and, on a cluster, the job's status subresource (status_sink.py:
@@ -21,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tandem.api import ParallelTrainingJobStatus
 from tandem.api.training import CheckpointRecord
+from tandem.worker.train.preemption import preemption_cost
 from tandem.worker.train.status_sink import HISTORY_LIMIT
 
 
@@ -113,9 +115,11 @@ class Reporter:
         self._last_publish = 0.0
         self._first: tuple[float, int, int] | None = None
         self._latest: tuple[float, int, int, float | None, int] | None = None
+        self._checkpoint_seconds: float | None = None
 
     def publish(self) -> None:
         self.refresh()
+        self.status.preemption_cost = preemption_cost(self.status, self._checkpoint_seconds)
         self.status = ParallelTrainingJobStatus.model_validate(self.status.model_dump())  # refresh summaries
         for sink in self.sinks:
             sink.publish(self.status)
@@ -152,7 +156,10 @@ class Reporter:
             steps_per_second = (step - step_then) / elapsed
             progress.eta_seconds = max(0.0, (progress.total_steps - step) / steps_per_second)
 
-    def checkpoint(self, path: Path, step: int) -> None:
+    def checkpoint(self, path: Path, step: int, seconds: float | None = None) -> None:
+        """The checkpoint of `step` is complete at `path`; `seconds`: how long writing it took (None: not written by
+        this process, as a resumed one)."""
+        self._checkpoint_seconds = seconds
         record = CheckpointRecord(path=str(path), step=step, time=now())
         checkpoint = self.status.checkpoint
         checkpoint.latest, checkpoint.step, checkpoint.time = record.path, record.step, record.time

@@ -17,6 +17,7 @@ import hashlib
 import json
 import random
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -142,10 +143,14 @@ class Checkpointer:
         self.job = job
         self.directory = directory
         self.layout = Layout.of(spec, world_size)
+        self.seconds: float | None = None
+        """On rank 0, the wall time of the latest save, from its start (the mode's preparation, gathering each rank's
+        state) until the file is complete on disk: what a graceful preemption costs (status.preemptionCost)."""
 
     def save(self, state: TrainState, *, input_shape: list[int] | None, final: bool = False) -> Path | None:
         """A checkpoint of `state` at its step; the path on rank 0, None on the others. With `final`, the mode
         leaves the model as the checkpoint holds it (averaging: the average)."""
+        started = time.perf_counter()
         position = state.position
         with state.mode.for_checkpoint(position.step, state.optimizer, final=final) as replica:
             per_rank = [None] * self.world_size if self.rank == 0 else None
@@ -161,8 +166,10 @@ class Checkpointer:
                 job=self.job,
             )
             contents = {"manifest": manifest, **state.state_dict(), "per_rank": per_rank}
-            return checkpoint.save(self.directory, contents, step=position.step,
+            path = checkpoint.save(self.directory, contents, step=position.step,
                                    keep_last=self.spec.checkpoint.keep_last)
+            self.seconds = time.perf_counter() - started
+            return path
 
     def resume(self, state: TrainState, source: Path) -> None:
         """Load `source` into `state`; every rank reads the file. Written at this world size and batch, the run

@@ -24,6 +24,7 @@ from typing import Any
 
 from tandem.api import GROUP, VERSION, ParallelTrainingJobStatus
 from tandem.api_errors import TRANSIENT_CODES, Backoff, api_message, retry_after
+from tandem.worker.train.preemption import preemption_cost
 
 PLURAL = "paralleltrainingjobs"
 
@@ -54,15 +55,16 @@ class Refused(Exception):
 
 class KubernetesStatusSink:
     """Rank 0's report into its ParallelTrainingJob's status subresource: `progress` (with `lastHeartbeat`),
-    `metrics`, `communication` and `checkpoint`, and nothing else (phase, conditions, workers and the rest are the
-    operator's). A merge patch at most every `interval` seconds, at once when the checkpoint changes, and at
-    close. Logs in with in-cluster config, else KUBECONFIG.
+    `metrics`, `communication`, `checkpoint` and `preemptionCost` (what a preemption would cost at that progress),
+    and nothing else (phase, conditions, workers and the rest are the operator's). A merge patch at most every
+    `interval` seconds, at once when the checkpoint changes, and at close. Logs in with in-cluster config, else
+    KUBECONFIG.
 
     One background thread sends (see the module's docstring for the promises under API faults). `timeout` bounds
     each request; `deadline` bounds how long `close()` waits for the final status: it must fit within the pod's
     termination grace period, after the checkpoint written on SIGTERM (the operator gives rank pods 60 s)."""
 
-    FIELDS = ("progress", "metrics", "communication", "checkpoint")
+    FIELDS = ("progress", "metrics", "communication", "checkpoint", "preemptionCost")
 
     def __init__(self, job: str, namespace: str, *, interval: float = 5.0, timeout: float = 5.0,
                  deadline: float = 30.0):
@@ -124,14 +126,18 @@ class KubernetesStatusSink:
 
     def _not_behind(self, status: ParallelTrainingJobStatus) -> ParallelTrainingJobStatus:
         """A copy of `status` (the Reporter edits its own afterwards) whose progress and checkpoint are not behind
-        those already handed over."""
+        those already handed over, and its preemption cost counted from those."""
         status = status.model_copy(deep=True)
         before = self._newest
-        if before is not None:
-            if status.progress.step < before.progress.step:
-                status.progress = before.progress.model_copy(deep=True)
-            if _checkpoint_step(status) < _checkpoint_step(before):
-                status.checkpoint = before.checkpoint.model_copy(deep=True)
+        if before is None:
+            return status
+        if status.progress.step < before.progress.step:
+            status.progress = before.progress.model_copy(deep=True)
+        if _checkpoint_step(status) < _checkpoint_step(before):
+            status.checkpoint = before.checkpoint.model_copy(deep=True)
+            status.preemption_cost = before.preemption_cost  # with the seconds that checkpoint took
+        if status.preemption_cost is not None:
+            status.preemption_cost = preemption_cost(status, status.preemption_cost.checkpoint_seconds)
         return status
 
     # -- the sender thread ------------------------------------------------------------------------------------------

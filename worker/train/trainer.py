@@ -112,7 +112,7 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
         agreement.checkpoint_written()
         if reporter is not None and path is not None:
             report_progress()
-            reporter.checkpoint(path, position.step)
+            reporter.checkpoint(path, position.step, seconds=checkpointer.seconds)
 
     outcome = NOTHING_AGREED
     model.train()

@@ -19,7 +19,8 @@ good. A child the API answers 404 for, or that a LIST no longer holds while the 
 An API failure ends a pass, nothing more: it never restarts a group and never counts toward `backoffLimit` (those
 are decided from the pods alone). The operator's status fields are kept as last written (`written`) and laid over
 the body the pass reads, because the watch can lag behind the operator's own patch; they are only ever the
-operator's fields, so rank 0's (progress, metrics, communication, checkpoint) are never patched from a stale view.
+operator's fields, so rank 0's (progress, metrics, communication, checkpoint, preemptionCost) are never patched
+from a stale view.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ OPERATOR_FIELDS = frozenset({"phase", "conditions", "workers", "master", "restar
                              "message", "observedGeneration", "selector", "replicas", "readyReplicas", "readySummary",
                              "endpoint", "model", "queue"})
 """The status fields the operator writes; the rest of a job's status (progress, metrics, communication,
-checkpoint) is rank 0's."""
+checkpoint, preemptionCost) is rank 0's."""
 FINISHED = -1.0
 """What a pass returns when the object needs no daemon any more (a job deleted after its TTL)."""
 

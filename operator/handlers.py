@@ -124,9 +124,11 @@ class QueueReads:
         self.patched: tuple[str | None, dict[str, Any]] | None = None
         """(the resourceVersion the patch was decided on, the Workload the API answered)."""
         self.flavors: tuple[tuple[str, ...], dict[str, dict[str, Any]]] = ((), {})
+        self.indexed: dict[str, Any] | None = None
+        """The Workload kopf's index held at the last read."""
 
     async def read(self, cluster: Cluster, body: dict[str, Any], indexed: dict[str, Any] | None) -> Queueing:
-        workload = indexed
+        self.indexed = workload = indexed
         if indexed is not None and self.patched is not None and (
                 indexed["metadata"].get("resourceVersion") == self.patched[0]):
             workload = self.patched[1]  # the index has not caught up with the operator's own patch
@@ -196,9 +198,10 @@ async def _apply(plan: Plan, body: dict[str, Any], pods: list[dict[str, Any]], c
     await daemon.all_of(cluster.create(m) for m in plan.create if m["kind"] == "Pod")
     if not plan.stop_first:
         await delete_pods()
-    if plan.delete_workload is not None:
-        await cluster.delete_custom(WORKLOADS, plan.delete_workload, state.namespace, queueing.KUEUE_GROUP,
-                                    queueing.KUEUE_VERSION)
+    if plan.delete_workload is not None and not await cluster.delete_custom(
+            WORKLOADS, plan.delete_workload, state.namespace, queueing.KUEUE_GROUP, queueing.KUEUE_VERSION) and (
+            reads.indexed is not None):
+        state.found_gone(reads.indexed)
     if plan.delete_job:
         await cluster.delete_custom(JOBS, state.name, state.namespace)
 

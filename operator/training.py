@@ -2,7 +2,8 @@
 -> a Plan (objects to create, pods to delete, the operator's status fields, events, when to look again).
 
 The operator writes phase, conditions, workers, master, restarts, startTime, completionTime, message,
-observedGeneration and selector; rank 0 writes progress, metrics, communication and checkpoint. Neither writes
+observedGeneration, selector and queue; rank 0 writes progress, metrics, communication, checkpoint and
+preemptionCost. Neither writes
 the other's fields (a merge patch of its own). The rules, in the order they apply:
 
 1. A manifest the API models reject gets an InvalidSpec condition naming each field; nothing else happens.

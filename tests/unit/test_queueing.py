@@ -291,3 +291,29 @@ def upstream_problems(path: str, manifest: dict[str, Any]) -> list[str]:
 def test_the_schema_check_can_fail():
     broken = {**ADMITTED, "spec": {**ADMITTED["spec"], "podSets": [{"name": "ranks", "count": "two"}]}}
     assert upstream_problems("kueue/kueue.x-k8s.io_workloads.yaml", broken)
+
+
+def readme_section() -> str:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return readme.split("### Queues and gangs", 1)[1].split("\n### ", 1)[0]
+
+
+def test_the_readmes_queue_manifests_are_valid_kueue_objects():
+    blocks = [yaml.safe_load_all(b.split("```", 1)[0]) for b in readme_section().split("```yaml\n")[1:]]
+    platform = [d for d in blocks[0] if d]
+    assert [d["kind"] for d in platform] == ["ResourceFlavor", "ClusterQueue", "LocalQueue", "WorkloadPriorityClass"]
+    for document in platform:
+        plural = document["kind"].lower() + ("es" if document["kind"].endswith("s") else "s")
+        assert upstream_problems(f"kueue/kueue.x-k8s.io_{plural}.yaml", document) == [], document["kind"]
+
+
+def test_the_readmes_job_labels_and_gang_make_a_valid_queued_job():
+    blocks = readme_section().split("```yaml\n")[1:]
+    labels, gang = (yaml.safe_load(b.split("```", 1)[0]) for b in blocks[1:3])
+    body = job(**gang["spec"])
+    body["metadata"]["labels"] = labels["metadata"]["labels"]
+    parsed = parse(body)
+    assert queueing.queue_name(body) == "team-a"
+    assert queueing.priority_source(body, parsed) == ("kueue.x-k8s.io", "WorkloadPriorityClass", "urgent")
+    assert upstream_problems("volcano/scheduling.volcano.sh_podgroups.yaml",
+                             pod_group(body, parsed, {"tandem.dev/job": "digits"})) == []

@@ -174,7 +174,8 @@ class Cluster:
         paths = [self._crds] if isinstance(self._crds, (str, Path)) else list(self._crds or [])
         if self._with_kueue:
             paths.append(KUEUE_CRDS)
-        return sorted({p for path in map(Path, paths) for p in ([path] if path.is_file() else path.glob("*.yaml"))})
+        return sorted({p.resolve() for path in map(Path, paths)
+                       for p in ([path] if path.is_file() else path.glob("*.yaml"))})
 
     def shutdown(self) -> None:
         """Stop everything this cluster started; safe to call twice."""

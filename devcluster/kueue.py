@@ -61,11 +61,14 @@ admission), partial admission (minCount), elastic workloads, requeue backoff (re
 maximumExecutionTimeSeconds, stopPolicy and HoldAndDrain, flavorFungibility other than the default (a fitting flavor
 is looked for in every flavor, then the first one preemption can make room in), node affinity and taints of flavors
 (only the nodeSelector is matched), resource transformations and excluded resource prefixes, reclaimablePods,
-DRA, MultiKueue, the ClusterQueue's and LocalQueue's status (usage, pending counts), WorkloadPriorityClass
-resolution (the Workload's spec.priority is read, as Kueue's scheduler does; the job integration sets it), the
-Workload finalizer, v1beta1 (only the storage version v1beta2 is served: catalog.py), and Kueue's webhooks (the
-CRDs' OpenAPI schemas and CEL rules are enforced by the emulator). Same-second creation or admission times are
-ordered by when this controller saw them (Kueue: by uid).
+DRA, pod-level resources (spec.resources of the pod) and LimitRanges, MultiKueue, the ClusterQueue's and LocalQueue's
+status (usage, pending counts), WorkloadPriorityClass resolution (the Workload's spec.priority is read, as Kueue's
+scheduler does; the job integration sets it), the Workload finalizer, v1beta1 (only the storage version v1beta2 is
+served: catalog.py), Kueue's webhooks (the CRDs' OpenAPI schemas and CEL rules are enforced by the emulator), and the
+job integration itself (suspending a job, clearing a reservation, Finished: the operator's part, or a test's).
+Deviations: same-second creation or admission times are ordered by when this controller saw the Workloads (Kueue: by
+uid); where Kueue meets a pod set's resources in Go's (random) map order, they are taken sorted here, an uncovered
+resource first.
 """
 
 from __future__ import annotations

@@ -193,6 +193,24 @@ def test_objects_the_upstream_schemas_refuse_answer_422(cluster):
     assert cluster.get("workloads", NS, "refused") is None
 
 
+def test_upstream_transition_rules_hold_on_updates(cluster):
+    """The CRDs' rules on `oldSelf` (evaluated by cel-python on updates): a LocalQueue's clusterQueue is immutable,
+    a Workload's queueName too while it holds a quota reservation."""
+    flavor(cluster, "default")
+    queue(cluster, "rules")
+    workload(cluster, "rules-one", "rules")
+    cluster.wait_for(lambda: admitted(cluster, "rules-one"))
+    code, body = cluster.request("PATCH", f"{API}/namespaces/{NS}/localqueues/rules",
+                                 {"spec": {"clusterQueue": "other"}}, MERGE)
+    assert code == 422 and 'spec.clusterQueue: Invalid value: "string": field is immutable' in body["message"]
+    code, body = cluster.request("PATCH", f"{API}/namespaces/{NS}/workloads/rules-one",
+                                 {"spec": {"queueName": "other"}}, MERGE)
+    assert code == 422 and "queueName is immutable while workload quota reserved" in body["message"]
+    code, body = cluster.request("PATCH", f"{API}/namespaces/{NS}/workloads/rules-one/status", {"status": {
+        "admission": {"clusterQueue": "rules", "podSetAssignments": []}}}, MERGE)
+    assert code == 422 and "podSetAssignments must have the same number of podSets as the spec" in body["message"]
+
+
 @pytest.mark.parametrize(("path", "api_version"), [
     ("/apis/scheduling.x-k8s.io/v1alpha1", "scheduling.x-k8s.io/v1alpha1"),
     ("/apis/scheduling.volcano.sh/v1beta1", "scheduling.volcano.sh/v1beta1"),

@@ -85,6 +85,9 @@ class Refused(ApiFailure):
         if self.code == 403:
             return (f"grant the operator's ServiceAccount the verb '{RBAC_VERBS.get(self.verb, self.verb)}' on "
                     f"'{resource}' (the chart's ClusterRole or Role, charts/tandem/templates/rbac.yaml)")
+        if self.code == 404:
+            return ("install the CRDs of the project that defines the kind (Kueue for Workloads, Volcano or "
+                    "scheduler-plugins for PodGroups), or remove what asks for it from the job")
         if self.code == 422 or self.code == 400:
             return ("the API server rejects the object the operator built from the spec: correct the spec field the "
                     "message names, or an admission policy that refuses it")

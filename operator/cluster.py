@@ -16,10 +16,10 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from tandem.api import GROUP, VERSION
-from tandem.operator.api_policy import call
+from tandem.operator.api_policy import Refused, call
 
 log = logging.getLogger("tandem.operator")
-CONFLICT = 409
+CONFLICT, NOT_FOUND = 409, 404
 
 
 def login() -> client.ApiClient:
@@ -86,7 +86,10 @@ class Cluster:
         try:
             await call("create", kind, target, self.custom.create_namespaced_custom_object, group, version, namespace,
                        plural, manifest)
-        except ApiException as error:  # 409: it exists
+        except ApiException as error:  # 409: it exists; 404: the API server does not serve the kind
+            if error.status == NOT_FOUND:
+                raise Refused("create", kind, target, NOT_FOUND, "NotFound",
+                              f"the API server does not serve {group}/{version} {plural}") from error
             if kind == "PodGroup" and error.status == CONFLICT:
                 await call("patch", kind, target, self.custom.patch_namespaced_custom_object, group, version,
                            namespace, plural, manifest["metadata"]["name"], {"spec": manifest["spec"]},

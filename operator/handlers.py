@@ -101,7 +101,7 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
             namespace, selector_string(name)))
         queued = None
         if SETTINGS.kueue and queueing.queue_name(observed):
-            workloads = state.present(indices["job_workloads"].get(key, []))
+            workloads = state.present(indices.get("job_workloads", {}).get(key, []))  # none: no Kueue CRDs
             queued = await reads.read(memo.cluster, observed, next(iter(workloads), None))
         plan = reconcile(observed, pods, config_map, datetime.now(UTC), SETTINGS, queued)
         await _apply(plan, observed, pods, memo.cluster, state, reads)

@@ -154,6 +154,7 @@ def test_answers_that_are_not_retried(slept, verb, code, raised):
     ("replace", "Deployment", 403, "the verb 'update' on 'deployments'"),
     ("patch", "paralleltrainingjobs/status", 403, "the verb 'patch' on 'paralleltrainingjobs/status'"),
     ("create", "Pod", 422, "correct the spec field the message names"),
+    ("create", "Workload", 404, "install the CRDs of the project that defines the kind (Kueue for Workloads"),
 ])
 def test_a_refusal_names_its_fix(verb, kind, code, fix):
     assert fix in Refused(verb, kind, "default/x", code, "Forbidden", "no").fix()

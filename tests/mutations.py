@@ -104,6 +104,15 @@ BUGS = [
     Bug("a rank that only lost its peer named as the group's cause", "operator/training.py",
         "elif self._cause_on_its_way():", "elif False:",
         "tests/unit/test_training_reconcile.py::test_reconcile"),
+    Bug("an evicted Workload's quota given back while its ranks still run", "operator/training.py",
+        "if admission.evicted and not self.pods and admission.holds_quota:",
+        "if admission.evicted and admission.holds_quota:",
+        "tests/unit/test_queueing.py::test_reconcile_under_a_queue"),
+    Bug("a preempted group killed without its grace period (no checkpoint at the agreed step)",
+        "operator/training.py", "            self.result.stop_first = True\n            self.result.requeue_after = "
+        "WAIT_SECONDS\n", "            self.result.stop_first = self.result.kill_at_once = True\n"
+        "            self.result.requeue_after = WAIT_SECONDS\n",
+        "tests/unit/test_queueing.py::test_reconcile_under_a_queue"),
 ]
 
 

@@ -18,6 +18,8 @@ from operator_runs import GROUP, JOBS, NS, STARTUP, VERSION, claim, custom_job, 
 from operator_runs import job_pods as pods
 
 from devcluster import Cluster
+from devcluster.harness import CRDS
+from devcluster.kueue import COSCHEDULING_CRDS, VOLCANO_CRDS
 from tandem.contract import checkpoint_name
 from tandem.operator import queueing
 from tandem.worker import checkpoint
@@ -34,11 +36,11 @@ EVERY = 50
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with Cluster(tmp_path_factory.mktemp("kueue"), kueue=True, node_labels=FLAVOR_LABEL,
-                 extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
+    with Cluster(tmp_path_factory.mktemp("kueue"), crds=[CRDS, COSCHEDULING_CRDS, VOLCANO_CRDS], kueue=True,
+                 node_labels=FLAVOR_LABEL, extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
         for document in queue_objects():
             cluster.apply(document)
-        start_operator(cluster, "--kueue")
+        start_operator(cluster, "--kueue", "--gang-scheduling")
         yield cluster
 
 
@@ -146,6 +148,27 @@ def test_a_job_without_a_queue_label_is_untouched_by_kueue(cluster):
     done = wait_status(cluster, "unqueued", lambda s: s.get("phase") == "Succeeded", "the job to run unqueued")
     assert "queue" not in done
     assert workload_of(cluster, "unqueued") is None
+
+
+def test_a_gang_gets_its_podgroup_which_follows_a_resize(cluster):
+    """spec.gang: the operator creates the Volcano PodGroup (the upstream CRD's schema checks it) before the pods,
+    which carry Volcano's annotation and scheduler; no Volcano runs here, so they stay unscheduled, Pending. A resize
+    replaces the group, and the PodGroup's minMember follows it (a patch of the existing one)."""
+    create(cluster, custom_job("gang", gang={"scheduler": "volcano", "queue": "research"}))
+    group = cluster.wait_for(lambda: cluster.get("podgroups.scheduling.volcano.sh", NS, "gang"), 30,
+                             "the PodGroup")
+    assert group["spec"] == {"minMember": 2, "queue": "research"}
+    cluster.wait_for(lambda: len(pods(cluster, "gang")) == 2, 30, "the rank pods")
+    for rank_pod in pods(cluster, "gang"):
+        assert rank_pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "gang"
+        assert rank_pod["spec"]["schedulerName"] == "volcano"
+    pending = wait_status(cluster, "gang", lambda s: s.get("phase") == "Pending" and "pod" in s.get("message", ""),
+                          "the gang to wait for its scheduler")
+    assert not pending.get("queue")
+    cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, JOBS, "gang", {"spec": {"workers": 4}})
+    cluster.wait_for(lambda: cluster.get("podgroups.scheduling.volcano.sh", NS, "gang")["spec"]["minMember"] == 4,
+                     30, "the PodGroup to follow the resize")
+    cluster.wait_for(lambda: len(pods(cluster, "gang")) == 4, 30, "four rank pods")
 
 
 def test_operator_log_has_no_errors(cluster):

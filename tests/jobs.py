@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from tandem.api import ParallelTrainingJobStatus
 from tandem.worker import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,3 +108,16 @@ def run_until_signal(path: Path, signum: int) -> dict:
     stdout, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == 130, stderr.read_text()
     return json.loads(stdout)
+
+
+class Recorder:
+    """A status sink for a Reporter that keeps a copy of every status published."""
+
+    def __init__(self) -> None:
+        self.published: list[ParallelTrainingJobStatus] = []
+
+    def publish(self, status: ParallelTrainingJobStatus) -> None:
+        self.published.append(status.model_copy(deep=True))
+
+    def close(self) -> None:
+        pass

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import kmock
 import pytest
+from jobs import Recorder
 
 from devcluster import Cluster
 from tandem.api import ParallelTrainingJob, ParallelTrainingJobStatus
@@ -142,17 +143,6 @@ def test_a_deleted_job_ends_reporting_quietly(cluster, capsys):
     sink.close()
     assert sink.gone
     assert capsys.readouterr().err.count("is gone: status reporting ends") == 1
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.published: list[ParallelTrainingJobStatus] = []
-
-    def publish(self, status: ParallelTrainingJobStatus) -> None:
-        self.published.append(status.model_copy(deep=True))
-
-    def close(self) -> None:
-        pass
 
 
 def test_the_first_status_after_a_resume_shows_the_resumed_step():

@@ -10,25 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from jobs import Recorder
 
-from tandem.api import ParallelTrainingJobSpec, ParallelTrainingJobStatus
+from tandem.api import ParallelTrainingJobSpec
 from tandem.examples.digits import mlp
 from tandem.worker import checkpoint
 from tandem.worker.train.modes import training_mode
 from tandem.worker.train.optim import LearningRateSchedule, build_optimizer
 from tandem.worker.train.reporting import Reporter
 from tandem.worker.train.state import Checkpointer, Position, TrainState
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.published: list[ParallelTrainingJobStatus] = []
-
-    def publish(self, status: ParallelTrainingJobStatus) -> None:
-        self.published.append(status.model_copy(deep=True))
-
-    def close(self) -> None:
-        pass
 
 
 def cost(recorder: Recorder) -> tuple[int, float | None]:

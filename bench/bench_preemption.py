@@ -78,10 +78,10 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from devcluster import Cluster  # noqa: E402
+from devcluster.kueue import one_queue  # noqa: E402
 from devcluster.network import free_port  # noqa: E402
 
 GROUP, VERSION, NS, JOBS = "tandem.dev", "v1alpha1", "default", "paralleltrainingjobs"
-KUEUE = "kueue.x-k8s.io/v1beta2"
 QUEUE_LABEL, PRIORITY_LABEL = "kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/priority-class"  # tandem.operator.queueing
 JOB_LABEL = "tandem.dev/job"
 FLAVOR_LABEL = {"tandem.dev/node-pool": "cpu"}
@@ -93,22 +93,6 @@ MAX_STEPS = 240
 
 
 # -- the cluster and its objects ----------------------------------------------------------------------------------
-def queue_objects() -> list[dict]:
-    """A flavour, a ClusterQueue of 2 CPUs preempting lower priorities, a LocalQueue, two priority classes."""
-    return [
-        {"apiVersion": KUEUE, "kind": "ResourceFlavor", "metadata": {"name": "cpu"},
-         "spec": {"nodeLabels": FLAVOR_LABEL}},
-        {"apiVersion": KUEUE, "kind": "ClusterQueue", "metadata": {"name": "team"},
-         "spec": {"namespaceSelector": {}, "preemption": {"withinClusterQueue": "LowerPriority"},
-                  "resourceGroups": [{"coveredResources": ["cpu"], "flavors": [
-                      {"name": "cpu", "resources": [{"name": "cpu", "nominalQuota": "2"}]}]}]}},
-        {"apiVersion": KUEUE, "kind": "LocalQueue", "metadata": {"name": "team-a", "namespace": NS},
-         "spec": {"clusterQueue": "team"}},
-        {"apiVersion": KUEUE, "kind": "WorkloadPriorityClass", "metadata": {"name": "low"}, "value": 10},
-        {"apiVersion": KUEUE, "kind": "WorkloadPriorityClass", "metadata": {"name": "high"}, "value": 1000},
-    ]
-
-
 def training_job(name: str, log: Path, args: argparse.Namespace) -> dict:
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": name},
             "spec": {"workers": 2, "resources": {"requests": {"cpu": "1"}},
@@ -292,7 +276,7 @@ def run_round(round_: int, order: list[str], offset: int, args: argparse.Namespa
               ) -> dict[str, Result]:
     with Cluster(scratch / f"round-{round_ + 1}", kueue=True, node_labels=FLAVOR_LABEL,
                  extra_env={"PYTHONPATH": str(BENCH)}) as cluster:
-        for document in queue_objects():
+        for document in one_queue(NS, cpus="2", flavor_labels=FLAVOR_LABEL):
             cluster.apply(document)
         start_operator(cluster)
         results = {}

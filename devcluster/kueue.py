@@ -96,6 +96,25 @@ API = "/apis/kueue.x-k8s.io/v1beta2"
 HISTORY_LIMIT = 10_000
 
 
+def one_queue(namespace: str, *, cpus: str, flavor_labels: dict[str, str]) -> list[dict[str, Any]]:
+    """What a platform team creates for one team, as tests and benchmarks need it: a ResourceFlavor `cpu` of the
+    nodes labelled `flavor_labels`, a ClusterQueue `team` of `cpus` CPUs that preempts lower priorities, a LocalQueue
+    `team-a` in `namespace`, and the WorkloadPriorityClasses `low` (10) and `high` (1000)."""
+    version = "kueue.x-k8s.io/v1beta2"
+    return [
+        {"apiVersion": version, "kind": "ResourceFlavor", "metadata": {"name": "cpu"},
+         "spec": {"nodeLabels": flavor_labels}},
+        {"apiVersion": version, "kind": "ClusterQueue", "metadata": {"name": "team"},
+         "spec": {"namespaceSelector": {}, "preemption": {"withinClusterQueue": "LowerPriority"},
+                  "resourceGroups": [{"coveredResources": ["cpu"], "flavors": [
+                      {"name": "cpu", "resources": [{"name": "cpu", "nominalQuota": cpus}]}]}]}},
+        {"apiVersion": version, "kind": "LocalQueue", "metadata": {"name": "team-a", "namespace": namespace},
+         "spec": {"clusterQueue": "team"}},
+        {"apiVersion": version, "kind": "WorkloadPriorityClass", "metadata": {"name": "low"}, "value": 10},
+        {"apiVersion": version, "kind": "WorkloadPriorityClass", "metadata": {"name": "high"}, "value": 1000},
+    ]
+
+
 class KueueController:
     def __init__(self, url: str, *, granular_reasons: bool = False, ignore_undeclared: bool = False) -> None:
         self.api = Api(url, token="client-kueue")

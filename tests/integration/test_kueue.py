@@ -19,12 +19,11 @@ from operator_runs import job_pods as pods
 
 from devcluster import Cluster
 from devcluster.harness import CRDS
-from devcluster.kueue import COSCHEDULING_CRDS, VOLCANO_CRDS
+from devcluster.kueue import COSCHEDULING_CRDS, VOLCANO_CRDS, one_queue
 from tandem.contract import checkpoint_name
 from tandem.operator import queueing
 from tandem.worker import checkpoint
 
-KUEUE = f"{queueing.KUEUE_GROUP}/{queueing.KUEUE_VERSION}"
 FLAVOR_LABEL = {"tandem.dev/node-pool": "cpu"}
 # The dropout MLP draws random numbers every step, so an inexact resume shows in the weights; 0.05 s a step keeps
 # the job running long enough to be preempted mid-run.
@@ -38,27 +37,10 @@ EVERY = 50
 def cluster(tmp_path_factory):
     with Cluster(tmp_path_factory.mktemp("kueue"), crds=[CRDS, COSCHEDULING_CRDS, VOLCANO_CRDS], kueue=True,
                  node_labels=FLAVOR_LABEL, extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
-        for document in queue_objects():
+        for document in one_queue(NS, cpus="2", flavor_labels=FLAVOR_LABEL):
             cluster.apply(document)
         start_operator(cluster, "--kueue", "--gang-scheduling")
         yield cluster
-
-
-def queue_objects() -> list[dict]:
-    """What a platform team creates (the README's manifests): a flavour, a ClusterQueue of 2 CPUs that preempts
-    lower priorities, a LocalQueue in the namespace, two priority classes."""
-    return [
-        {"apiVersion": KUEUE, "kind": "ResourceFlavor", "metadata": {"name": "cpu"},
-         "spec": {"nodeLabels": FLAVOR_LABEL}},
-        {"apiVersion": KUEUE, "kind": "ClusterQueue", "metadata": {"name": "team"},
-         "spec": {"namespaceSelector": {}, "preemption": {"withinClusterQueue": "LowerPriority"},
-                  "resourceGroups": [{"coveredResources": ["cpu"], "flavors": [
-                      {"name": "cpu", "resources": [{"name": "cpu", "nominalQuota": "2"}]}]}]}},
-        {"apiVersion": KUEUE, "kind": "LocalQueue", "metadata": {"name": "team-a", "namespace": NS},
-         "spec": {"clusterQueue": "team"}},
-        {"apiVersion": KUEUE, "kind": "WorkloadPriorityClass", "metadata": {"name": "low"}, "value": 10},
-        {"apiVersion": KUEUE, "kind": "WorkloadPriorityClass", "metadata": {"name": "high"}, "value": 1000},
-    ]
 
 
 def queued(document: dict, priority: str) -> dict:

@@ -86,10 +86,12 @@ def same_pod_set(existing: dict[str, Any], wanted: dict[str, Any]) -> bool:
     Kueue's job reconciler replaces a Workload that no longer matches its job. (Its priority may change in place.)"""
     def shape(manifest: dict[str, Any]) -> tuple:
         spec = manifest.get("spec") or {}
-        pod_sets = [(s.get("name"), s.get("count", 1),
-                     [c.get("resources") for c in s["template"]["spec"].get("containers", [])],
-                     s["template"]["spec"].get("nodeSelector") or {}, s["template"]["spec"].get("tolerations") or [])
-                    for s in spec.get("podSets") or []]
+        pod_sets = []
+        for pod_set in spec.get("podSets") or []:
+            pod = (pod_set.get("template") or {}).get("spec") or {}
+            pod_sets.append((pod_set.get("name"), pod_set.get("count", 1),
+                             [c.get("resources") for c in pod.get("containers") or []],
+                             pod.get("nodeSelector") or {}, pod.get("tolerations") or []))
         return spec.get("queueName"), pod_sets
     return shape(existing) == shape(wanted)
 

@@ -22,10 +22,11 @@ run: $(STAMP)
 	$(BIN)/tandem validate examples/*.yaml
 	$(BIN)/tandem run examples/digits-train.yaml
 
-# -rs: every skip's reason is shown (here, the kind end-to-end test's: it runs only with `make e2e`).
+# -rs: every skip's reason is shown (here, the kind end-to-end test's: it runs only with `make e2e`);
+# --durations: the slowest tests, to keep the suite's time in sight.
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs --durations=15
 
 crds: $(STAMP)
 	$(BIN)/tandem crds --out crds

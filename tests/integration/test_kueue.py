@@ -26,11 +26,11 @@ from tandem.worker import checkpoint
 
 FLAVOR_LABEL = {"tandem.dev/node-pool": "cpu"}
 # The dropout MLP draws random numbers every step, so an inexact resume shows in the weights; 0.05 s a step keeps
-# the job running long enough to be preempted mid-run.
-TRAINER = {"model": "userland:dropout_mlp", "modelArgs": {"hidden": 32, "p": 0.3, "step_seconds": 0.05},
-           "evalData": None, "deterministic": True, "epochs": 100, "maxSteps": 240,
+# the job running long enough to be preempted mid-run (a checkpoint every 40 steps, about 1.6 s).
+TRAINER = {"model": "userland:dropout_mlp", "modelArgs": {"hidden": 32, "p": 0.3, "step_seconds": 0.04},
+           "evalData": None, "deterministic": True, "epochs": 100, "maxSteps": 160,
            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}}
-EVERY = 50
+EVERY = 40
 
 
 @pytest.fixture(scope="module")

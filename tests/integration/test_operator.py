@@ -297,8 +297,9 @@ def test_four_ranks_in_two_pods_train_restart_and_suspend_on_the_cluster(cluster
     os.kill(local_rank_process(cluster.kubelet.pid(NS, "quad-worker-1"), 3), signal.SIGKILL)
     restarted = cluster.wait_for(lambda: status(cluster, "quad").get("restarts") == 1 and status(cluster, "quad"),
                                  STARTUP, "a restart")
-    [why] = [e["message"] for e in cluster.list("events", NS)
-             if e["involvedObject"]["name"] == "quad" and e["reason"] == "Restarting"]
+    [why] = cluster.wait_for(lambda: [e["message"] for e in cluster.list("events", NS)  # kopf posts it a moment
+                                      if e["involvedObject"]["name"] == "quad" and e["reason"] == "Restarting"],
+                             10, "the Restarting Event")  # after the status it goes with
     assert why.startswith("rank 3 (pod quad-worker-1, local rank 1) exited with code -9 (killed by SIGKILL)"), why
     first_checkpoint = restarted["checkpoint"]["latest"]
 

@@ -25,7 +25,7 @@ from tandem.operator import queueing
 from tandem.worker import checkpoint
 
 FLAVOR_LABEL = {"tandem.dev/node-pool": "cpu"}
-# The dropout MLP draws random numbers every step, so an inexact resume shows in the weights; 0.05 s a step keeps
+# The dropout MLP draws random numbers every step, so an inexact resume shows in the weights; 0.04 s a step keeps
 # the job running long enough to be preempted mid-run (a checkpoint every 40 steps, about 1.6 s).
 TRAINER = {"model": "userland:dropout_mlp", "modelArgs": {"hidden": 32, "p": 0.3, "step_seconds": 0.04},
            "evalData": None, "deterministic": True, "epochs": 100, "maxSteps": 160,

@@ -11,9 +11,15 @@ loop, keep-alive connections) drives them all from this process, on the same cor
 3. LitServe serving the same model with its batching on (max_batch_size = 32), at concurrency 64 (and 8),
    best of its configurations tried. Ratio printed: tandem / LitServe throughput, and both p99s (target >= 1.5x
    at equal or lower p99).
+4. wrk: the batched server driven by a load generator that is not Python (wrk, C, one thread, keep-alive, the
+   request from bench/wrk_infer.lua) at 8, 64 and 256 connections, beside bench/loadgen.py at the same points,
+   and the raw forward's ceiling measured in the same run. Ratio printed: wrk's req/s / the ceiling (issue 20's
+   targets: >= 0.7 at 64, >= 0.8 at 256), with p99. wrk comes from the Debian archive (`apt-get install wrk`);
+   the part is skipped, saying so, where it is missing.
 
     .venv/bin/python bench/bench_inference.py                 # all three, about 2 minutes on 2 cores
     .venv/bin/python bench/bench_inference.py --only modes --seconds 5
+    .venv/bin/python bench/bench_inference.py --only wrk        # wrk and loadgen side by side, and the ceiling
 
 Needs the `bench` extra for part 3 (pip install -e '.[bench]').
 """
@@ -25,6 +31,8 @@ import asyncio
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -182,6 +190,51 @@ def _forward_rate(seconds: float, replicas: int, threads: int) -> float:
     return rate
 
 
+WRK_CONNECTIONS = (8, 64, SATURATED)
+
+
+def run_wrk(port: int, body: Path, connections: int, seconds: float) -> tuple[float, float, int]:
+    """wrk's req/s, p99 (ms) and failed responses (non-2xx, socket errors) over `seconds` after a 0.5 s warm-up."""
+    url = f"http://{HOST}:{port}/v2/models/mlp/infer"
+    script = str(ROOT / "bench" / "wrk_infer.lua")
+    base = ["wrk", "-t1", f"-c{connections}", "--latency", "-s", script]
+    subprocess.run([*base, "-d1s", url, "--", str(body)], check=True, capture_output=True)  # warm-up
+    out = subprocess.run([*base, f"-d{max(1, round(seconds))}s", url, "--", str(body)], check=True,
+                         capture_output=True, text=True).stdout
+    rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    value, unit = re.search(r"^\s+99%\s+([\d.]+)(us|ms|s)$", out, re.M).groups()
+    p99_ms = float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+    failed = sum(int(n) for n in re.findall(r"Non-2xx or 3xx responses: (\d+)", out))
+    failed += sum(int(n) for n in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
+    return rate, p99_ms, failed
+
+
+def bench_wrk(seconds: float, workers: int, directory: Path) -> None:
+    if shutil.which("wrk") is None:
+        print("wrk: skipped: wrk is not installed (Debian: apt-get install wrk)")
+        return
+    body = directory / "request.json"
+    body.write_text(json.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
+                                            "data": EXAMPLE.tolist()}]}))
+    rows = []
+    with tandem_server("batched", workers, directory) as server:
+        request = tandem_request(server.port)
+        drive(server.port, request, 8, 1.0, check_tandem)  # warm-up, with answers checked
+        for connections in WRK_CONNECTIONS:
+            rate, p99, failed = run_wrk(server.port, body, connections, seconds)
+            python = drive(server.port, request, connections, seconds)
+            rows.append((connections, rate, p99, failed, python))
+            print(f"wrk     c={connections:<3d} {rate:8.0f} req/s  p99 {p99:6.1f} ms  failed {failed}", flush=True)
+            print(f"loadgen c={connections:<3d} {python.line()}", flush=True)
+    ceiling = bench_ceiling(seconds, workers)
+    print("\n| connections | wrk req/s (p99 ms) | wrk / ceiling | loadgen req/s (p99 ms) | loadgen / ceiling |")
+    print("|---|---|---|---|---|")
+    for connections, rate, p99, failed, python in rows:
+        print(f"| {connections} | {rate:.0f} ({p99:.1f}){' failed ' + str(failed) if failed else ''} | "
+              f"**{rate / ceiling:.2f}** | {python.rps:.0f} ({python.p99:.1f}) | {python.rps / ceiling:.2f} |")
+    print(f"ceiling (raw forward, batch {BATCH_LIMIT}, {workers} replicas): {ceiling:.0f} examples/s")
+
+
 def litserve_server(workers: int, batch_timeout: float, fast_queue: bool) -> Server:
     port = free_port()
     threads = max(1, cores() // workers)
@@ -225,7 +278,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per point (after 0.5 s warm-up)")
     parser.add_argument("--workers", type=int, default=cores(), help="model replicas (default: one per core)")
-    parser.add_argument("--only", choices=("modes", "ceiling", "litserve"), action="append")
+    parser.add_argument("--only", choices=("modes", "ceiling", "litserve", "wrk"), action="append")
     parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"the MLP's hidden units (default {HIDDEN})")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one replica per GPU in the server (gpusPerReplica 1) and in the ceiling")
@@ -246,6 +299,9 @@ def main() -> None:
                       f"{served / ceiling:.2f}")
     if "litserve" in parts:
         bench_litserve(args.seconds, args.workers, tandem)
+    if "wrk" in parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            bench_wrk(args.seconds, args.workers, Path(tmp))
 
 if __name__ == "__main__":
     main()

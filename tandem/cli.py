@@ -57,7 +57,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """`tandem serve [FILE] [--port P] [--host H] [--checkpoint PATH] [--grace-period S]`: FILE, or else the
+    """`tandem serve [FILE] [--port P] [--grpc-port P | --no-grpc] [--host H] [--checkpoint PATH] [--grace-period S]
+    [--auth-token-file PATH]`: FILE, or else the
     InferencePool at $TANDEM_SPEC (the worker contract: what an InferencePool's pods run)."""
     import asyncio
     import logging
@@ -73,18 +74,21 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="tandem serve: %(message)s", stream=sys.stderr)
     from tandem.worker.process_exit import exit_without_teardown
     from tandem.worker.serve.app import InferenceServer  # imports torch
+    from tandem.worker.serve.auth import AuthTokenError
     from tandem.worker.serve.http import new_event_loop
     from tandem.worker.serve.model_loading import ModelLoadError
 
     try:
         pool = load_one(path, InferencePool)
-        server = InferenceServer(pool, args.checkpoint, grace_seconds=args.grace_period)
-    except (ManifestError, ModelLoadError) as error:
+        server = InferenceServer(pool, args.checkpoint, grace_seconds=args.grace_period,
+                                 auth_token_file=args.auth_token_file)
+    except (ManifestError, ModelLoadError, AuthTokenError, ValueError) as error:
         print(error, file=sys.stderr)
         return 1
     port = pool.spec.port if args.port is None else args.port
+    grpc_port = None if args.no_grpc else pool.spec.grpc_port if args.grpc_port is None else args.grpc_port
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        code = runner.run(server.run(args.host, port))
+        code = runner.run(server.run(args.host, port, grpc_port))
     exit_without_teardown(code)  # a forward still running past the grace period would abort the teardown
 
 
@@ -123,10 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("file", metavar="FILE", nargs="?",
                        help=f"the InferencePool's manifest (default: the file at ${contract.SPEC})")
     serve.add_argument("--port", type=int, help="HTTP port (default: the manifest's spec.port)")
+    grpc = serve.add_mutually_exclusive_group()
+    grpc.add_argument("--grpc-port", type=int, metavar="PORT",
+                      help="gRPC port of the inference protocol (default: the manifest's spec.grpcPort, 8001)")
+    grpc.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--checkpoint", metavar="PATH", help="serve this trainer checkpoint instead of spec.model")
     serve.add_argument("--grace-period", type=float, default=25.0, metavar="SECONDS",
                        help="on SIGTERM: how long queued and running requests may take to finish (default 25)")
+    serve.add_argument("--auth-token-file", metavar="PATH",
+                       help="clients must send this file's token (Authorization: Bearer <token>); read again when "
+                            "it changes. Required when the pool has spec.auth")
     serve.set_defaults(handler=_serve)
 
     from tandem.operator import main as operator_main  # its options only: kopf is imported when it runs

@@ -101,13 +101,14 @@ def wait_until(condition, timeout: float = WAIT_S, what: str = "condition") -> N
 
 
 class Servers:
-    """Starts servers (`servers(pool, checkpoint, **kwargs)`) and stops them all on exit, gates opened first."""
+    """Starts servers (`servers(pool, checkpoint, **kwargs)`; `grpc=True`: the gRPC service too, on any free port)
+    and stops them all on exit, gates opened first."""
 
     def __init__(self) -> None:
         self.started = []
 
-    def __call__(self, pool: InferencePool, checkpoint_path: str | None = None, **kwargs):
-        background = InferenceServer(pool, checkpoint_path, **kwargs).start_in_thread()
+    def __call__(self, pool: InferencePool, checkpoint_path: str | None = None, grpc: bool = False, **kwargs):
+        background = InferenceServer(pool, checkpoint_path, **kwargs).start_in_thread(grpc_port=0 if grpc else None)
         self.started.append(background)
         return background
 

@@ -86,8 +86,26 @@ class ModelRepository(ApiModel):
     server serves from (the followed job's checkpoint directory, or the served checkpoint's directory)."""
 
 
+class Auth(ApiModel):
+    """A bearer token in front of the pool's endpoints (HTTP `Authorization: Bearer <token>`, gRPC metadata
+    `authorization: Bearer <token>`): inference, metadata and repository calls without it answer 401 /
+    UNAUTHENTICATED. Health and readiness stay open (the kubelet's probes carry no token). The token is a key of a
+    Secret in the pool's namespace, mounted into the server pods: a rotated Secret is picked up without a restart."""
+
+    secret_name: ResourceName
+    """The Secret holding the token."""
+    key: Annotated[str, StringConstraints(min_length=1, pattern=r"^[-._a-zA-Z0-9]+$")] = "token"
+    """The Secret's key whose value is the token."""
+    metrics: Literal["open", "protected"] = "open"
+    """`/metrics` open to any scraper, or behind the token too (Prometheus: `authorization.credentials_file`)."""
+
+
 class InferencePoolSpec(PodSettings):
     """Desired state of an InferencePool."""
+
+    model_config = {"json_schema_extra": {"x-kubernetes-validations": [
+        {"rule": "self.port != self.grpcPort", "message": "port and grpcPort must differ"},
+    ]}}
 
     replicas: Annotated[int, Field(ge=0)] = 1
     """Server pods."""
@@ -104,8 +122,19 @@ class InferencePoolSpec(PodSettings):
     """How long a batch may wait to fill (Triton's dynamic batcher; 0 batches whatever is queued)."""
     request_timeout_ms: Annotated[int, Field(ge=1)] = 30000
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    """HTTP port of the Open Inference Protocol (and /metrics)."""
+    grpc_port: Annotated[int, Field(ge=1, le=65535)] = 8001
+    """gRPC port of the Open Inference Protocol (`inference.GRPCInferenceService`; 8001 as Triton's)."""
     autoscaling: Autoscaling | None = None
     model_repository: ModelRepository = Field(default_factory=ModelRepository)
+    auth: Auth | None = None
+    """A bearer token the clients must present; none by default (anyone who reaches the Service may call it)."""
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> InferencePoolSpec:
+        if self.port == self.grpc_port:
+            raise ValueError(f"port and grpcPort must differ (both are {self.port}); the default grpcPort is 8001")
+        return self
 
 
 class ModelStatus(ApiModel):

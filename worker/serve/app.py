@@ -1,13 +1,15 @@
 """The InferencePool data plane: one pool's model, batched by ParallelInference, behind the Open Inference
-Protocol (v2) over HTTP, on this machine.
+Protocol (v2) over HTTP and gRPC, on this machine.
 
-    tandem serve examples/digits-pool.yaml --port 8000 --checkpoint runs/digits-train/checkpoints
+    tandem serve examples/digits-pool.yaml --port 8000 --grpc-port 8001 --checkpoint runs/digits-train/checkpoints
 
 InferenceServer puts the pieces together on one event loop and owns their lifecycle (start, readiness, drain,
 stop, the `tandem serve` process); each piece owns its state:
 
     http.py          the HTTP/1.1 layer: an asyncio protocol over httptools, on uvloop
     routes.py        what each endpoint answers (the wire shapes: protocol.py, and triton.py for Triton's)
+    grpc_service.py  the same answers over gRPC (inference.GRPCInferenceService; its wire: grpc_protocol.py)
+    auth.py          the pool's bearer token, which both ask for (health and readiness excepted)
     pending.py       inference requests between submit and answer, and the sweep of their deadlines
     served_model.py  the model served: its first load, hot swaps, following a training job's checkpoints
     inference.py     ParallelInference, the batching engine (its counters: stats.py; Prometheus: metrics.py)
@@ -32,7 +34,9 @@ import torch
 from tandem.api.inference import InferencePool
 from tandem.worker.cores import share_cores
 from tandem.worker.serve import model_loading
+from tandem.worker.serve.auth import BearerToken
 from tandem.worker.serve.background import BackgroundServer
+from tandem.worker.serve.grpc_service import GrpcCall, GrpcServer, GrpcService
 from tandem.worker.serve.http import HttpServer, Request
 from tandem.worker.serve.model_loading import LoadedModel
 from tandem.worker.serve.pending import PendingRequests
@@ -49,12 +53,14 @@ class InferenceServer:
     """One InferencePool's model behind the Open Inference Protocol, on this machine.
 
     `checkpoint` (a checkpoint file, or a directory whose latest checkpoint is served) overrides the pool's
-    spec.model. Use `run()` for the process (`tandem serve`), `start()`/`drain()`/`stop()` on a running event
-    loop, or `start_in_thread()` to embed it in a program (tests do). Raises ModelLoadError when the pool's model
-    cannot be located."""
+    spec.model. `auth_token_file` holds the bearer token clients must present (the pool's spec.auth Secret, mounted);
+    a pool with spec.auth needs one. Use `run()` for the process (`tandem serve`), `start()`/`drain()`/`stop()` on a
+    running event loop, or `start_in_thread()` to embed it in a program (tests do). Raises ModelLoadError when the
+    pool's model cannot be located, AuthTokenError when the token cannot be read, ValueError when spec.auth has no
+    token file."""
 
     def __init__(self, pool: InferencePool, checkpoint: str | None = None, *, grace_seconds: float = 25.0,
-                 follow_interval: float = 2.0):
+                 follow_interval: float = 2.0, auth_token_file: str | None = None):
         spec = pool.spec
         self.spec = spec
         self.name = spec.model.name or pool.metadata.name
@@ -63,21 +69,31 @@ class InferenceServer:
         self.ready = False
         self.draining = False
         self.port: int | None = None
+        self.grpc_port: int | None = None
+        if spec.auth is not None and auth_token_file is None:
+            raise ValueError(f"the pool's spec.auth asks for the token in Secret {spec.auth.secret_name!r}: give "
+                             "the token's file with --auth-token-file PATH")
+        self.token = None if auth_token_file is None else BearerToken(auth_token_file)
         self.max_body = MAX_BODY
         self.model = ServedModel(spec, model_loading.locate(spec.model, checkpoint), name=self.name,
                                  follow_interval=follow_interval, on_swap=self._swapped)
         self.routes = Routes(self)
-        self.pending = PendingRequests(self.routes.answer, spec.request_timeout_ms / 1000)
+        self.pending = PendingRequests(self._answer, spec.request_timeout_ms / 1000)
         self.loading: asyncio.Task | None = None
         self._http: HttpServer | None = None
+        self._grpc: GrpcServer | None = None
         self._owns_process = False  # run() (tandem serve): process-wide tuning such as freezing the heap
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Listen (port 0: any free port; returned), then load and warm up the model in the background
-        (`self.loading`); live at once, ready once loaded."""
+    async def start(self, host: str = "127.0.0.1", port: int = 0, grpc_port: int | None = None) -> int:
+        """Listen for HTTP on `port` and, unless `grpc_port` is None, for gRPC on it (0: any free port; the ports
+        are in self.port and self.grpc_port; the HTTP port is returned), then load and warm up the model in the
+        background (`self.loading`); live at once, ready once loaded."""
         self.pending.start()
         self._http = HttpServer(self.routes.handle, lambda: self.max_body, on_error=_log_crash)
         self.port = await self._http.start(host, port)
+        if grpc_port is not None:
+            self._grpc = GrpcServer(GrpcService(self, self.token))
+            self.grpc_port = await self._grpc.start(host, grpc_port)
         self.loading = asyncio.create_task(self._load())
         return self.port
 
@@ -85,6 +101,12 @@ class InferenceServer:
         loaded = await self.model.load()
         self.max_body = _body_limit(loaded)
         self.ready = True
+
+    def _answer(self, request, context, output, error: BaseException | None) -> None:
+        if request.__class__ is GrpcCall:
+            request.settle(output, error)
+        else:
+            self.routes.answer(request, context, output, error)
 
     def _swapped(self) -> None:
         if self._owns_process:
@@ -121,11 +143,14 @@ class InferenceServer:
         self.model.refuse_requests()
         self.pending.cut_off(why)  # their answers are written before the connections close below
         await self.model.wait_for_workers(worker_timeout)
+        if self._grpc is not None:
+            await self._grpc.close()
+            self._grpc = None
         if self._http is not None:
             await self._http.close()
             self._http = None
 
-    async def run(self, host: str, port: int) -> int:
+    async def run(self, host: str, port: int, grpc_port: int | None = None) -> int:
         """The `tandem serve` process: serve until SIGTERM or SIGINT, then drain; 0 after a drain, 1 when the
         model cannot be loaded."""
         loop = asyncio.get_running_loop()
@@ -134,8 +159,10 @@ class InferenceServer:
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        await self.start(host, port)
-        log.info("listening on http://%s:%d (live; ready once the model is loaded and warmed up)", host, self.port)
+        await self.start(host, port, grpc_port)
+        grpc_address = "" if self.grpc_port is None else f" and grpc://{host}:{self.grpc_port}"
+        log.info("listening on http://%s:%d%s (live; ready once the model is loaded and warmed up)%s", host,
+                 self.port, grpc_address, "; clients need the bearer token" if self.token else "")
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({self.loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if self.loading.done() and self.loading.exception() is not None:
@@ -162,10 +189,11 @@ class InferenceServer:
         if not (self.spec.gpus_per_replica and torch.cuda.is_available()):
             share_cores(self.spec.workers_per_replica)
 
-    def start_in_thread(self, host: str = "127.0.0.1", port: int = 0, ready_timeout: float = 120.0) -> BackgroundServer:
+    def start_in_thread(self, host: str = "127.0.0.1", port: int = 0, ready_timeout: float = 120.0,
+                        grpc_port: int | None = None) -> BackgroundServer:
         """Run the server on an event loop in a background thread; returns once it is ready (or raises the
         load error)."""
-        return BackgroundServer(self, host, port, ready_timeout)
+        return BackgroundServer(self, host, port, ready_timeout, grpc_port)
 
 
 def _freeze_heap() -> None:

@@ -12,9 +12,39 @@ from __future__ import annotations
 import contextlib
 import hmac
 import os
+import re
 from pathlib import Path
 
 SCHEME = "bearer"
+OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+"""HTTP paths that never ask for the token (with each model's readiness, and /metrics unless protected)."""
+METRICS_PATH = "/metrics"
+CHALLENGE = {"WWW-Authenticate": 'Bearer realm="tandem"'}
+"""The header of an HTTP 401 (RFC 6750)."""
+OPEN_RPCS = frozenset({"ServerLive", "ServerReady", "ModelReady"})
+"""gRPC methods of inference.GRPCInferenceService that never ask for the token."""
+_MODEL_READY = re.compile(r"^/v2/models/[^/]+(?:/versions/[^/]+)?/ready$")
+
+
+def path_needs_token(path: str, metrics_protected: bool) -> bool:
+    """Whether an HTTP request to `path` must carry the token: everything but health, readiness and (unless the
+    pool protects it) /metrics."""
+    if path in OPEN_PATHS or _MODEL_READY.match(path):
+        return False
+    return metrics_protected or path != METRICS_PATH
+
+
+def rpc_needs_token(method: str) -> bool:
+    """Whether a gRPC call (its full method name, `/inference.GRPCInferenceService/ModelInfer`) must carry the
+    token: everything but liveness and readiness."""
+    return method.rpartition("/")[2] not in OPEN_RPCS
+
+
+def refusal(authorization: str | bytes | None) -> str:
+    """Why a request with this `Authorization` value (not allowed) is refused, and the fix."""
+    if not authorization:
+        return "this endpoint needs the pool's bearer token: send the header Authorization: Bearer <token>"
+    return "the bearer token is not the pool's (spec.auth's Secret): send Authorization: Bearer <token>"
 
 
 class AuthTokenError(ValueError):

@@ -20,13 +20,15 @@ class BackgroundServer:
     """Starts `server` on a new event loop in a daemon thread and returns once its model is loaded (or raises
     the load error). `stop()` or leaving the `with` block stops it at once; `drain()` stops it gracefully."""
 
-    def __init__(self, server: InferenceServer, host: str, port: int, ready_timeout: float):
+    def __init__(self, server: InferenceServer, host: str, port: int, ready_timeout: float,
+                 grpc_port: int | None = None):
         self.server = server
         self.host = host
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-serve", daemon=True)
         self._thread.start()
-        self.port = self._call(server.start(host, port), ready_timeout)
+        self.port = self._call(server.start(host, port, grpc_port), ready_timeout)
+        self.grpc_port = server.grpc_port
         try:
             self._call(self._wait_loaded(), ready_timeout)
         except BaseException:
@@ -42,6 +44,10 @@ class BackgroundServer:
     @property
     def url(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
 
     def swap(self, checkpoint: str | Path | None = None, timeout: float = 120.0) -> LoadedModel:
         """Hot-swap to `checkpoint` (a file or a directory's latest; None: reload the current source)."""

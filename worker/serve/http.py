@@ -55,7 +55,7 @@ def _status_line(status: int) -> bytes:
 _STATUS_LINES = {status: _status_line(status) for status in REASONS}
 _HEADER_NAMES = {spelling: name for name in ("host", "content-length", "content-type", "content-encoding", "expect",
                                              "connection", "inference-header-content-length", "user-agent",
-                                             "accept", "accept-encoding", "transfer-encoding")
+                                             "accept", "accept-encoding", "transfer-encoding", "authorization")
                  for spelling in (name.encode(), name.title().encode(), name.upper().encode())}
 
 

@@ -29,7 +29,7 @@ DATATYPES: dict[str, tuple[torch.dtype, Any]] = {
     "FP64": (torch.float64, np.float64),
 }
 TORCH_DATATYPE = {torch_dtype: name for name, (torch_dtype, _) in DATATYPES.items()}
-_ITEMSIZE = {name: torch.empty(0, dtype=torch_dtype).element_size() for name, (torch_dtype, _) in DATATYPES.items()}
+ITEMSIZE = {name: torch.empty(0, dtype=torch_dtype).element_size() for name, (torch_dtype, _) in DATATYPES.items()}
 _JSON_KINDS = {"BOOL": "b", "UINT8": "iu", "INT8": "iu", "INT16": "iu", "INT32": "iu", "INT64": "iu"}
 _KIND_NAMES = {"b": "true/false", "i": "integers", "u": "integers", "f": "non-integer numbers", "U": "strings"}
 _JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
@@ -136,23 +136,10 @@ def _explain_inputs(inputs: Any, expected: str) -> None:
 
 
 def _decode_tensor(item: dict[str, Any], binary: bytes, signature: Signature) -> np.ndarray | torch.Tensor:
-    spec = signature.input
-    where = f"input {spec.name!r}"
-    datatype = item.get("datatype")
-    if datatype != spec.datatype:
-        raise ProtocolError(f"{where}: datatype {datatype!r} does not match the model's {spec.datatype}")
-    shape = item.get("shape")
-    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
-        raise ProtocolError(f"{where}: shape must be a list of non-negative integers; got {shape!r}")
-    if len(shape) != len(spec.shape) + 1 or tuple(shape[1:]) != spec.shape:
-        wanted = [-1, *spec.shape]
-        raise ProtocolError(f"{where}: shape {shape} does not match the model's {wanted} "
-                            "(the first dimension is the batch)")
-    if not 1 <= shape[0] <= signature.max_batch_size:
-        raise ProtocolError(f"{where}: batch size {shape[0]} is outside 1..{signature.max_batch_size} "
-                            "(the model's max_batch_size)")
+    where = f"input {signature.input.name!r}"
+    datatype, shape = item.get("datatype"), item.get("shape")
+    count = check_tensor(datatype, shape, signature, where)
     torch_dtype, numpy_dtype = DATATYPES[datatype]
-    count = math.prod(shape)
     parameters = item.get("parameters")
     size = None if parameters is None else _object(parameters, f"{where} parameters").get("binary_data_size")
     if size is not None:
@@ -164,20 +151,42 @@ def _decode_tensor(item: dict[str, Any], binary: bytes, signature: Signature) ->
                             "parameters.binary_data_size")
     if "data" not in item:
         raise ProtocolError(f"{where}: no data (give data, or binary data with parameters.binary_data_size)")
-    return _json_tensor(item["data"], shape, count, datatype, torch_dtype, numpy_dtype, where)
+    return listed_tensor(item["data"], shape, count, datatype, torch_dtype, numpy_dtype, where)
+
+
+def check_tensor(datatype: Any, shape: Any, signature: Signature, where: str) -> int:
+    """Check an input tensor's datatype and shape (batch first) against the model's; its number of elements."""
+    spec = signature.input
+    if datatype != spec.datatype:
+        raise ProtocolError(f"{where}: datatype {datatype!r} does not match the model's {spec.datatype}")
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise ProtocolError(f"{where}: shape must be a list of non-negative integers; got {shape!r}")
+    if len(shape) != len(spec.shape) + 1 or tuple(shape[1:]) != spec.shape:
+        wanted = [-1, *spec.shape]
+        raise ProtocolError(f"{where}: shape {shape} does not match the model's {wanted} "
+                            "(the first dimension is the batch)")
+    if not 1 <= shape[0] <= signature.max_batch_size:
+        raise ProtocolError(f"{where}: batch size {shape[0]} is outside 1..{signature.max_batch_size} "
+                            "(the model's max_batch_size)")
+    return math.prod(shape)
 
 
 def _binary_tensor(size: Any, binary: bytes, shape: list[int], count: int, datatype: str,
                    where: str) -> np.ndarray | torch.Tensor:
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise ProtocolError(f"{where}: binary_data_size must be a non-negative integer; got {size!r}")
-    itemsize = _ITEMSIZE[datatype]
+    itemsize = ITEMSIZE[datatype]
     if size != count * itemsize:
         raise ProtocolError(f"{where}: binary_data_size {size} does not fit shape {shape} of "
                             f"{datatype} ({count * itemsize} bytes)")
     if size != len(binary):
         raise ProtocolError(f"{where}: binary_data_size {size} does not match the {len(binary)} bytes after the "
                             "JSON header")
+    return raw_tensor(binary, datatype, shape)
+
+
+def raw_tensor(binary: bytes, datatype: str, shape: list[int]) -> np.ndarray | torch.Tensor:
+    """A tensor of `shape` over `binary` (its exact size, checked by the caller), little-endian, row-major."""
     torch_dtype, numpy_dtype = DATATYPES[datatype]
     if numpy_dtype is None:  # BF16
         return torch.frombuffer(bytearray(binary), dtype=torch_dtype).reshape(shape)
@@ -185,7 +194,7 @@ def _binary_tensor(size: Any, binary: bytes, shape: list[int], count: int, datat
     return np.frombuffer(binary, dtype=numpy_dtype).reshape(shape)
 
 
-def _json_tensor(data: Any, shape: list[int], count: int, datatype: str, torch_dtype: torch.dtype, numpy_dtype: Any,
+def listed_tensor(data: Any, shape: list[int], count: int, datatype: str, torch_dtype: torch.dtype, numpy_dtype: Any,
                  where: str) -> np.ndarray | torch.Tensor:
     if not isinstance(data, list):
         raise ProtocolError(f"{where}: data must be a list of numbers; got {_json_type(data)}")
@@ -246,7 +255,7 @@ def encode_response(output: np.ndarray | torch.Tensor, request: InferRequest, mo
     description: dict[str, Any] = {"name": spec.name, "datatype": spec.datatype, "shape": list(output.shape)}
     head["outputs"] = [description]
     if request.binary_output:
-        data = _bytes(output)
+        data = tensor_bytes(output)
         description["parameters"] = {"binary_data_size": len(data)}
         header = orjson.dumps(head)
         return header + data, "application/octet-stream", len(header)
@@ -254,7 +263,7 @@ def encode_response(output: np.ndarray | torch.Tensor, request: InferRequest, mo
     return orjson.dumps(head, option=_JSON_OPTIONS), "application/json", None
 
 
-def _bytes(output: np.ndarray | torch.Tensor) -> bytes:
+def tensor_bytes(output: np.ndarray | torch.Tensor) -> bytes:
     if isinstance(output, torch.Tensor):  # BF16 (numpy has no such type)
         return output.contiguous().view(torch.int16).numpy().tobytes()
     return output.tobytes()

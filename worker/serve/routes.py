@@ -26,12 +26,14 @@ orjson, inference requests are submitted to ParallelInference and answered when 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import tandem
 from tandem.worker.serve import model_loading, triton
+from tandem.worker.serve.auth import CHALLENGE, path_needs_token, refusal
 from tandem.worker.serve.errors import InferenceTimeout, QueueFullError, ShutDownError
 from tandem.worker.serve.http import Request
 from tandem.worker.serve.metrics import OUTCOMES, registry_for
@@ -68,6 +70,8 @@ class Routes:
         self.server = server
         self.name, self.version, self.spec = server.name, server.version, server.spec
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.token = server.token
+        self.metrics_protected = server.spec.auth is not None and server.spec.auth.metrics == "protected"
         self.registry = registry_for(self._metrics_state)
         self._infer_paths = {  # the hot path, matched before any pattern
             f"/v2/models/{self.name}/infer": (self.name, None),
@@ -85,6 +89,12 @@ class Routes:
     def handle(self, request: Request):
         """Route a request; answer it now, or return a coroutine that will (loads), or let inference answer."""
         method, path = request.method, request.path
+        token = self.token
+        if token is not None and path_needs_token(path, self.metrics_protected):
+            authorization = request.headers.get("authorization")
+            if not token.allows(authorization):
+                request.respond(*_error(401, refusal(authorization), CHALLENGE))
+                return None
         fast = self._infer_paths.get(path)
         if fast is not None and method == "POST":
             return self._infer(request, *fast)
@@ -96,7 +106,7 @@ class Routes:
                     _allow(method, "POST", path)
                     return self._infer(request, name, version)
                 _allow(method, "GET", path)
-                self._check_model(name, version)
+                self.check_model(name, version)
                 if action is None:
                     reply = self._model_metadata()
                 elif action == "ready":
@@ -111,7 +121,7 @@ class Routes:
                 reply = handler()
             elif (match := _REPOSITORY_PATH.match(path)) is not None:
                 _allow(method, "POST", path)
-                self._check_model(match.group(1), None)
+                self.check_model(match.group(1), None)
                 if match.group(2) == "unload":
                     reply = self._unload()
                 else:
@@ -133,52 +143,70 @@ class Routes:
         return _json({"ready": ready}, 200 if ready else 503)
 
     def _server_metadata(self) -> Reply:
-        return _json({"name": "tandem", "version": tandem.__version__, "extensions": EXTENSIONS})
+        return _json(self.server_metadata())
 
-    def _check_model(self, name: str, version: str | None) -> None:
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": "tandem", "version": tandem.__version__, "extensions": EXTENSIONS}
+
+    def check_model(self, name: str, version: str | None) -> None:
         if name != self.name:
             raise ProtocolError(f"unknown model {name!r}: this server serves {self.name!r}", 404)
         if version is not None and version != self.version:
             raise ProtocolError(f"model {name!r} has no version {version!r}; available: {self.version}", 404)
 
-    def _loaded(self):
+    def loaded(self):
         loaded = self.server.model.loaded
         if loaded is None:
             raise ProtocolError(f"model {self.name!r} is not loaded yet", 503)
         return loaded
 
-    def _signature(self):
-        return self._loaded().signature
+    def signature(self):
+        return self.loaded().signature
 
     def _model_metadata(self) -> Reply:
+        return _json(self.model_metadata())
+
+    def model_metadata(self) -> dict[str, Any]:
         """Inputs and outputs, and in `parameters` what is served: checkpoint, source, loaded_at."""
-        loaded = self._loaded()
-        return _json({**loaded.signature.metadata(self.name, [self.version]), "parameters": loaded.parameters()})
+        loaded = self.loaded()
+        return {**loaded.signature.metadata(self.name, [self.version]), "parameters": loaded.parameters()}
 
     def _model_ready(self) -> Reply:
         ready = self.server.ready
         return _json({"name": self.name, "ready": ready}, 200 if ready else 503)
 
     def _config(self) -> Reply:
-        signature = self._signature()
+        return _json(self.config())
+
+    def config(self) -> dict[str, Any]:
+        """The model configuration in Triton's shape."""
+        signature = self.signature()
         spec = self.spec
         kind = "KIND_GPU" if any(d.type == "cuda" for d in self.server.model.inference.devices) else "KIND_CPU"
         preferred = warmup_sizes(spec.inference_mode, spec.batch_limit) if spec.inference_mode == "batched" else []
-        return _json(triton.model_config(
+        return triton.model_config(
             signature, self.name, instances=spec.workers_per_replica, kind=kind,
             max_queue_delay_us=spec.max_queue_delay_microseconds, preferred=preferred,
-            queue_limit=spec.queue_limit, timeout_us=spec.request_timeout_ms * 1000))
+            queue_limit=spec.queue_limit, timeout_us=spec.request_timeout_ms * 1000)
 
     def _stats(self) -> Reply:
+        return _json(self.stats())
+
+    def stats(self) -> dict[str, Any]:
+        """Triton's statistics extension: the served model's counters (none before it is loaded)."""
         inference = self.server.model.inference
         stats = inference.stats.snapshot() if inference is not None else None
-        return _json({"model_stats": [] if stats is None else [triton.model_stats(self.name, self.version, stats)]})
+        return {"model_stats": [] if stats is None else [triton.model_stats(self.name, self.version, stats)]}
 
     def _index(self) -> Reply:
+        return _json(self.index())
+
+    def index(self) -> list[dict[str, Any]]:
+        """The model repository's index: the one model served, and its state."""
         server, loaded = self.server, self.server.model.loaded
         state = "READY" if server.ready else ("UNAVAILABLE" if server.draining else "LOADING")
         reason = loaded.loaded_from if loaded else ""
-        return _json([{"name": self.name, "version": self.version, "state": state, "reason": reason}])
+        return [{"name": self.name, "version": self.version, "state": state, "reason": reason}]
 
     def _metrics(self) -> Reply:
         return 200, generate_latest(self.registry), CONTENT_TYPE_LATEST, None
@@ -195,30 +223,37 @@ class Routes:
     # -- model repository -----------------------------------------------------------------------------------
 
     async def _load(self, request: Request) -> None:
-        """A hot swap, if the pool's spec.modelRepository allows it: 403 when loads are off or the checkpoint is
-        outside the repository root, 400 when it cannot be loaded (the old model keeps serving)."""
+        try:
+            reply = _json(await self.load(lambda: triton.load_request_checkpoint(request.body)))
+        except ProtocolError as error:
+            reply = _error(error.status, str(error))
+        request.respond(*reply)
+
+    async def load(self, requested_checkpoint: Callable[[], str | None]) -> dict[str, Any]:
+        """A hot swap to `requested_checkpoint()` (read from the request only once loads are allowed; None reloads
+        the current source), if the pool's spec.modelRepository allows it: ProtocolError 403 when loads are off or
+        the checkpoint is outside the repository root, 400 when it cannot be loaded (the old model keeps serving)."""
         model = self.server.model
         try:
             if not self.spec.model_repository.load:
                 raise LoadForbidden(LOADS_DISABLED)
-            requested = triton.load_request_checkpoint(request.body)
+            requested = requested_checkpoint()
             checkpoint = None if requested is None else \
                 model_loading.repository_checkpoint(requested, model.repository_root)
             loaded = await model.swap(checkpoint, cause="load request")
-        except ProtocolError as error:
-            reply = _error(error.status, str(error))
         except LoadForbidden as error:
-            reply = _error(403, str(error))
+            raise ProtocolError(str(error), 403) from None
         except ModelLoadError as error:
             serving = model.loaded.loaded_from if model.loaded else "nothing yet"
-            reply = _error(400, f"model {self.name!r} not loaded: {error} (still serving {serving})")
-        else:
-            reply = _json({"name": self.name, "version": self.version, **loaded.parameters()})
-        request.respond(*reply)
+            raise ProtocolError(f"model {self.name!r} not loaded: {error} (still serving {serving})") from None
+        return {"name": self.name, "version": self.version, **loaded.parameters()}
 
     def _unload(self) -> Reply:
-        return _error(400, f"unloading is not supported: this server serves only {self.name!r}; stop the server "
-                      "(SIGTERM drains it) or load another checkpoint")
+        return _error(400, self.unload_refusal())
+
+    def unload_refusal(self) -> str:
+        return (f"unloading is not supported: this server serves only {self.name!r}; stop the server (SIGTERM "
+                "drains it) or load another checkpoint")
 
     # -- inference --------------------------------------------------------------------------------------
 
@@ -227,8 +262,8 @@ class Routes:
         the event loop), when it times out, or never if the client goes away."""
         outcomes, server = self.outcomes, self.server
         try:
-            self._check_model(name, version)
-            signature = self._signature()
+            self.check_model(name, version)
+            signature = self.signature()
             inference = server.model.inference
             if server.draining or inference is None:
                 why = "shutting down" if server.draining else "loading its model"
@@ -265,8 +300,12 @@ class Routes:
             request.respond(200, body, content_type, headers)
             return
         self.outcomes["failed"] += 1
-        status = 504 if isinstance(error, InferenceTimeout) else 503 if isinstance(error, ShutDownError) else 500
-        request.respond(*_error(status, str(error)))
+        request.respond(*_error(error_status(error), str(error)))
+
+
+def error_status(error: BaseException) -> int:
+    """The HTTP status of a request that failed after it was submitted."""
+    return 504 if isinstance(error, InferenceTimeout) else 503 if isinstance(error, ShutDownError) else 500
 
 
 def _allow(method: str, allowed: str, path: str) -> None:

@@ -83,6 +83,12 @@ def load_request_checkpoint(body: bytes) -> str | None:
     parameters = request.get("parameters", {}) if isinstance(request, dict) else None
     if not isinstance(parameters, dict):
         raise ProtocolError('a load request is {"parameters": {"checkpoint": PATH}}')
+    return load_parameters_checkpoint(parameters)
+
+
+def load_parameters_checkpoint(parameters: dict[str, Any]) -> str | None:
+    """The checkpoint path a load request's parameters name (`checkpoint`, or `config` as JSON
+    {"checkpoint": PATH}); None when they name none (reload the current source)."""
     unknown = sorted(set(parameters) - {"checkpoint", "config"})
     if unknown:
         raise ProtocolError(f"unknown load parameter(s) {', '.join(unknown)}; use checkpoint (a checkpoint path on "

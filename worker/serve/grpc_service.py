@@ -1,0 +1,227 @@
+"""The Open Inference Protocol's gRPC service (`inference.GRPCInferenceService`, as Triton and KServe serve it) beside
+HTTP, on the same event loop: grpc.aio with the stubs tritonclient ships.
+
+It is another face of the same server: the same ParallelInference and served model (hot swaps included), the same
+pending requests and deadlines, the same answers as routes.py gives over HTTP (metadata, configuration, statistics,
+the repository's lockdown), the same token. What differs is only the wire (grpc_protocol.py): an HTTP status becomes
+a gRPC status code (a full queue RESOURCE_EXHAUSTED, a deadline DEADLINE_EXCEEDED, a bad request INVALID_ARGUMENT
+naming the field). A request's deadline is the shortest of the pool's requestTimeoutMs, the request's
+`timeout` parameter and the client's gRPC deadline. The event loop only decodes and encodes; it never calls torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+from tandem.worker.serve import triton
+from tandem.worker.serve.auth import BearerToken, refusal, rpc_needs_token
+from tandem.worker.serve.errors import QueueFullError, ShutDownError
+from tandem.worker.serve.grpc_protocol import (
+    decode_infer_request,
+    encode_infer_response,
+    message,
+    parameters_dict,
+    status_code,
+)
+from tandem.worker.serve.protocol import ProtocolError
+from tandem.worker.serve.routes import error_status
+
+if TYPE_CHECKING:
+    from tandem.worker.serve.app import InferenceServer
+
+log = logging.getLogger("tandem.serve")
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""The largest request or answer (raw tensors: a batch of 32 images of 3x224x224 FP32 is 19 MiB)."""
+
+
+class GrpcCall:
+    """An inference call between submit and answer, as PendingRequests holds it: `settle` hands the answer to the
+    coroutine awaiting `answered`; `on_abort` (set by PendingRequests) withdraws it when the client goes away."""
+
+    __slots__ = ("answered", "on_abort")
+
+    def __init__(self, answered: asyncio.Future):
+        self.answered = answered
+        self.on_abort: Callable[[], None] | None = None
+
+    def settle(self, output: Any, error: BaseException | None) -> None:
+        if not self.answered.done():
+            self.answered.set_result((output, error))
+
+
+def _rpc(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """An RPC of the service: the token checked (unless the method is open), a ProtocolError answered with its
+    status code and message, anything unexpected logged and answered INTERNAL (never a crash)."""
+    needs_token = rpc_needs_token(method.__name__)
+
+    @functools.wraps(method)
+    async def rpc(self: GrpcService, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        token = self.token
+        if needs_token and token is not None:
+            authorization = _metadata(context, "authorization")
+            if not token.allows(authorization):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal(authorization))
+        try:
+            return await method(self, request, context)
+        except ProtocolError as error:
+            await context.abort(status_code(error.status), str(error))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as error:
+            log.error("unexpected error serving gRPC %s", method.__name__, exc_info=error)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+
+    return rpc
+
+
+def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    for name, value in context.invocation_metadata() or ():
+        if name == key:
+            return value
+    return None
+
+
+class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """inference.GRPCInferenceService for one InferenceServer. ModelStreamInfer, the shared-memory, trace and
+    logging extensions answer UNIMPLEMENTED (the generated base class's answer)."""
+
+    def __init__(self, server: InferenceServer, token: BearerToken | None):
+        self.server = server
+        self.routes = server.routes
+        self.token = token
+
+    # -- health and metadata --------------------------------------------------------------------------------
+
+    @_rpc
+    async def ServerLive(self, request, context):  # noqa: N802 (the proto's names)
+        return service_pb2.ServerLiveResponse(live=True)
+
+    @_rpc
+    async def ServerReady(self, request, context):  # noqa: N802
+        return service_pb2.ServerReadyResponse(ready=self.server.ready)
+
+    @_rpc
+    async def ModelReady(self, request, context):  # noqa: N802
+        self.routes.check_model(request.name, request.version or None)
+        return service_pb2.ModelReadyResponse(ready=self.server.ready)
+
+    @_rpc
+    async def ServerMetadata(self, request, context):  # noqa: N802
+        return message(self.routes.server_metadata(), service_pb2.ServerMetadataResponse)
+
+    @_rpc
+    async def ModelMetadata(self, request, context):  # noqa: N802
+        self.routes.check_model(request.name, request.version or None)
+        return message(self.routes.model_metadata(), service_pb2.ModelMetadataResponse)
+
+    @_rpc
+    async def ModelConfig(self, request, context):  # noqa: N802
+        self.routes.check_model(request.name, request.version or None)
+        config = message(self.routes.config(), model_config_pb2.ModelConfig)
+        return service_pb2.ModelConfigResponse(config=config)
+
+    @_rpc
+    async def ModelStatistics(self, request, context):  # noqa: N802
+        """All models' statistics (no name), or the named model's (and version's)."""
+        if request.name:
+            self.routes.check_model(request.name, request.version or None)
+        return message(self.routes.stats(), service_pb2.ModelStatisticsResponse)
+
+    # -- model repository -------------------------------------------------------------------------------
+
+    @_rpc
+    async def RepositoryIndex(self, request, context):  # noqa: N802
+        return message({"models": self.routes.index()}, service_pb2.RepositoryIndexResponse)
+
+    @_rpc
+    async def RepositoryModelLoad(self, request, context):  # noqa: N802
+        """A hot swap under the HTTP endpoint's lockdown (routes.load): PERMISSION_DENIED when loads are off."""
+        self.routes.check_model(request.model_name, None)
+        await self.routes.load(lambda: triton.load_parameters_checkpoint(parameters_dict(request.parameters)))
+        return service_pb2.RepositoryModelLoadResponse()
+
+    @_rpc
+    async def RepositoryModelUnload(self, request, context):  # noqa: N802
+        self.routes.check_model(request.model_name, None)
+        raise ProtocolError(self.routes.unload_refusal())
+
+    # -- inference --------------------------------------------------------------------------------------
+
+    @_rpc
+    async def ModelInfer(self, request, context):  # noqa: N802
+        routes, server = self.routes, self.server
+        outcomes = routes.outcomes
+        try:
+            routes.check_model(request.model_name, request.model_version or None)
+            signature = routes.signature()
+            inference = server.model.inference
+            if server.draining or inference is None:
+                raise ProtocolError(f"the server is {'shutting down' if server.draining else 'loading its model'}",
+                                    503)
+            decoded = decode_infer_request(request, signature)
+        except ProtocolError as error:
+            outcomes["invalid" if error.status < 500 else "failed"] += 1
+            raise
+        pending_requests = server.pending
+        timeout = pending_requests.default_timeout
+        if decoded.timeout_us is not None:
+            timeout = min(timeout, decoded.timeout_us / 1e6)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout = min(timeout, max(remaining, 0.0))
+        call = GrpcCall(asyncio.get_running_loop().create_future())
+        pending = pending_requests.new(call, None, timeout)
+        try:
+            pending.ticket = inference.submit(decoded.x, pending.post, timeout=timeout)
+        except QueueFullError as error:
+            outcomes["rejected"] += 1
+            raise ProtocolError(str(error), 429) from None
+        except ShutDownError as error:
+            outcomes["failed"] += 1
+            raise ProtocolError(str(error), 503) from None
+        pending_requests.track(pending)
+        try:
+            output, error = await call.answered
+        except asyncio.CancelledError:  # the client went away or its deadline passed: withdraw the request
+            if call.on_abort is not None:
+                call.on_abort()
+            raise
+        if error is not None:
+            outcomes["failed"] += 1
+            raise ProtocolError(str(error), error_status(error))
+        outcomes["success"] += 1
+        return encode_infer_response(output, decoded, routes.name, routes.version, signature)
+
+
+class GrpcServer:
+    """grpc.aio's server for a GrpcService, on the running event loop."""
+
+    def __init__(self, service: GrpcService):
+        self.service = service
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0: any free port); the port."""
+        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.service, self._server)
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        bound = self._server.add_insecure_port(address)
+        if bound == 0:
+            raise OSError(f"cannot listen for gRPC on {address}")
+        await self._server.start()
+        return bound
+
+    async def close(self, grace_seconds: float = 1.0) -> None:
+        """Stop listening; calls still running get `grace_seconds` to write their answers."""
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(grace_seconds)

@@ -5,7 +5,8 @@ or server pods, the ParallelTrainingJob it serves from) and every few seconds: r
 its job from kopf's in-memory indices, ask each ready server what it serves, decide, apply.
 
 How the operator learns which checkpoint each replica serves: it asks each ready server pod (`GET
-/v2/models/{m}` on the pod's IP; the answer's `parameters` carry `checkpoint`, `source` and `loaded_at`). Chosen over
+/v2/models/{m}/ready` on the pod's IP, a readiness endpoint and so open even behind the pool's token, which the
+operator never reads; the answer's `parameters` carry `checkpoint`, `source` and `loaded_at`). Chosen over
 servers annotating their own pods because (1) a server then needs no API credentials at all (its pods mount no
 ServiceAccount token, so a compromised server cannot write to the API), (2) what is reported is what the process
 answering inference requests holds, not what it last managed to write, and (3) only ready pods are asked, so a
@@ -114,7 +115,7 @@ async def _ask_servers(session: aiohttp.ClientSession, reads: Sources, pods: lis
 async def _ask(session: aiohttp.ClientSession, pod: dict[str, Any], model: str, port: int) -> Served | None:
     name = pod["metadata"]["name"]
     try:
-        async with session.get(f"http://{pod['status']['podIP']}:{port}/v2/models/{model}") as response:
+        async with session.get(f"http://{pod['status']['podIP']}:{port}/v2/models/{model}/ready") as response:
             if response.status != 200:
                 return None
             parameters = (await response.json()).get("parameters") or {}

@@ -5,7 +5,9 @@
   readiness is the server's own /v2/health/ready, liveness /v2/health/live); a preStop pause so endpoints drop the
   pod before its drain begins, and a grace period longer than pause and drain together; rolling updates that never
   go below the ready replicas (maxUnavailable 0);
-- a ClusterIP Service on the pool's port; a PodDisruptionBudget when there is more than one replica; with
+- with `spec.auth`, the token's Secret mounted as a file (`--auth-token-file`): a rotated Secret reaches the running
+  servers without a restart, and the operator itself never reads Secrets;
+- a ClusterIP Service on the pool's HTTP and gRPC ports; a PodDisruptionBudget when there is more than one replica; with
   `spec.autoscaling`, a HorizontalPodAutoscaler on the pool's scale subresource, on pending requests per replica.
 
 Every object is owned by the pool. A model from a ParallelTrainingJob is read from that job's checkpoint claim,
@@ -33,6 +35,8 @@ from tandem.operator.pod_template import (
 POOL_LABEL = "tandem.dev/pool"
 SPEC_FILE = "pool.json"
 MODEL_MOUNT = "/var/lib/tandem/models"
+AUTH_MOUNT = "/var/run/secrets/tandem/auth"
+AUTH_FILE = "token"
 DRAIN_SECONDS = 25
 """`tandem serve --grace-period`: how long the queued and running requests may take after SIGTERM."""
 PRE_STOP_SECONDS = 5
@@ -87,9 +91,15 @@ def server_deployment(owner: dict[str, Any], pool: InferencePool, *, job: Parall
     directory (followed) or, with `pinned_step`, the checkpoint of that step in it."""
     name, spec = pool.metadata.name, pool.spec
     command = ["tandem", "serve", f"{SPEC_MOUNT}/{SPEC_FILE}", "--host", "0.0.0.0", "--port", str(spec.port),
-               "--grace-period", str(DRAIN_SECONDS)]
+               "--grpc-port", str(spec.grpc_port), "--grace-period", str(DRAIN_SECONDS)]
     mounts: list[dict[str, Any]] = []
     volumes: list[dict[str, Any]] = []
+    if spec.auth is not None:
+        # A directory mount, not a subPath: the kubelet updates it in place when the Secret changes.
+        command += ["--auth-token-file", f"{AUTH_MOUNT}/{AUTH_FILE}"]
+        mounts.append({"name": "tandem-auth", "mountPath": AUTH_MOUNT, "readOnly": True})
+        volumes.append({"name": "tandem-auth", "secret": {
+            "secretName": spec.auth.secret_name, "items": [{"key": spec.auth.key, "path": AUTH_FILE}]}})
     if job is not None:
         directory = job_checkpoint_directory(job)
         command += ["--checkpoint", directory if pinned_step is None else f"{directory}/{checkpoint_name(pinned_step)}"]
@@ -100,7 +110,8 @@ def server_deployment(owner: dict[str, Any], pool: InferencePool, *, job: Parall
     container = {
         "name": "server",
         "command": command,
-        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"},
+                  {"name": "grpc", "containerPort": spec.grpc_port, "protocol": "TCP"}],
         "startupProbe": {**probe, "failureThreshold": STARTUP_SECONDS // 2},
         "readinessProbe": {**probe, "failureThreshold": 1},
         "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"}, "periodSeconds": 10,
@@ -136,7 +147,9 @@ def service(owner: dict[str, Any], pool: InferencePool) -> dict[str, Any]:
     name = pool.metadata.name
     return {"apiVersion": "v1", "kind": "Service", "metadata": object_metadata(owner, name, labels(name)),
             "spec": {"type": "ClusterIP", "selector": selector(name),
-                     "ports": [{"name": "http", "port": pool.spec.port, "targetPort": "http", "protocol": "TCP"}]}}
+                     "ports": [{"name": "http", "port": pool.spec.port, "targetPort": "http", "protocol": "TCP"},
+                               {"name": "grpc", "port": pool.spec.grpc_port, "targetPort": "grpc", "protocol": "TCP",
+                                "appProtocol": "kubernetes.io/h2c"}]}}
 
 
 def disruption_budget(owner: dict[str, Any], pool: InferencePool) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from tandem.operator.pool_objects import MODEL_MOUNT, SPEC_HASH, server_deployment
+from tandem.operator.pool_objects import AUTH_MOUNT, MODEL_MOUNT, SPEC_HASH, server_deployment
 from tandem.operator.pools import Served, Sources, reconcile_pool, sources
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -174,7 +174,8 @@ def test_following_points_the_servers_at_the_jobs_directory_from_its_spec_and_mo
     pod = created["spec"]["template"]["spec"]
     [server] = pod["containers"]
     assert server["command"] == ["tandem", "serve", "/etc/tandem/pool.json", "--host", "0.0.0.0", "--port", "8000",
-                                 "--grace-period", "25", "--checkpoint", f"{MODEL_MOUNT}/runs/digits"]
+                                 "--grpc-port", "8001", "--grace-period", "25",
+                                 "--checkpoint", f"{MODEL_MOUNT}/runs/digits"]
     assert {"name": "tandem-model", "persistentVolumeClaim": {"claimName": "train-checkpoints", "readOnly": True}} \
         in pod["volumes"]
     assert {"name": "tandem-model", "mountPath": MODEL_MOUNT, "readOnly": True} in server["volumeMounts"]
@@ -301,3 +302,45 @@ def test_objects_a_pool_daemon_created_stand_in_for_the_index_until_it_shows_the
     put.add(created)
     clock[0] += pool_handlers.INDEX_LAG_SECONDS
     assert put.over({"Deployment": None}) == {"Deployment": None}, "an index that never shows it: deleted meanwhile"
+
+
+def test_the_servers_listen_for_http_and_grpc_and_the_service_exposes_both():
+    plan = reconcile_pool(pool(port=9000, grpcPort=9001), {}, [], [], job(), NOW, IMAGE)
+    created = {o["kind"]: o for o in plan.apply}
+    [server] = created["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert server["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"},
+                               {"name": "grpc", "containerPort": 9001, "protocol": "TCP"}]
+    assert server["command"][server["command"].index("--grpc-port") + 1] == "9001"
+    assert created["Service"]["spec"]["ports"] == [
+        {"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"},
+        {"name": "grpc", "port": 9001, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}]
+    assert "--auth-token-file" not in server["command"], "no auth asked, no token"
+
+
+def test_a_pool_with_auth_mounts_its_secrets_key_as_a_file_and_passes_it_to_the_servers():
+    """A directory mount (not subPath), so a rotated Secret reaches the running servers; the operator reads no
+    Secret itself."""
+    body = pool(auth={"secretName": "digits-token", "key": "bearer"})
+    created = {o["kind"]: o for o in reconcile_pool(body, {}, [], [], job(), NOW, IMAGE).apply}
+    pod = created["Deployment"]["spec"]["template"]["spec"]
+    [server] = pod["containers"]
+    assert server["command"][server["command"].index("--auth-token-file") + 1] == f"{AUTH_MOUNT}/token"
+    assert {"name": "tandem-auth", "secret": {"secretName": "digits-token",
+                                              "items": [{"key": "bearer", "path": "token"}]}} in pod["volumes"]
+    assert {"name": "tandem-auth", "mountPath": AUTH_MOUNT, "readOnly": True} in server["volumeMounts"]
+    assert not any("subPath" in mount for mount in server["volumeMounts"])
+    for found in created.values():
+        kubernetes_validate.validate(found, kubernetes_validate.latest_version(), strict=True)
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    ({"port": 8001}, "port and grpcPort must differ"),
+    ({"grpcPort": 0}, "spec.grpcPort"),
+    ({"auth": {"key": "token"}}, "spec.auth.secretName"),
+    ({"auth": {"secretName": "t", "metrics": "closed"}}, "spec.auth.metrics"),
+], ids=lambda v: str(v))
+def test_a_bad_grpc_port_or_auth_is_an_invalid_spec_naming_the_field(spec, field):
+    plan = reconcile_pool(pool(**spec), {}, [], [], job(), NOW, IMAGE)
+    assert plan.apply == []
+    [invalid] = plan.status["conditions"]
+    assert invalid["type"] == "InvalidSpec" and field in invalid["message"], invalid["message"]

@@ -172,8 +172,13 @@ class Routes:
         return {**loaded.signature.metadata(self.name, [self.version]), "parameters": loaded.parameters()}
 
     def _model_ready(self) -> Reply:
-        ready = self.server.ready
-        return _json({"name": self.name, "ready": ready}, 200 if ready else 503)
+        """Whether the model is ready, and in `parameters` what is served (open behind the pool's token, like every
+        readiness endpoint: the operator reads it to know each server's checkpoint)."""
+        ready, loaded = self.server.ready, self.server.model.loaded
+        answer = {"name": self.name, "ready": ready}
+        if loaded is not None:
+            answer["parameters"] = loaded.parameters()
+        return _json(answer, 200 if ready else 503)
 
     def _config(self) -> Reply:
         return _json(self.config())

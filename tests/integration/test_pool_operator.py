@@ -11,6 +11,7 @@ cluster it names the mount. `on_cluster` maps it back before comparing.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import shutil
 import kubernetes_validate
 import numpy as np
 import pytest
+import tritonclient.grpc as tritongrpc
 import tritonclient.http as triton
 import yaml
 from jobs import ROOT, TESTS
@@ -35,6 +37,7 @@ from operator_runs import (
     server_pods,
     start_operator,
 )
+from tritonclient.utils import InferenceServerException
 
 from devcluster import Cluster
 from tandem.operator.pool_objects import MODEL_MOUNT
@@ -238,6 +241,41 @@ def test_a_model_that_cannot_load_fails_the_pool_with_the_servers_own_error(clus
     failed = wait_pool(cluster, "broken", lambda s: s.get("phase") == "Failed", "Failed")
     assert "/nowhere/step-00000001.pt" in condition(failed, "ModelLoadFailed")["message"]
     cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "broken")
+
+
+def test_a_pool_with_a_token_answers_only_with_it_over_http_and_grpc_and_the_operator_still_sees_it_serve(cluster):
+    """The token from a Secret the kubelet mounts (the operator reads none): the server pod's probes pass without
+    it, the operator still learns what each server serves (status.model), and clients need it on both ports."""
+    token = "pool-s3cret"
+    cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "guarded-token"},
+                   "data": {"bearer": base64.b64encode(token.encode()).decode()}})
+    create(cluster, POOLS, pool_manifest("guarded", {"callable": "tandem.examples.digits:mlp", "inputShape": [64],
+                                                     "name": "digits"},
+                                         auth={"secretName": "guarded-token", "key": "bearer"}))
+    ready = wait_pool(cluster, "guarded", lambda s: s.get("phase") == "Ready" and s.get("model"), "Ready")
+    assert ready["model"]["source"] == "callable", "the operator reads what is served behind the token"
+    [pod] = server_pods(cluster, "guarded")
+    host = pod["status"]["podIP"]
+    x = np.zeros((2, 64), dtype=np.float32)
+    http = triton.InferenceServerClient(f"{host}:8000")
+    tensor = triton.InferInput("input", [2, 64], "FP32")
+    tensor.set_data_from_numpy(x)
+    with pytest.raises(InferenceServerException) as refused:
+        http.infer("digits", [tensor])
+    assert refused.value.status() == "401"
+    assert http.infer("digits", [tensor], headers={"Authorization": f"Bearer {token}"}).as_numpy("output").shape \
+        == (2, 10)
+    grpc = tritongrpc.InferenceServerClient(f"{host}:8001")
+    assert grpc.is_server_ready()
+    tensor = tritongrpc.InferInput("input", [2, 64], "FP32")
+    tensor.set_data_from_numpy(x)
+    with pytest.raises(InferenceServerException) as refused:
+        grpc.infer("digits", [tensor])
+    assert refused.value.status() == "StatusCode.UNAUTHENTICATED"
+    assert grpc.infer("digits", [tensor], headers={"authorization": f"Bearer {token}"}).as_numpy("output").shape \
+        == (2, 10)
+    grpc.close()
+    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "guarded")
 
 
 def test_operator_log_has_no_errors(cluster):

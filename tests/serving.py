@@ -124,7 +124,10 @@ class Servers:
 
 def serve_process(manifest: Path, *args: str, command: str = "-m") -> subprocess.Popen:
     """`tandem serve MANIFEST --port 0 ARGS...` in a process (command "tandem": the console script, as the README
-    runs it; "-m": python -m tandem.cli), with tests/ on PYTHONPATH for the test models."""
+    runs it; "-m": python -m tandem.cli), with tests/ on PYTHONPATH for the test models; gRPC on any free port
+    unless ARGS say otherwise (never the default 8001, which concurrent tests would share)."""
+    if "--grpc-port" not in args and "--no-grpc" not in args:
+        args = (*args, "--grpc-port", "0")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     script = Path(sys.executable).with_name("tandem")
@@ -135,6 +138,13 @@ def serve_process(manifest: Path, *args: str, command: str = "-m") -> subprocess
 
 def port_from_log(process: subprocess.Popen) -> int:
     """The port from `tandem serve`'s first line: `listening on http://127.0.0.1:PORT ...`."""
+    return ports_from_log(process)[0]
+
+
+def ports_from_log(process: subprocess.Popen) -> tuple[int, int | None]:
+    """The HTTP and gRPC ports from `tandem serve`'s first line: `listening on http://127.0.0.1:PORT and
+    grpc://127.0.0.1:PORT ...` (None: no gRPC)."""
     line = process.stderr.readline()
     assert "listening on http://127.0.0.1:" in line, line
-    return int(line.split("http://127.0.0.1:")[1].split()[0])
+    grpc = int(line.split("grpc://127.0.0.1:")[1].split()[0]) if "grpc://" in line else None
+    return int(line.split("http://127.0.0.1:")[1].split()[0]), grpc

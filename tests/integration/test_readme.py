@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from jobs import ROOT
-from serving import WAIT_S, port_from_log, request, serve_process, wait_until, write_checkpoint
+from serving import WAIT_S, ports_from_log, request, serve_process, wait_until, write_checkpoint
 
 README = (ROOT / "README.md").read_text()
 PYTHON_BLOCKS = [block.split("```", 1)[0] for block in README.split("```python\n")[1:]]
@@ -31,8 +31,8 @@ def block_using(name: str) -> str:
 
 
 def test_every_python_block_is_one_of_the_examples_tested_here():
-    assert len(PYTHON_BLOCKS) == 3
-    for name in ("ParallelWrapper(", "ParallelInference(", "InferenceServerClient("):
+    assert len(PYTHON_BLOCKS) == 4
+    for name in ("ParallelWrapper(", "ParallelInference(", "tritonclient.http", "tritonclient.grpc"):
         block_using(name)
 
 
@@ -47,15 +47,17 @@ def test_the_parallel_inference_example(tmp_path):
     run_python(block_using("ParallelInference("), tmp_path)
 
 
-def test_the_tritonclient_example_against_tandem_serve(tmp_path):
+def test_the_tritonclient_examples_against_tandem_serve_over_http_and_grpc(tmp_path):
     write_checkpoint(tmp_path / "checkpoints", seed=0, step=10)
     server = serve_process(ROOT / "examples" / "digits-pool.yaml", "--checkpoint", str(tmp_path / "checkpoints"))
     try:
-        port = port_from_log(server)
+        port, grpc_port = ports_from_log(server)
         wait_until(lambda: request(port, "GET", "/v2/health/ready")[0] == 200, what="ready")
-        code = block_using("InferenceServerClient(").replace("localhost:8000", f"localhost:{port}")
-        printed = run_python(code, tmp_path)
-        assert len(re.findall(r"[-\d.e]+", printed)) == 10, printed  # one row of 10 scores
+        for client, address in (("tritonclient.http", f"localhost:{port}"), ("tritonclient.grpc",
+                                                                            f"localhost:{grpc_port}")):
+            code = block_using(client).replace("localhost:8000", address).replace("localhost:8001", address)
+            printed = run_python(code, tmp_path)
+            assert len(re.findall(r"[-\d.e]+", printed)) == 10, (client, printed)  # one row of 10 scores
         server.send_signal(signal.SIGTERM)
         assert server.wait(WAIT_S) == 0
     finally:

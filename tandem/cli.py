@@ -82,7 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
         pool = load_one(path, InferencePool)
         server = InferenceServer(pool, args.checkpoint, grace_seconds=args.grace_period,
                                  auth_token_file=args.auth_token_file)
-    except (ManifestError, ModelLoadError, AuthTokenError, ValueError) as error:
+    except (ManifestError, ModelLoadError, AuthTokenError) as error:
         print(error, file=sys.stderr)
         return 1
     port = pool.spec.port if args.port is None else args.port

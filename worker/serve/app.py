@@ -34,7 +34,7 @@ import torch
 from tandem.api.inference import InferencePool
 from tandem.worker.cores import share_cores
 from tandem.worker.serve import model_loading
-from tandem.worker.serve.auth import BearerToken
+from tandem.worker.serve.auth import AuthTokenError, BearerToken
 from tandem.worker.serve.background import BackgroundServer
 from tandem.worker.serve.grpc_service import GrpcCall, GrpcServer, GrpcService
 from tandem.worker.serve.http import HttpServer, Request
@@ -56,8 +56,7 @@ class InferenceServer:
     spec.model. `auth_token_file` holds the bearer token clients must present (the pool's spec.auth Secret, mounted);
     a pool with spec.auth needs one. Use `run()` for the process (`tandem serve`), `start()`/`drain()`/`stop()` on a
     running event loop, or `start_in_thread()` to embed it in a program (tests do). Raises ModelLoadError when the
-    pool's model cannot be located, AuthTokenError when the token cannot be read, ValueError when spec.auth has no
-    token file."""
+    pool's model cannot be located, AuthTokenError when the token cannot be read or spec.auth has no token file."""
 
     def __init__(self, pool: InferencePool, checkpoint: str | None = None, *, grace_seconds: float = 25.0,
                  follow_interval: float = 2.0, auth_token_file: str | None = None):
@@ -71,7 +70,7 @@ class InferenceServer:
         self.port: int | None = None
         self.grpc_port: int | None = None
         if spec.auth is not None and auth_token_file is None:
-            raise ValueError(f"the pool's spec.auth asks for the token in Secret {spec.auth.secret_name!r}: give "
+            raise AuthTokenError(f"the pool's spec.auth asks for the token in Secret {spec.auth.secret_name!r}: give "
                              "the token's file with --auth-token-file PATH")
         self.token = None if auth_token_file is None else BearerToken(auth_token_file)
         self.max_body = MAX_BODY

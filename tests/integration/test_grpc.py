@@ -10,12 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
-from inference_models import GATES
+from inference_models import GATES, Forward
 from serving import (
     WAIT_S,
     gated_pool,
+    infer_in_thread,
     inputs,
     json_body,
     make_pool,
@@ -149,6 +151,54 @@ def test_concurrent_clients_each_get_their_own_rows(served):
         outputs = [future.result(WAIT_S) for future in futures]
     for (i, n), output in zip(slices * 3, outputs, strict=True):
         np.testing.assert_allclose(output, reference(x[i:i + n]), rtol=1e-5, atol=1e-6)
+
+
+def test_grpc_and_http_requests_queued_together_share_one_forward(served):
+    """One batching engine behind both ports: requests queued behind a running forward, whichever port they came
+    by, run as the next batch, and each gets its own rows back. Every value of a request's input is its id."""
+    name = "both-ports"
+    GATES.pop(name, None)
+    server = served(make_pool(name, model={"callable": "inference_models:recorder", "args": {"name": name},
+                                           "inputShape": [4]}, workersPerReplica=1), grpc=True)
+    gate, inference = GATES[name], server.server.model.inference
+    sizes = {1: 1, 2: 2, 3: 1, 4: 3}  # request id: examples; odd ids by HTTP, even by gRPC
+    pool = ThreadPoolExecutor(len(sizes))
+    gate.close()
+    futures = {}
+    for request_id, rows in sizes.items():
+        x = np.full((rows, 4), request_id, np.float32)
+        futures[request_id] = pool.submit(infer_in_thread, server.url, x, name) if request_id % 2 else \
+            pool.submit(grpc_infer_in_thread, server.grpc_url, x, name)
+        if request_id == 1:
+            gate.wait_entered(1)
+        else:
+            wait_until(lambda count=request_id - 1: inference.queued == count, what=f"{request_id - 1} queued")
+    gate.open.set()
+    for request_id, rows in sizes.items():
+        np.testing.assert_array_equal(futures[request_id].result(WAIT_S), np.full((rows, 1), request_id, np.float32))
+    pool.shutdown()
+    assert gate.forwards == [Forward((1,), (4,), torch.float32), Forward((2, 2, 3, 4, 4, 4), (4,), torch.float32)]
+
+
+def test_a_drain_answers_new_grpc_calls_unavailable_and_finishes_the_ones_it_has(served):
+    name = "grpc-drain"
+    server = served(gated_pool(name, workersPerReplica=1), grpc=True)
+    gate = GATES[name]
+    pool = ThreadPoolExecutor(2)
+    gate.close()
+    held = pool.submit(grpc_infer_in_thread, server.grpc_url, inputs(1), name)
+    gate.wait_entered(1)
+    client = tgrpc.InferenceServerClient(server.grpc_url)
+    draining = pool.submit(server.drain, 60.0)
+    wait_until(lambda: server.server.draining, what="draining")
+    refused = status_of(lambda: grpc_infer(client, inputs(1), name))
+    assert refused.status() == "StatusCode.UNAVAILABLE" and "shutting down" in refused.message()
+    assert not client.is_server_ready(), "not ready while draining"
+    gate.open.set()
+    np.testing.assert_allclose(held.result(WAIT_S), reference(inputs(1)), rtol=1e-5, atol=1e-6)
+    assert draining.result(WAIT_S) is True, "every request answered within the grace period"
+    pool.shutdown()
+    client.close()
 
 
 @pytest.mark.parametrize(("mutate", "code", "words"), [

@@ -109,7 +109,7 @@ def tandem_server(mode: str, workers: int, directory: Path) -> Server:
                  "inferenceMode": mode, "workersPerReplica": workers, "batchLimit": BATCH_LIMIT, "queueLimit": 256,
                  "gpusPerReplica": 1 if DEVICE == "cuda" else 0}}))
     port = free_port()
-    return Server([sys.executable, "-m", "tandem.cli", "serve", str(manifest), "--port", str(port)], port,
+    return Server([sys.executable, "-m", "tandem.cli", "serve", str(manifest), "--port", str(port), "--no-grpc"], port,
                   "/v2/health/ready")
 
 

@@ -71,7 +71,7 @@ class InferenceServer:
         self.grpc_port: int | None = None
         if spec.auth is not None and auth_token_file is None:
             raise AuthTokenError(f"the pool's spec.auth asks for the token in Secret {spec.auth.secret_name!r}: give "
-                             "the token's file with --auth-token-file PATH")
+                                 "the token's file with --auth-token-file PATH")
         self.token = None if auth_token_file is None else BearerToken(auth_token_file)
         self.max_body = MAX_BODY
         self.model = ServedModel(spec, model_loading.locate(spec.model, checkpoint), name=self.name,

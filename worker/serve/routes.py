@@ -5,7 +5,8 @@ configuration, statistics and model repository extensions):
     GET  /v2                                           server metadata
     GET  /v2/models/{m}[/versions/{v}]                 inputs and outputs (shapes with -1 for the batch); what
                                                        is served: parameters {checkpoint, source, loaded_at}
-    GET  /v2/models/{m}[/versions/{v}]/ready
+    GET  /v2/models/{m}[/versions/{v}]/ready           200 / 503, with what is served once loaded (open behind
+                                                       the token, like every readiness endpoint: the operator reads it)
     POST /v2/models/{m}[/versions/{v}]/infer           JSON tensors or binary tensor data, both directions
     GET  /v2/models/{m}[/versions/{v}]/config          Triton's model configuration (for perf_analyzer)
     GET  /v2/models[/{m}[/versions/{v}]]/stats         Triton's statistics shape
@@ -14,10 +15,14 @@ configuration, statistics and model repository extensions):
                                                        spec.modelRepository.load, and for a PATH outside its root)
     GET  /metrics                                      Prometheus
 
-Errors are {"error": "..."} naming the problem: 400 bad request, 403 a load the pool's spec.modelRepository
-forbids, 404 unknown model/version/endpoint, 405 wrong method, 429 queue full (with Retry-After), 503 loading or
-shutting down, 504 timed out, 500 the model's forward failed (only the request that breaks it fails: a failing
-batch is retried request by request). 413 (body too large) is the HTTP layer's.
+With the pool's token (spec.auth), every endpoint but health, readiness and (unless protected) /metrics answers 401
+with WWW-Authenticate: Bearer to a request without it, before anything else. The gRPC service (grpc_service.py)
+answers the same through the public methods here (metadata, config, stats, index, load).
+
+Errors are {"error": "..."} naming the problem: 400 bad request, 401 no or another token, 403 a load the pool's
+spec.modelRepository forbids, 404 unknown model/version/endpoint, 405 wrong method, 429 queue full (with
+Retry-After), 503 loading or shutting down, 504 timed out, 500 the model's forward failed (only the request that
+breaks it fails: a failing batch is retried request by request). 413 (body too large) is the HTTP layer's.
 
 Everything here runs on the event loop and never calls torch: requests are decoded and validated with numpy and
 orjson, inference requests are submitted to ParallelInference and answered when their output comes back.

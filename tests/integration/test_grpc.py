@@ -364,6 +364,11 @@ def test_with_a_token_grpc_is_unauthenticated_without_it_and_answers_with_it_and
     assert client.get_model_metadata("digits", headers=authorized).name == "digits"
     assert status_of(lambda: client.load_model("digits", headers=authorized)).status() == \
         "StatusCode.PERMISSION_DENIED", "past the token, the repository's own lockdown"
+    _token_file(tmp_path, "rotated-token")  # the kubelet updating the mounted Secret: no restart
+    assert status_of(lambda: grpc_infer(client, x, headers=authorized)).status() == "StatusCode.UNAUTHENTICATED"
+    rotated = {"authorization": "Bearer rotated-token"}
+    np.testing.assert_allclose(grpc_infer(client, x, headers=rotated), reference(x), rtol=1e-5, atol=1e-6)
+    assert request(server.port, "GET", "/v2", headers={"Authorization": "Bearer rotated-token"})[0] == 200
     client.close()
 
 

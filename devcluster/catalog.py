@@ -1,8 +1,9 @@
 """What the emulator serves: the built-in resources an operator and kopf touch, and the CRDs applied to it.
 
 Each served resource is a `Kind`: its group/version/plural, kind, scope, subresources and (for custom resources)
-its schema and scale paths, read from the CustomResourceDefinition as the API server reads it. The catalogue feeds
-kmock's discovery (`emulator.resources`), so `/api/v1`, `/apis/<group>/<version>` list exactly these.
+its schema, printer columns and scale paths, read from the CustomResourceDefinition as the API server reads it. The
+catalogue is what discovery (discovery.py: `/api/v1`, `/apis/<group>/<version>`), server-side printing (tables.py)
+and the OpenAPI documents (openapi.py) describe.
 
 Not emulated: several versions of one group (only the CRD's storage version is served), conversion between
 versions, and the aggregated APIs (metrics, custom.metrics).
@@ -41,6 +42,7 @@ class Kind:
     categories: tuple[str, ...] = ()
     scale: ScalePaths | None = None
     schema: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
+    printer_columns: tuple[Mapping[str, Any], ...] = field(default=(), compare=False, hash=False)  # tables.py
 
     @property
     def resource(self) -> kmock.resource:
@@ -120,6 +122,7 @@ def kinds_of_crd(crd: Mapping[str, Any]) -> list[Kind]:
             scale=ScalePaths(scale["specReplicasPath"], scale["statusReplicasPath"], scale.get("labelSelectorPath"))
             if scale else None,
             schema=(version.get("schema") or {}).get("openAPIV3Schema"),
+            printer_columns=tuple(version.get("additionalPrinterColumns") or ()),
         ))
     return kinds
 

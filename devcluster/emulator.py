@@ -59,7 +59,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp.web
@@ -67,8 +67,8 @@ import attrs
 import kmock
 from kmock._internal import rendering
 
+from . import discovery, lifecycle, openapi, patches, subresources, tables
 from . import faults as faults_
-from . import lifecycle, patches, subresources
 from .catalog import Catalog, Kind
 from .selectors import Selection, SelectorError
 from .store import Event, Gone, Store
@@ -124,6 +124,12 @@ class Emulator(kmock.KubernetesEmulator):
 
     def _get_resources(self) -> list[kmock.resource]:
         return [kind.resource for kind in self.catalog]
+
+    def _document(self, path: str) -> dict[str, Any] | None:
+        """Fix (discovery, OpenAPI): the documents kubectl reads (discovery.py, openapi.py); None: not one of them."""
+        if path.startswith("/openapi/"):
+            return openapi.document(self.catalog, path)
+        return discovery.document(self.catalog, path)
 
     # -- fix: paths -----------------------------------------------------------------------------------------------
     def _reparse(self, request: kmock.Request) -> kmock.Request:
@@ -184,6 +190,8 @@ class Emulator(kmock.KubernetesEmulator):
     async def _respond(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         raw_response = None
         try:
+            if str(request.method.value).upper() == "GET" and (served := self._document(request.url.path)) is not None:
+                return aiohttp.web.json_response(served)
             if request.action == kmock.action.FETCH and request.subresource == "log":
                 return self._serve_log(request)  # text/plain, which kmock's payloads cannot answer
             direct = request.action is not None and request.resource is not None and request.resource.plural
@@ -284,15 +292,41 @@ class Emulator(kmock.KubernetesEmulator):
         """Fix (speed): kmock's DSL decides whether a reaction matches a request by scanning every request served
         so far, so each request costs more than the last (quadratic over a run). While no test has added its own
         reactions (`emulator[...] << ...`), resource requests go straight to the verbs; with one, through the DSL."""
+        table = tables.table_version(self._header(request, "Accept"))
         if request.action == kmock.action.WATCH:
-            return await self._stream(request, self._serve_watch(request))
+            return await self._stream(request, self._serve_watch(request, table=table))
         serve = {kmock.action.LIST: self._serve_list, kmock.action.FETCH: self._serve_fetch,
                  kmock.action.CREATE: self._serve_create, kmock.action.UPDATE: self._serve_update,
                  kmock.action.DELETE: self._serve_delete}[request.action]
         result, status = await serve(request), 200
         if isinstance(result, rendering.Response):
             result, status = result.payload, result.status
+        if table and request.action in (kmock.action.LIST, kmock.action.FETCH) and request.subresource is None:
+            result = self._table(request, result, table)
         return aiohttp.web.json_response(result, status=status)
+
+    def _table(self, request: kmock.Request, result: dict[str, Any], version: str) -> dict[str, Any]:
+        """Fix (server-side printing, tables.py): a LIST's or GET's answer as the Table kubectl asked for."""
+        objects = result["items"] if request.action == kmock.action.LIST else [result]
+        revision = (result.get("metadata") or {}).get("resourceVersion")
+        return tables.table(self._kind(request), objects, version=version, resource_version=revision,
+                            include=request.params.get("includeObject"))
+
+    @staticmethod
+    def _header(request: kmock.Request, name: str) -> str | None:
+        raw = request._raw_request
+        return (raw.headers if raw is not None else request.headers).get(name)
+
+    def _refuse_unknown_fields(self, request: kmock.Request, kind: Kind, obj: Any) -> None:
+        """Fix (field validation, openapi.py): `fieldValidation=Strict` (kubectl apply's) refuses what pruning would
+        drop from a custom resource; without it, or with Warn or Ignore, it is pruned silently."""
+        if request.params.get("fieldValidation") != "Strict" or not kind.schema or not isinstance(obj, dict):
+            return
+        unknown = openapi.unknown_fields(obj, kind.schema)
+        if unknown:
+            raise api_error(400, "BadRequest", f'{kind.kind} in version "{kind.version}" cannot be handled as a '
+                            f'{kind.kind}: strict decoding error: ' + ", ".join(f'unknown field "{field}"'
+                                                                               for field in unknown))
 
     @staticmethod
     async def _stream(request: kmock.Request, lines: AsyncIterator[bytes]) -> aiohttp.web.StreamResponse:
@@ -403,6 +437,7 @@ class Emulator(kmock.KubernetesEmulator):
         from a 201)."""
         kind = self._kind(request)
         if request.name is None:
+            self._refuse_unknown_fields(request, kind, request.data)
             return rendering.Response(status=201, payload=self.writer.create(kind, request.namespace, request.data))
         key = self._key(request, kind)
         if kind.kind == "Pod" and request.subresource == "binding":
@@ -431,6 +466,7 @@ class Emulator(kmock.KubernetesEmulator):
                 desired = patches.apply(current, request.data, content_type)
             except patches.PatchError as error:
                 raise api_error(error.status, error.reason, error.message) from None
+        self._refuse_unknown_fields(request, kind, desired)
         expect = ((desired or {}).get("metadata") or {}).get("resourceVersion") if isinstance(desired, dict) else None
         return self.writer.update(kind, key, desired, subresource=sub, expect_version=expect)
 
@@ -450,8 +486,12 @@ class Emulator(kmock.KubernetesEmulator):
             return subresources.success(request.name, kind.plural, obj["metadata"].get("uid"))
         return obj
 
-    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[bytes]:
+    async def _serve_watch(self, request: kmock.Request, table: str | None = None) -> AsyncIterator[bytes]:
+        """`table`: each event's object as a one-row Table of that version (kubectl get -w, tables.py)."""
         kind = self._kind(request)
+        render = None if table is None else lambda obj: tables.table(
+            kind, [obj], version=table, include=request.params.get("includeObject"),
+            resource_version=obj["metadata"].get("resourceVersion"))
         selection = self._selection(request)
         params = request.params
         since = params.get("resourceVersion") or None
@@ -472,13 +512,13 @@ class Emulator(kmock.KubernetesEmulator):
         try:
             for obj in current:
                 if selection.matches(obj):
-                    yield _line("ADDED", obj)
+                    yield _line("ADDED", obj, render)
             if params.get("sendInitialEvents") == "true":
                 yield _line("BOOKMARK", {"apiVersion": kind.api_version, "kind": kind.kind, "metadata": {
                     "resourceVersion": str(self.store.revision),
                     "annotations": {"k8s.io/initial-events-end": "true"}}})
             for event in backlog:
-                if line := _translate(event, selection):
+                if line := _translate(event, selection, render):
                     yield line
             while deadline is None or time.monotonic() < deadline:
                 wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
@@ -493,7 +533,7 @@ class Emulator(kmock.KubernetesEmulator):
                 if event is None:
                     ends = None
                     break  # the emulator is stopping
-                if line := _translate(event, selection):
+                if line := _translate(event, selection, render):
                     yield line
             if ends is not None and time.monotonic() >= ends:  # the injected end, not the client's timeout
                 self.injector.count(*cut[2])
@@ -504,15 +544,16 @@ class Emulator(kmock.KubernetesEmulator):
             self.store.unsubscribe(kind.resource, queue)
 
 
-def _line(type_: str, obj: dict[str, Any]) -> bytes:
-    return json.dumps({"type": type_, "object": obj}).encode() + b"\n"
+def _line(type_: str, obj: dict[str, Any], render: Callable[[dict[str, Any]], Any] | None = None) -> bytes:
+    return json.dumps({"type": type_, "object": obj if render is None else render(obj)}).encode() + b"\n"
 
 
-def _translate(event: Event, selection: Selection) -> bytes | None:
+def _translate(event: Event, selection: Selection, render: Callable[[dict[str, Any]], Any] | None = None
+               ) -> bytes | None:
     """The event as a watcher with these selectors sees it: entering the selection is ADDED, leaving it DELETED."""
     now, before = selection.matches(event.obj), selection.matches(event.old)
     if event.type == "DELETED":
-        return _line("DELETED", event.obj) if now or before else None
+        return _line("DELETED", event.obj, render) if now or before else None
     if now:
-        return _line("MODIFIED" if before and event.type == "MODIFIED" else "ADDED", event.obj)
-    return _line("DELETED", event.obj) if before else None
+        return _line("MODIFIED" if before and event.type == "MODIFIED" else "ADDED", event.obj, render)
+    return _line("DELETED", event.obj, render) if before else None

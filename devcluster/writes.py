@@ -52,7 +52,15 @@ def not_found(kind: Kind, name: str) -> kmock.KubernetesError:
 def invalid(kind: Kind, name: str, problems: list[str]) -> kmock.KubernetesError:
     title = f"{kind.kind}.{kind.group}" if kind.group else kind.kind
     return api_error(422, "Invalid", f'{title} "{name}" is invalid: ' + "; ".join(problems), name=name,
-                     kind=kind.kind, causes=[{"message": p} for p in problems])
+                     kind=kind.kind, causes=[_cause(p) for p in problems])
+
+
+def _cause(problem: str) -> dict[str, str]:
+    """`spec.workers: 0 is less...` as a cause with its field, which kubectl prints as `* spec.workers: ...`."""
+    field, sep, message = problem.partition(": ")
+    if not sep or " " in field:
+        return {"reason": "FieldValueInvalid", "message": problem}
+    return {"reason": "FieldValueInvalid", "field": field, "message": message}
 
 
 def blockers(obj: dict[str, Any]) -> list[str]:

@@ -148,7 +148,7 @@ def test_a_create_that_breaks_a_rule_is_refused_with_its_message(cluster, collec
     kind = "Widget.cel.example.dev" if collection == "widgets" else f"{document['kind']}.tandem.dev"
     assert status == 422 and body["reason"] == "Invalid", body
     assert body["message"].startswith(f'{kind} "{name}" is invalid: ') and problem in body["message"], body
-    assert any(problem in cause["message"] for cause in body["details"]["causes"])
+    assert any(problem in f'{cause["field"]}: {cause["message"]}' for cause in body["details"]["causes"])
     assert cluster.get(collection, NS, name) is None
 
 

@@ -1,0 +1,286 @@
+"""The real `kubectl` (Debian's kubernetes-client) against the emulated API server (devcluster/), and the README's
+kubectl commands run with it: discovery (devcluster/discovery.py), server-side printing of the CRDs' printer
+columns and of pods (tables.py), `apply`'s validation through the OpenAPI v3 documents (openapi.py), `describe`,
+`scale`, `patch`, `get -w` and `delete`; the quick start with the real operator training the digits example and
+serving it.
+
+Skipped, with the reason, where `kubectl` is not on PATH (`make setup` installs it from the Debian archive where it
+can: `apt-get install kubernetes-client`).
+
+Where the README's samples differ from what kubectl prints, the comparison says so column by column (`KNOWN`): the
+LOSS column prints rank 0's loss with full float precision (the CRD's `number` column; the README shows four
+decimals); the pool's CHECKPOINT is the path the server reports, which the test kubelet maps to a local directory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+from jobs import ROOT, TESTS
+from operator_runs import NS, READY, STARTUP, custom_job, events, job_pods, server_pods, start_operator
+
+from devcluster import Cluster
+
+pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
+                                reason="needs `kubectl` on PATH (Debian: apt-get install kubernetes-client)")
+
+README = (ROOT / "README.md").read_text()
+QUICK_START = README.split("\n## Quick start on a cluster", 1)[1].split("\n## ", 1)[0]
+TRAIN, POOL = ROOT / "examples" / "digits-train.yaml", ROOT / "examples" / "digits-pool.yaml"
+FLOAT = re.compile(r"\d+\.\d+(e-\d+)?")
+AGE = re.compile(r"\d+[smhdy](\d+[smh])?")
+
+
+def kubectl(cluster: Cluster, *args: str, input: str | None = None, check: bool = True
+            ) -> subprocess.CompletedProcess[str]:
+    env = cluster.environ(KUBECACHEDIR=str(cluster.root / "kubectl-cache"), HOME=str(cluster.root))
+    result = subprocess.run(["kubectl", *args], env=env, input=input, capture_output=True, text=True, timeout=60,
+                            cwd=ROOT)
+    if check and result.returncode != 0:
+        raise AssertionError(f"kubectl {' '.join(args)} exited {result.returncode}: {result.stderr}")
+    return result
+
+
+def table(text: str) -> list[dict[str, str]]:
+    """kubectl's columns, cut where the header's names start (a cell may be empty, a name has single spaces)."""
+    header, *lines = [line for line in text.splitlines() if line.strip()]
+    starts = [match.start() for match in re.finditer(r"\S+(?: \S+)*", header)]
+    names = [header[start:end].strip() for start, end in zip(starts, [*starts[1:], None], strict=True)]
+    return [{name: line[start:end].strip() for name, start, end in zip(names, starts, [*starts[1:], None],
+                                                                         strict=True)} for line in lines]
+
+
+def readme_samples(section: str = QUICK_START) -> list[dict[str, str]]:
+    """The `kubectl get` samples of a README section (four-space indented, a NAME header and one row each)."""
+    blocks = re.findall(r"\n(    NAME .*\n    \S.*)\n", section)
+    return [table("\n".join(line[4:] for line in block.splitlines()))[0] for block in blocks]
+
+
+def differences(sample: dict[str, str], printed: dict[str, str], known: dict[str, str]) -> list[str]:
+    """The columns where kubectl's row is not the README's, but for those `known` explains (each still checked for
+    its format)."""
+    assert list(sample) == list(printed), (list(sample), list(printed))
+    found = []
+    for column, value in printed.items():
+        if column == "AGE":
+            ok = AGE.fullmatch(value) and AGE.fullmatch(sample[column])
+        elif column in known:
+            ok = re.fullmatch(known[column], value)
+        else:
+            ok = value == sample[column]
+        if not ok:
+            found.append(f"{column}: README {sample[column]!r}, kubectl {value!r}")
+    return found
+
+
+# --- the emulated API as kubectl needs it (no operator) ---------------------------------------------------------
+
+@pytest.fixture
+def cluster(tmp_path):
+    with Cluster(tmp_path) as cluster:
+        yield cluster
+
+
+def test_discovery_names_every_resource_once_without_warnings(cluster):
+    resources = kubectl(cluster, "api-resources")
+    assert resources.stderr == ""
+    rows = {row["NAME"]: row for row in table(resources.stdout)}
+    assert rows["pods"]["SHORTNAMES"] == "po" and rows["pods"]["APIVERSION"] == "v1"
+    assert rows["paralleltrainingjobs"]["SHORTNAMES"] == "ptj,trainingjob,trainingjobs"
+    assert rows["inferencepools"]["APIVERSION"] == "tandem.dev/v1alpha1" and rows["inferencepools"]["KIND"] == \
+        "InferencePool"
+    for name in ("pods", "events", "services", "configmaps", "persistentvolumeclaims", "ptj", "tip", "ns"):
+        got = kubectl(cluster, "get", name)
+        assert "Warning" not in got.stderr and got.returncode == 0, (name, got.stderr)
+
+
+def test_get_prints_the_crds_columns_as_the_api_server_fills_them(cluster):
+    kubectl(cluster, "apply", "-f", str(TRAIN))
+    empty = table(kubectl(cluster, "get", "ptj").stdout)
+    assert empty == [{"NAME": "digits-train", "PHASE": "", "READY": "", "STEP": "", "LOSS": "", "RESTARTS": "",
+                      "CHECKPOINT": "", "QUEUE": "", "AGE": empty[0]["AGE"]}]  # no status yet: null cells
+    sample = readme_samples()[0]
+    loss = 0.18741234567
+    status, _ = cluster.request("PATCH", f"/apis/tandem.dev/v1alpha1/namespaces/{NS}/paralleltrainingjobs/digits-train"
+                                "/status", {"status": {
+                                    "phase": sample["PHASE"], "restarts": int(sample["RESTARTS"]),
+                                    "workers": {"summary": sample["READY"]},
+                                    "progress": {"summary": sample["STEP"], "loss": loss},
+                                    "checkpoint": {"latest": sample["CHECKPOINT"]}}},
+                                "application/merge-patch+json")
+    assert status == 200
+    for resource in ("trainingjobs", "ptj", "paralleltrainingjobs.tandem.dev"):
+        (row,) = table(kubectl(cluster, "get", resource).stdout)
+        assert row["LOSS"] == str(loss)  # a `number` column: printed as it is stored (the README rounds it)
+        assert differences(sample, row, {"LOSS": FLOAT.pattern, "QUEUE": ""}) == [], row
+    (wide,) = table(kubectl(cluster, "get", "ptj", "-o", "wide").stdout)
+    assert list(wide) == list(sample)  # no column of priority > 0
+    assert kubectl(cluster, "get", "ptj", "digits-train", "-o", "jsonpath={.status.progress.loss}").stdout == \
+        str(loss)
+
+
+def test_get_watch_prints_a_row_for_each_change(cluster):
+    kubectl(cluster, "apply", "-f", str(TRAIN))
+    env = cluster.environ(KUBECACHEDIR=str(cluster.root / "kubectl-cache"), HOME=str(cluster.root))
+    with subprocess.Popen(["kubectl", "get", "ptj", "digits-train", "-w"], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as watch:
+        try:
+            header = watch.stdout.readline()
+            first = watch.stdout.readline()
+            cluster.request("PATCH", f"/apis/tandem.dev/v1alpha1/namespaces/{NS}/paralleltrainingjobs/digits-train"
+                            "/status", {"status": {"phase": "Running", "workers": {"summary": "2/2"}}},
+                            "application/merge-patch+json")
+            changed = watch.stdout.readline()
+        finally:
+            watch.kill()
+    rows = table(header + first + changed)
+    assert [(row["NAME"], row["PHASE"], row["READY"]) for row in rows] == [
+        ("digits-train", "", ""), ("digits-train", "Running", "2/2")], rows
+
+
+def test_get_pods_prints_the_builtin_columns(cluster):
+    kubectl(cluster, "run", "hello", "--image", "python", "--restart", "Never", "--command", "--",
+            "python", "-c", "print(1)")
+    cluster.wait_for(lambda: cluster.get("pods", NS, "hello")["status"]["phase"] == "Succeeded", 30, "hello")
+    (row,) = table(kubectl(cluster, "get", "pods").stdout)
+    assert {key: row[key] for key in ("NAME", "READY", "STATUS", "RESTARTS")} == {
+        "NAME": "hello", "READY": "0/1", "STATUS": "Completed", "RESTARTS": "0"} and AGE.fullmatch(row["AGE"])
+    (wide,) = table(kubectl(cluster, "get", "pods", "-o", "wide").stdout)
+    pod = cluster.get("pods", NS, "hello")
+    assert (wide["IP"], wide["NODE"], wide["NOMINATED NODE"], wide["READINESS GATES"]) == (
+        pod["status"]["podIP"], pod["spec"]["nodeName"], "<none>", "<none>")
+    assert kubectl(cluster, "logs", "hello").stdout == "1\n"
+
+
+def test_apply_validates_against_the_crds_schema(cluster, tmp_path):
+    manifest = yaml.safe_load(TRAIN.read_text())
+    unknown = {**manifest, "spec": {**manifest["spec"], "workerz": 2}}
+    refused = kubectl(cluster, "apply", "-f", "-", input=json.dumps(unknown), check=False)
+    assert refused.returncode == 1
+    assert 'strict decoding error: unknown field "spec.workerz"' in refused.stderr, refused.stderr
+    assert cluster.get("ptj", NS, "digits-train") is None
+    wrong = {**manifest, "spec": {**manifest["spec"], "workers": "two"}}
+    refused = kubectl(cluster, "apply", "-f", "-", input=json.dumps(wrong), check=False)
+    assert refused.returncode == 1 and "* spec.workers: 'two' is not of type 'integer'" in refused.stderr, \
+        refused.stderr
+    assert kubectl(cluster, "apply", "-f", str(TRAIN)).stdout == "paralleltrainingjob.tandem.dev/digits-train created\n"
+    assert kubectl(cluster, "apply", "-f", str(TRAIN)).stdout == \
+        "paralleltrainingjob.tandem.dev/digits-train unchanged\n"
+    again = kubectl(cluster, "apply", "-f", "-", input=json.dumps(unknown), check=False)
+    assert again.returncode == 1 and 'unknown field "spec.workerz"' in again.stderr  # a patch is validated too
+    ignored = kubectl(cluster, "apply", "--validate=false", "-f", "-", input=json.dumps(unknown))
+    assert "configured" in ignored.stdout and "workerz" not in cluster.get("ptj", NS, "digits-train")["spec"]
+
+
+# --- the README's commands, with the real operator ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def operated(tmp_path_factory):
+    with Cluster(tmp_path_factory.mktemp("cluster"), extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
+        start_operator(cluster)
+        yield cluster
+
+
+def status(cluster: Cluster, resource: str, name: str) -> dict:
+    return (cluster.get(resource, NS, name) or {}).get("status") or {}
+
+
+def wait_phase(cluster: Cluster, resource: str, name: str, phase: str, timeout: float) -> dict:
+    try:
+        return cluster.wait_for(lambda: (s := status(cluster, resource, name)).get("phase") == phase and s, timeout,
+                                f"{name} to be {phase}")
+    except TimeoutError:
+        print(cluster.process_log("operator")[-4000:])
+        raise AssertionError(f"{name} is not {phase}: {status(cluster, resource, name)}") from None
+
+
+def test_the_quick_start_runs_with_kubectl(operated):
+    """The quick start's commands as the README gives them: the claim from a heredoc, the job through `kubectl
+    patch --local | kubectl apply -f -`, `kubectl get trainingjobs` / `ptj` against the Succeeded sample, `kubectl
+    describe ptj`, the pool and `kubectl get tip`, a pool patched to one replica, and the clean-up's deletes."""
+    cluster = operated
+    commands = QUICK_START.split("```sh\n", 2)[2].split("```", 1)[0]
+    claim = commands.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    assert kubectl(cluster, "apply", "-f", "-", input=claim).stdout == \
+        "persistentvolumeclaim/digits-checkpoints created\n"
+    patch = re.search(r"kubectl patch -f examples/digits-train\.yaml --local --type merge -o yaml \\\n\s+-p '([^']+)'",
+                      commands).group(1)
+    local = kubectl(cluster, "patch", "-f", "examples/digits-train.yaml", "--local", "--type", "merge", "-o", "yaml",
+                    "-p", patch).stdout
+    assert kubectl(cluster, "apply", "-f", "-", input=local).stdout == \
+        "paralleltrainingjob.tandem.dev/digits-train created\n"
+    final = wait_phase(cluster, "ptj", "digits-train", "Succeeded", 240)
+    running, succeeded, pool_sample = readme_samples()
+    for resource in ("trainingjobs", "ptj"):
+        (row,) = table(kubectl(cluster, "get", resource).stdout)
+        assert row["LOSS"] == str(final["progress"]["loss"])
+        assert differences(succeeded, row, {"LOSS": FLOAT.pattern, "QUEUE": ""}) == [], row
+
+    described = kubectl(cluster, "describe", "ptj", "digits-train").stdout
+    conditions = described.split("\n  Conditions:\n", 1)[1]
+    assert re.search(r"Type\s+Status\s+.*Reason", conditions.split("\n", 2)[1]) or "Type:" in conditions, described
+    event_lines = described.split("\nEvents:\n", 1)[1]
+    for reason in events(cluster, "digits-train"):
+        assert re.search(rf"Normal\s+{reason}\s", event_lines), (reason, event_lines)
+
+    assert kubectl(cluster, "apply", "-f", "examples/digits-pool.yaml").stdout == \
+        "inferencepool.tandem.dev/digits created\n"
+    wait_phase(cluster, "tip", "digits", "Ready", READY * 2)
+    cluster.wait_for(lambda: status(cluster, "tip", "digits").get("readyReplicas") == 2, READY, "both servers")
+    (row,) = table(kubectl(cluster, "get", "tip").stdout)
+    checkpoint = "/runs/digits-train/checkpoints/step-00000230.pt"
+    assert differences(pool_sample, row, {"CHECKPOINT": rf".*{re.escape(checkpoint)}"}) == [], row
+
+    assert kubectl(cluster, "patch", "tip", "digits", "--type", "merge", "-p",
+                   '{"spec": {"replicas": 1, "autoscaling": null}}').stdout == \
+        "inferencepool.tandem.dev/digits patched\n"
+    cluster.wait_for(lambda: len(server_pods(cluster, "digits")) == 1, READY, "one server")
+    cluster.wait_for(lambda: table(kubectl(cluster, "get", "tip").stdout)[0]["READY"] == "1/1", READY, "READY 1/1")
+
+    deleted = kubectl(cluster, "delete", "-f", "examples/digits-pool.yaml", "-f", "examples/digits-train.yaml").stdout
+    assert deleted.splitlines() == ['inferencepool.tandem.dev "digits" deleted',
+                                    'paralleltrainingjob.tandem.dev "digits-train" deleted']
+    assert kubectl(cluster, "delete", "pvc", "digits-checkpoints").stdout == \
+        'persistentvolumeclaim "digits-checkpoints" deleted\n'
+    cluster.wait_for(lambda: not job_pods(cluster, "digits-train") and not server_pods(cluster, "digits"), 60,
+                     "the pods to go")
+    left = kubectl(cluster, "get", "ptj,tip,pvc,deployments,services")
+    assert left.stdout == "" and left.stderr == "No resources found in default namespace.\n", left
+
+
+def test_scale_and_suspend_with_kubectl(operated):
+    """`kubectl scale ptj/NAME --replicas N` restarts the group at the new size; `kubectl patch` with `suspend:
+    true` stops the ranks, and `kubectl get ptj` shows each."""
+    cluster = operated
+    kubectl(cluster, "apply", "-f", "-", input=json.dumps(custom_job("sleepy")))
+    wait_phase(cluster, "ptj", "sleepy", "Running", STARTUP)
+    assert kubectl(cluster, "scale", "ptj/sleepy", "--replicas", "3").stdout == \
+        "paralleltrainingjob.tandem.dev/sleepy scaled\n"
+    cluster.wait_for(lambda: status(cluster, "ptj", "sleepy").get("phase") == "Running"
+                     and status(cluster, "ptj", "sleepy")["workers"]["summary"] == "3/3", STARTUP, "three ranks")
+    (row,) = table(kubectl(cluster, "get", "ptj", "sleepy").stdout)
+    assert (row["PHASE"], row["READY"]) == ("Running", "3/3"), row
+    assert kubectl(cluster, "patch", "ptj", "sleepy", "--type", "merge", "-p", '{"spec": {"suspend": true}}').stdout \
+        == "paralleltrainingjob.tandem.dev/sleepy patched\n"
+    wait_phase(cluster, "ptj", "sleepy", "Suspended", STARTUP)
+    cluster.wait_for(lambda: not [p for p in job_pods(cluster, "sleepy") if p["status"].get("phase") == "Running"],
+                     STARTUP, "the ranks to stop")
+    (row,) = table(kubectl(cluster, "get", "ptj", "sleepy").stdout)
+    assert row["PHASE"] == "Suspended", row
+    described = kubectl(cluster, "describe", "ptj", "sleepy").stdout
+    assert "Suspend:" in described and "Suspended" in described
+    kubectl(cluster, "delete", "ptj", "sleepy")
+    cluster.wait_for(lambda: not job_pods(cluster, "sleepy"), 60, "sleepy's pods to go")
+
+
+def test_readme_samples_are_parsed_as_kubectl_prints_them():
+    """The samples this file compares with (so that a README edit cannot make the comparisons vacuous)."""
+    running, succeeded, pool = readme_samples()
+    assert (running["PHASE"], succeeded["PHASE"], pool["PHASE"]) == ("Running", "Succeeded", "Ready")
+    assert len(running) == 9 and len(pool) == 8 and all(value for value in {**running, **pool}.values())
+

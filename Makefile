@@ -7,7 +7,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint setup crds bench clean device-wheels images e2e
 
+# kubectl is not installed here: tests/integration/test_kubectl.py needs kubectl >= 1.27 (it validates `apply` through
+# the OpenAPI v3 documents) and Debian bookworm's kubernetes-client is 1.20; without one those tests skip, saying why.
 setup: $(STAMP)
+	@command -v kubectl >/dev/null 2>&1 || echo "make setup: no kubectl on PATH: tests/integration/test_kubectl.py will skip (install kubectl >= 1.27)"
 
 # torch first, pinned: on the project's machines torch==2.13.0 is a CPU build on local disk;
 # any other spec may pull a multi-GB CUDA build.

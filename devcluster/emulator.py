@@ -11,10 +11,15 @@ end; the fixes, each named here and implemented in the module beside it:
   through writes.py (uid, resourceVersion, creationTimestamp, generation, generateName, status isolation, 409 on a
   stale resourceVersion, schema of custom resources with their CEL rules: schema.py, cel.py) and lifecycle.py
   (finalizers, graceful pod deletion, ownerReference garbage collection, namespaces, CRDs);
-- `_serve_catalog` (fix: discovery): core/v1, apps/v1, batch/v1, policy/v1 (PodDisruptionBudgets), autoscaling/v2
-  (HorizontalPodAutoscalers), rbac, coordination (leases), events.k8s.io, scheduling, apiextensions (CRDs) and
-  every applied CRD's resources with the subresources it declares;
-  kopf's peering resources are absent, so kopf runs without peering;
+- `_document` (fix: discovery, discovery.py): core/v1, apps/v1, batch/v1, policy/v1 (PodDisruptionBudgets),
+  autoscaling/v2 (HorizontalPodAutoscalers), rbac, coordination (leases), events.k8s.io, scheduling, apiextensions
+  (CRDs) and every applied CRD's resources with the subresources it declares, listed as a server lists them (kmock's
+  own documents named the core group `/v1`, so kubectl found no `pods`); kopf's peering resources are absent, so
+  kopf runs without peering; and the OpenAPI v3 documents kubectl reads before `apply` (openapi.py);
+- `_table` (fix: server-side printing, tables.py): a GET, LIST or watch that accepts a meta.k8s.io Table gets one
+  (the CRDs' printer columns, pods' built-in columns), so `kubectl get` prints what it prints on a cluster;
+- `_refuse_unknown_fields` (fix: field validation, openapi.py): `fieldValidation=Strict` (kubectl apply's) refuses a
+  custom resource's undeclared field with the server's 400 `strict decoding error`;
 - `_serve_list` / `_serve_watch` (fix: selectors, resourceVersion): label and field selectors; a list reports the
   store's resourceVersion and a watch from it streams exactly the later events (selectors turn MODIFIED into
   ADDED/DELETED as an object enters or leaves them), `timeoutSeconds` ends the stream, a resourceVersion older than

@@ -157,11 +157,11 @@ def pod_cells(pod: Mapping[str, Any], now: datetime) -> list[Any]:
         state = container.get("state") or {}
         if (state.get("waiting") or {}).get("reason"):
             reason = state["waiting"]["reason"]
-        elif state.get("terminated"):
+        elif state.get("terminated") is not None:
             terminated = state["terminated"]
             reason = terminated.get("reason") or (f"Signal:{terminated['signal']}" if terminated.get("signal")
                                                   else f"ExitCode:{terminated.get('exitCode', 0)}")
-        elif state.get("running") and container.get("ready"):
+        elif state.get("running") is not None and container.get("ready"):
             running = True
             ready += 1
     if reason == "Completed" and running:

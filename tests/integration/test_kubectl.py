@@ -15,9 +15,11 @@ decimals); the pool's CHECKPOINT is the path the server reports, which the test 
 from __future__ import annotations
 
 import json
+import queue
 import re
 import shutil
 import subprocess
+import threading
 
 import pytest
 import yaml
@@ -163,13 +165,14 @@ def test_get_watch_prints_a_row_for_each_change(cluster):
     env = cluster.environ(KUBECACHEDIR=str(cluster.root / "kubectl-cache"), HOME=str(cluster.root))
     with subprocess.Popen(["kubectl", "get", "ptj", "digits-train", "-w"], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True) as watch:
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in watch.stdout], daemon=True).start()
         try:
-            header = watch.stdout.readline()
-            first = watch.stdout.readline()
+            header, first = lines.get(timeout=30), lines.get(timeout=30)
             cluster.request("PATCH", f"/apis/tandem.dev/v1alpha1/namespaces/{NS}/paralleltrainingjobs/digits-train"
                             "/status", {"status": {"phase": "Running", "workers": {"summary": "2/2"}}},
                             "application/merge-patch+json")
-            changed = watch.stdout.readline()
+            changed = lines.get(timeout=30)
         finally:
             watch.kill()
     rows = table(header + first + changed)
@@ -251,11 +254,14 @@ def test_the_quick_start_runs_with_kubectl(operated):
     final = wait_phase(cluster, "ptj", "digits-train", "Succeeded", 240)
     running, succeeded, pool_sample = readme_samples()
     for resource in ("trainingjobs", "ptj"):
-        (row,) = table(kubectl(cluster, "get", resource).stdout)
+        printed = kubectl(cluster, "get", resource).stdout
+        print(printed)  # what the README's samples are compared with
+        (row,) = table(printed)
         assert row["LOSS"] == str(final["progress"]["loss"])
         assert differences(succeeded, row, {"LOSS": FLOAT.pattern}) == [], row
 
     described = kubectl(cluster, "describe", "ptj", "digits-train").stdout
+    print(described)
     conditions = described.split("\n  Conditions:\n", 1)[1]
     assert re.search(r"Type\s+Status\s+.*Reason", conditions.split("\n", 2)[1]) or "Type:" in conditions, described
     event_lines = described.split("\nEvents:\n", 1)[1]
@@ -266,7 +272,9 @@ def test_the_quick_start_runs_with_kubectl(operated):
         "inferencepool.tandem.dev/digits created\n"
     wait_phase(cluster, "tip", "digits", "Ready", READY * 2)
     cluster.wait_for(lambda: status(cluster, "tip", "digits").get("readyReplicas") == 2, READY, "both servers")
-    (row,) = table(kubectl(cluster, "get", "tip").stdout)
+    printed = kubectl(cluster, "get", "tip").stdout
+    print(printed)
+    (row,) = table(printed)
     checkpoint = "/runs/digits-train/checkpoints/step-00000230.pt"
     assert differences(pool_sample, row, {"CHECKPOINT": rf".*{re.escape(checkpoint)}"}) == [], row
 

@@ -25,6 +25,10 @@ CRDs: the rules of their schemas (`x-kubernetes-validations`) are enforced as on
 answers 422 naming the field and the rule's message; devcluster/cel.py); `crd_without_rules(name)` serves a CRD
 without them for a block, to store an object only an older CRD lets in (the operator's own checks then meet it).
 
+kubectl: `KUBECONFIG=<cluster.kubeconfig> kubectl get ptj` prints the CRD's printer columns, and `apply`, `describe`,
+`scale`, `patch`, `delete`, `get -w`, `logs` work as on a cluster (the emulator's discovery.py, tables.py, openapi.py;
+tests/integration/test_kubectl.py).
+
 Also: `cluster.api` (a configured `kubernetes.client.ApiClient`; `core`, `custom`, `apps` are APIs over it),
 `request(method, path, body, content_type)` for raw HTTP, `apply(manifest)`, `history(...)` (every version of an
 object), `environ()` (the environment for a process of your own against this cluster), `process_log(name)`,

@@ -24,6 +24,7 @@ import threading
 import pytest
 import yaml
 from jobs import ROOT, TESTS
+from kubectl_tables import table
 from operator_runs import NS, READY, STARTUP, custom_job, events, job_pods, server_pods, start_operator
 
 from devcluster import Cluster
@@ -80,15 +81,6 @@ def kubectl(cluster: Cluster, *args: str, input: str | None = None, check: bool 
     if check and result.returncode != 0:
         raise AssertionError(f"kubectl {' '.join(args)} exited {result.returncode}: {result.stderr}")
     return result
-
-
-def table(text: str) -> list[dict[str, str]]:
-    """kubectl's columns, cut where the header's names start (a cell may be empty, a name has single spaces)."""
-    header, *lines = [line for line in text.splitlines() if line.strip()]
-    starts = [match.start() for match in re.finditer(r"\S+(?: \S+)*", header)]
-    names = [header[start:end].strip() for start, end in zip(starts, [*starts[1:], None], strict=True)]
-    return [{name: line[start:end].strip() for name, start, end in zip(names, starts, [*starts[1:], None],
-                                                                         strict=True)} for line in lines]
 
 
 def readme_samples(section: str = QUICK_START) -> list[dict[str, str]]:

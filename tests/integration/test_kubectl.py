@@ -254,8 +254,11 @@ def test_the_quick_start_runs_with_kubectl(operated):
 
     described = kubectl(cluster, "describe", "ptj", "digits-train").stdout
     print(described)
-    conditions = described.split("\n  Conditions:\n", 1)[1]
-    assert re.search(r"Type\s+Status\s+.*Reason", conditions.split("\n", 2)[1]) or "Type:" in conditions, described
+    conditions = described.split("\n  Conditions:\n", 1)[1].split("\nEvents:", 1)[0]
+    assert final["conditions"]
+    for condition in final["conditions"]:  # each readable as `Type: Succeeded`, `Status: True`, `Reason: ...`
+        assert re.search(rf"\n\s+Type:\s+{condition['type']}\n", "\n" + conditions + "\n"), (condition, conditions)
+        assert re.search(rf"Reason:\s+{condition['reason']}\n", conditions), (condition, conditions)
     event_lines = described.split("\nEvents:\n", 1)[1]
     for reason in events(cluster, "digits-train"):
         assert re.search(rf"Normal\s+{reason}\s", event_lines), (reason, event_lines)

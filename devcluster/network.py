@@ -1,6 +1,9 @@
 """Pod networking for processes that share this machine's one network namespace.
 
-- addresses: each pod gets its own loopback address, 127.0.0.N (then 127.0.1.N, ...), as status.podIP. A pod with
+- addresses: each pod gets its own loopback address, 127.S.0.N (then 127.S.1.N, ...), as status.podIP, S from the
+  process id: test sessions run at once on one machine (each with its own emulated cluster) then do not hand out
+  the same addresses, where one session's pod could not bind its port or one's operator would ask another's
+  servers. A pod with
   `hostname` and `subdomain` keeps the address of its DNS name across recreations, so a name another pod's
   environment already resolved keeps pointing at it;
 - DNS: `<hostname>.<subdomain>`, `<hostname>.<subdomain>.<namespace>` and the same with `.svc` or
@@ -23,6 +26,7 @@ process that binds 0.0.0.0 (or a fixed port on 127.0.0.1) by itself rather than 
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import socket
 from collections.abc import Callable
@@ -74,7 +78,7 @@ class _PortGroup:
 
 class Network:
     def __init__(self) -> None:
-        self._next = int(ipaddress.IPv4Address("127.0.0.2"))
+        self._next = int(ipaddress.IPv4Address(f"127.{1 + os.getpid() % 250}.0.2"))
         self._by_name: dict[DnsName, str] = {}
         self._groups: dict[tuple[DnsName, str], _PortGroup] = {}
 
@@ -82,7 +86,7 @@ class Network:
         while True:
             address = ipaddress.IPv4Address(self._next)
             self._next += 1
-            if address.packed[-1] not in (0, 255):  # 127.0.0.N, N in 1..254, then 127.0.1.N...
+            if address.packed[-1] not in (0, 255):  # 127.S.0.N, N in 1..254, then 127.S.1.N...
                 return str(address)
 
     def address_of(self, name: DnsName) -> str:

@@ -10,8 +10,12 @@ operator never reads; the answer's `parameters` carry `checkpoint`, `source` and
 servers annotating their own pods because (1) a server then needs no API credentials at all (its pods mount no
 ServiceAccount token, so a compromised server cannot write to the API), (2) what is reported is what the process
 answering inference requests holds, not what it last managed to write, and (3) only ready pods are asked, so a
-replica that stopped answering drops out of the status by itself. The cost: the operator must reach the server
-pods' port (a NetworkPolicy that isolates them must admit the operator's pods; see README).
+replica that stopped answering drops out of the status by itself. The same answer carries the batching settings the
+server runs with; a server running other ones than the pool's is sent the pool's (`PUT /v2/models/{m}/batching`),
+for the same reasons, and because a ConfigMap change reaches a mounted file only after the kubelet's sync (a minute
+or more) and restarting servers to apply it would cost their warm-up (a pool with a token rolls its servers
+instead: the operator holds no token). The cost: the operator must reach the server pods' port (a NetworkPolicy
+that isolates them must admit the operator's pods; see README).
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ from typing import Any
 import aiohttp
 import kopf
 from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
 
 from tandem.api import GROUP, VERSION
+from tandem.api.inference import LIVE_FIELDS, BatchingSettings
 from tandem.operator import daemon, handlers
 from tandem.operator.handlers import wake
 from tandem.operator.pool_objects import POOL_LABEL
-from tandem.operator.pools import PoolPlan, Served, Sources, reconcile_pool, sources
+from tandem.operator.pools import PoolPlan, Refusal, Served, Sources, reconcile_pool, sources
 
 POOLS = "inferencepools"
 JOBS = "paralleltrainingjobs"
@@ -82,6 +88,7 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
     waker = memo.pool_wakers.setdefault(key, asyncio.Event())
     state = daemon.Reconciliation(POOLS, namespace, name)
     put = RecentlyPut()
+    refusals: dict[str, Refusal] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ASK_SECONDS)) as session:
 
         async def one_pass() -> float | None:
@@ -94,7 +101,9 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
             job = next(iter(training_jobs.get((namespace, reads.job), [])), None) if reads and reads.job else None
             served = await _ask_servers(session, reads, pods) if reads else []
             plan = reconcile_pool(observed, children, pods, served, job, datetime.now(UTC),
-                                  handlers.SETTINGS.worker_image)
+                                  handlers.SETTINGS.worker_image, refusals)
+            if plan.push:
+                await _push_batching(session, reads, plan, pods, refusals)
             await _apply(plan, observed, children, memo.cluster, put, state)
             return plan.requeue_after
 
@@ -123,7 +132,42 @@ async def _ask(session: aiohttp.ClientSession, pod: dict[str, Any], model: str, 
         log.info("server pod %s did not say what it serves: %s", name, error)
         return None
     return Served(name, parameters.get("checkpoint"), str(parameters.get("source", "")),
-                  str(parameters.get("loaded_at", "")))
+                  str(parameters.get("loaded_at", "")), _reported_batching(parameters))
+
+
+def _reported_batching(parameters: dict[str, Any]) -> BatchingSettings | None:
+    """The batching settings in a server's model metadata parameters (None from a server that does not report them)."""
+    try:
+        return BatchingSettings.model_validate({name: parameters[name] for name in LIVE_FIELDS})
+    except (KeyError, ValidationError):
+        return None
+
+
+async def _push_batching(session: aiohttp.ClientSession, reads: Sources, plan: PoolPlan,
+                         pods: list[dict[str, Any]], refusals: dict[str, Refusal]) -> None:
+    """Send the pool's batching settings to the server pods that run others (`PUT /v2/models/{m}/batching`). A
+    server's refusal is kept in `refusals` (the decision waits before sending the same again, and says why); a
+    server not reached is tried again on the next pass (it still reports its old settings)."""
+    addresses = {p["metadata"]["name"]: p["status"]["podIP"] for p in pods if _ready(p)}
+    for gone in set(refusals) - set(addresses):
+        del refusals[gone]
+
+    async def push(pod: str) -> None:
+        url = f"http://{addresses[pod]}:{reads.port}/v2/models/{reads.model}/batching"
+        try:
+            async with session.put(url, json=plan.batching) as response:
+                if response.status != 200:
+                    message = f"{response.status} {(await response.text())[:500]}"
+                    refusals[pod] = Refusal(plan.batching, message, datetime.now(UTC))
+                    log.warning("server pod %s refused the batching settings: %s", pod, message)
+                    return
+        except (aiohttp.ClientError, TimeoutError) as error:
+            log.warning("could not send server pod %s the batching settings: %s", pod, error)
+            return
+        refusals.pop(pod, None)
+        log.info("server pod %s runs the pool's batching settings now", pod)
+
+    await asyncio.gather(*(push(pod) for pod in plan.push if pod in addresses))
 
 
 def _ready(pod: dict[str, Any]) -> bool:

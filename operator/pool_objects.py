@@ -1,10 +1,11 @@
 """The Kubernetes objects an InferencePool becomes, built from its spec as plain manifests (pure functions):
 
 - a Deployment of server pods, each running `tandem serve` on the pool's manifest (a ConfigMap, mounted read-only),
-  listening on all the pod's interfaces; probes that tell the truth (startup covers the model's load and warm-up,
-  readiness is the server's own /v2/health/ready, liveness /v2/health/live); a preStop pause so endpoints drop the
-  pod before its drain begins, and a grace period longer than pause and drain together; rolling updates that never
-  go below the ready replicas (maxUnavailable 0);
+  listening on all the pod's interfaces; the pod template's spec hash leaves out the batching settings, which reach
+  the running servers without replacing them (pools.py; not for a pool with `spec.auth`); probes that tell the truth
+  (startup covers the model's load and warm-up, readiness is the server's own /v2/health/ready, liveness
+  /v2/health/live); a preStop pause so endpoints drop the pod before its drain begins, and a grace period longer than
+  pause and drain together; rolling updates that never go below the ready replicas (maxUnavailable 0);
 - with `spec.auth`, the token's Secret mounted as a file (`--auth-token-file`): a rotated Secret reaches the running
   servers without a restart, and the operator itself never reads Secrets;
 - a ClusterIP Service on the pool's HTTP and gRPC ports; a PodDisruptionBudget when there is more than one replica; with
@@ -21,7 +22,8 @@ import json
 from pathlib import PurePosixPath
 from typing import Any
 
-from tandem.api import API_VERSION, InferencePool, ParallelTrainingJob
+from tandem.api import API_VERSION, InferencePool, InferencePoolSpec, ParallelTrainingJob
+from tandem.api.inference import LIVE_FIELDS
 from tandem.contract import checkpoint_name
 from tandem.operator.pod_template import (
     SPEC_MOUNT,
@@ -80,6 +82,22 @@ def served_spec(pool: InferencePool) -> dict[str, Any]:
     return {key: value for key, value in pool.spec.to_dict().items() if key not in ("replicas", "autoscaling")}
 
 
+def live_batching(pool: InferencePool) -> bool:
+    """Whether the operator sends a batching change to the running servers (pools.py) rather than replacing them: not
+    for a pool with a token, which the operator does not hold (it never reads Secrets) and the servers would ask of
+    it."""
+    return pool.spec.auth is None
+
+
+def rollout_spec(pool: InferencePool) -> dict[str, Any]:
+    """What, changed, replaces the servers: the served spec, less the batching settings where the operator sends them
+    to the running servers instead."""
+    if not live_batching(pool):
+        return served_spec(pool)
+    live = {InferencePoolSpec.model_fields[name].alias for name in LIVE_FIELDS}
+    return {key: value for key, value in served_spec(pool).items() if key not in live}
+
+
 def spec_config_map(owner: dict[str, Any], pool: InferencePool) -> dict[str, Any]:
     return spec_file_config_map(owner, "InferencePool", served_spec(pool), file=SPEC_FILE,
                                 labels=labels(pool.metadata.name))
@@ -92,6 +110,8 @@ def server_deployment(owner: dict[str, Any], pool: InferencePool, *, job: Parall
     name, spec = pool.metadata.name, pool.spec
     command = ["tandem", "serve", f"{SPEC_MOUNT}/{SPEC_FILE}", "--host", "0.0.0.0", "--port", str(spec.port),
                "--grpc-port", str(spec.grpc_port), "--grace-period", str(DRAIN_SECONDS)]
+    if live_batching(pool):
+        command.append("--allow-batching-changes")
     mounts: list[dict[str, Any]] = []
     volumes: list[dict[str, Any]] = []
     if spec.auth is not None:
@@ -122,7 +142,7 @@ def server_deployment(owner: dict[str, Any], pool: InferencePool, *, job: Parall
         "automountServiceAccountToken": False,  # a server needs no API access
         "terminationGracePeriodSeconds": PRE_STOP_SECONDS + DRAIN_SECONDS + 10,
     }
-    served = {"spec": served_spec(pool), "command": command}
+    served = {"spec": rollout_spec(pool), "command": command}
     spec_hash = hashlib.sha256(json.dumps(served, sort_keys=True).encode()).hexdigest()[:16]
     template_metadata = {
         "labels": object_metadata(owner, name, labels(name))["labels"],

@@ -8,8 +8,16 @@ create or replace, objects to delete, the status, events, when to look again).
   recovers on its own once the job has one. `follow: true` points the servers at the job's checkpoint directory
   (they load each new checkpoint in process); `follow: false` pins the checkpoint latest when the pool was created
   or last changed, and the servers move only when the pool changes.
+- Batching (batchLimit, queueLimit, maxQueueDelayMicroseconds, requestTimeoutMs) never replaces a server: the pod
+  template's hash leaves it out (pool_objects.py), and each ready server that reports running other settings than
+  the pool's is sent the pool's (`PoolPlan.push`; the handler PUTs them to the server, pool_handlers.py), unless it
+  refused the same settings within REFUSED_PUSH_SECONDS (then BatchingDiffers has reason Refused and its answer). The
+  spec ConfigMap has them too, so that a server started later starts with them. A pool with `spec.auth` rolls its
+  servers instead (pool_objects.live_batching: the operator holds no token).
 - The status tells what the servers do: `readyReplicas` from the Deployment, `model` from what the ready servers
   report serving (their `/v2/models/{m}`), a CheckpointsDiffer condition while they serve different ones (mid-swap),
+  `batching` from the settings they report running with, a BatchingDiffers condition while some run other settings
+  than the pool's,
   ModelLoadFailed with a server's own error when one cannot start, Progressing while a rollout or a load is under
   way, Available when every replica is ready. Phase: Pending (nothing running yet, or scaled to zero), Loading (servers
   up, none ready), Degraded (some ready), Ready (all ready), Failed (the model cannot be loaded and nothing serves).
@@ -23,6 +31,7 @@ from datetime import datetime
 from typing import Any
 
 from tandem.api import InferencePool, ParallelTrainingJob
+from tandem.api.inference import BatchingSettings
 from tandem.manifest import ManifestError
 from tandem.operator.observed import WAITING_FAILURES, condition, observe_pod, parse_resource, with_condition
 from tandem.operator.pool_objects import (
@@ -31,6 +40,7 @@ from tandem.operator.pool_objects import (
     deployment_name,
     disruption_budget,
     endpoint,
+    live_batching,
     model_name,
     server_deployment,
     service,
@@ -39,6 +49,11 @@ from tandem.operator.pool_objects import (
 from tandem.operator.pool_objects import selector as pool_selector
 
 WATCH_SECONDS = 5.0
+PUSHED_SECONDS = 1.0
+"""How soon to look again after pushing batching settings, to show the servers running them."""
+REFUSED_PUSH_SECONDS = 30.0
+"""How long a server that refused the pool's batching settings (say its model fails at the new batch size) is left
+alone before they are sent again: each try costs it a warm-up."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,17 @@ class Served:
     checkpoint: str | None
     source: str
     loaded_at: str
+    batching: BatchingSettings | None = None
+    """The batching settings it runs with (None: it does not say, so it is neither counted nor pushed to)."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A server's answer refusing the batching settings it was sent."""
+
+    settings: dict[str, Any]
+    message: str
+    at: datetime
 
 
 @dataclass
@@ -60,13 +86,18 @@ class PoolPlan:
     status: dict[str, Any] = field(default_factory=dict)
     events: list[tuple[str, str, str]] = field(default_factory=list)
     requeue_after: float | None = WATCH_SECONDS
+    push: list[str] = field(default_factory=list)
+    """Server pods to send `batching` to: they run other batching settings than the pool's."""
+    batching: dict[str, Any] = field(default_factory=dict)
+    """The pool's batching settings, as a server takes them."""
 
 
 def reconcile_pool(body: dict[str, Any], children: dict[str, dict[str, Any] | None], pods: list[dict[str, Any]],
                    served: list[Served], job: dict[str, Any] | None, now: datetime,
-                   worker_image: str) -> PoolPlan:
+                   worker_image: str, refusals: dict[str, Refusal] | None = None) -> PoolPlan:
     """`children`: the pool's Deployment, ConfigMap, Service, PodDisruptionBudget and HorizontalPodAutoscaler as
-    they exist (None where they do not), by kind."""
+    they exist (None where they do not), by kind. `refusals`: the last refusal of batching settings by each server
+    pod that refused some."""
     status = dict(body.get("status") or {})
     conditions = list(status.get("conditions") or [])
     phase_before = status.get("phase") or "Pending"
@@ -112,6 +143,17 @@ def reconcile_pool(body: dict[str, Any], children: dict[str, dict[str, Any] | No
     elif condition(conditions, "CheckpointsDiffer"):
         conditions = with_condition(conditions, "CheckpointsDiffer", False, "Same", "every ready replica serves one "
                                     "checkpoint", now)
+    batching = pool.spec.batching
+    refused = _refused(batching, served, refusals or {}, now)
+    if live_batching(pool):
+        plan.push, plan.batching = batching_pushes(batching, served, refused), batching.to_dict()
+    batching_status, differ = _batching_status(batching, served, refused, live_batching(pool))
+    if differ:
+        conditions = with_condition(conditions, "BatchingDiffers", True, "Refused" if refused else "Pushing", differ,
+                                    now)
+    elif condition(conditions, "BatchingDiffers"):
+        conditions = with_condition(conditions, "BatchingDiffers", False, "Same", "every ready server runs the pool's "
+                                    "batching settings", now)
     replicas = pool.spec.replicas
     replacing = any(o["kind"] == "Deployment" for o in plan.apply) and bool(observed)
     # A Deployment without a status yet is one just created: its servers are loading, not rolling.
@@ -136,8 +178,49 @@ def reconcile_pool(body: dict[str, Any], children: dict[str, dict[str, Any] | No
     }
     if model is not None:
         plan.status["model"] = model
-    plan.requeue_after = WATCH_SECONDS
+    if batching_status is not None:
+        plan.status["batching"] = batching_status
+    plan.requeue_after = PUSHED_SECONDS if plan.push else WATCH_SECONDS
     return plan
+
+
+def batching_pushes(batching: BatchingSettings, served: list[Served],
+                    refused: dict[str, str] | None = None) -> list[str]:
+    """The ready servers to send the pool's `batching` to: those that report running other settings, less those that
+    refused them lately (`refused`: by pod)."""
+    return sorted(s.pod for s in served if s.batching is not None and s.batching != batching
+                  and s.pod not in (refused or {}))
+
+
+def _refused(batching: BatchingSettings, served: list[Served], refusals: dict[str, Refusal],
+             now: datetime) -> dict[str, str]:
+    """The ready servers that refused the pool's batching settings within REFUSED_PUSH_SECONDS, with their answer."""
+    wanted = batching.to_dict()
+    pods = {s.pod for s in served}
+    return {pod: refusal.message for pod, refusal in sorted(refusals.items()) if pod in pods
+            and refusal.settings == wanted and (now - refusal.at).total_seconds() < REFUSED_PUSH_SECONDS}
+
+
+def _batching_status(batching: BatchingSettings, served: list[Served], refused: dict[str, str],
+                     live: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """What the ready servers run (the settings most of them report), and a message while some run other settings
+    than the pool's (naming those that refused them, with their answer)."""
+    reported = [s for s in served if s.batching is not None]
+    if not reported:
+        return None, None
+    counts = Counter(s.batching.model_dump_json() for s in reported)
+    running = BatchingSettings.model_validate_json(counts.most_common(1)[0][0]).to_dict()
+    others = [s for s in sorted(reported, key=lambda s: s.pod) if s.batching != batching]
+    differ = None
+    if others:
+        how = "which are being pushed to them" if live else \
+            "until the rolling update replaces them (a pool with a token rolls its servers for a batching change)"
+        differ = f"servers run other batching settings than the pool's, {how}: " + "; ".join(
+            f"{s.pod}: {s.batching.summary()}" for s in others)
+    if refused:
+        differ = (f"{differ}. Refused (sent again after {REFUSED_PUSH_SECONDS:g} s; change the pool to try other "
+                  "settings): " + "; ".join(f"{pod}: {message}" for pod, message in refused.items()))
+    return running, differ
 
 
 @dataclass(frozen=True)

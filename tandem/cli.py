@@ -58,7 +58,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """`tandem serve [FILE] [--port P] [--grpc-port P | --no-grpc] [--host H] [--checkpoint PATH] [--grace-period S]
-    [--auth-token-file PATH]`: FILE, or else the
+    [--auth-token-file PATH] [--allow-batching-changes]`: FILE, or else the
     InferencePool at $TANDEM_SPEC (the worker contract: what an InferencePool's pods run)."""
     import asyncio
     import logging
@@ -81,7 +81,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         pool = load_one(path, InferencePool)
         server = InferenceServer(pool, args.checkpoint, grace_seconds=args.grace_period,
-                                 auth_token_file=args.auth_token_file)
+                                 auth_token_file=args.auth_token_file,
+                                 allow_batching_changes=args.allow_batching_changes)
     except (ManifestError, ModelLoadError, AuthTokenError) as error:
         print(error, file=sys.stderr)
         return 1
@@ -138,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--auth-token-file", metavar="PATH",
                        help="clients must send this file's token (Authorization: Bearer <token>); read again when "
                             "it changes. Required when the pool has spec.auth")
+    serve.add_argument("--allow-batching-changes", action="store_true",
+                       help="take PUT /v2/models/{m}/batching: new batchLimit, queueLimit, maxQueueDelayMicroseconds "
+                            "or requestTimeoutMs while serving (the operator starts its servers so, to push a "
+                            "pool's changes; off by default)")
     serve.set_defaults(handler=_serve)
 
     from tandem.operator import main as operator_main  # its options only: kopf is imported when it runs

@@ -150,3 +150,21 @@ class Recorder(nn.Module):
 def recorder(name: str) -> nn.Module:
     """A Recorder behind the gate GATES[name] (created on first use)."""
     return Recorder(GATES.setdefault(name, Gate()))
+
+
+class AtMost(nn.Module):
+    """seeded_mlp that raises on batches of more than `rows` examples (a model with a fixed-size buffer, say)."""
+
+    def __init__(self, rows: int, seed: int = 0):
+        super().__init__()
+        self.rows = rows
+        self.inner = seeded_mlp(seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.rows:
+            raise RuntimeError(f"this model takes at most {self.rows} examples, not {x.shape[0]}")
+        return self.inner(x)
+
+
+def at_most(rows: int, seed: int = 0) -> nn.Module:
+    return AtMost(rows, seed)

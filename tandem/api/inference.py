@@ -100,8 +100,34 @@ class Auth(ApiModel):
     """`/metrics` open to any scraper, or behind the token too (Prometheus: `authorization.credentials_file`)."""
 
 
-class InferencePoolSpec(PodSettings):
-    """Desired state of an InferencePool."""
+class BatchingSettings(ApiModel):
+    """How a server batches and queues: the pool's fields that reach running servers without restarting them (the
+    operator pushes a change to each ready server, `PUT /v2/models/{m}/batching`); each server reports the ones it
+    runs with (`GET /v2/models/{m}/batching`, the parameters of the model's metadata and readiness, /metrics)."""
+
+    batch_limit: Annotated[int, Field(ge=1)] = 32
+    """Most requests merged into one forward pass (DL4J batchLimit; Triton max_batch_size)."""
+    queue_limit: Annotated[int, Field(ge=1)] = 64
+    """Most requests waiting; beyond it requests are rejected at once with 429 (DL4J queueLimit)."""
+    max_queue_delay_microseconds: Annotated[int, Field(ge=0)] = 0
+    """How long a batch may wait to fill (Triton's dynamic batcher; 0 batches whatever is queued)."""
+    request_timeout_ms: Annotated[int, Field(ge=1)] = 30000
+    """How long a request may take, queue and forward together, before it is answered 504."""
+
+    def summary(self) -> str:
+        """For logs and conditions: `batchLimit 16, queueLimit 64, ...`."""
+        return ", ".join(f"{key} {value}" for key, value in self.to_dict().items())
+
+
+LIVE_FIELDS = tuple(BatchingSettings.model_fields)
+"""The spec's fields a running server changes in place (the others roll the servers)."""
+
+
+class InferencePoolSpec(BatchingSettings, PodSettings):
+    """Desired state of an InferencePool. A change of batchLimit, queueLimit, maxQueueDelayMicroseconds or
+    requestTimeoutMs reaches the running servers without replacing them (unless the pool has `auth`: the operator
+    holds no token to send it with, so it rolls them); replicas and autoscaling scale them; any other change
+    replaces them (a rolling update that fails no request)."""
 
     model_config = {"json_schema_extra": {"x-kubernetes-validations": [
         {"rule": "self.port != self.grpcPort", "message": "port and grpcPort must differ"},
@@ -114,13 +140,6 @@ class InferencePoolSpec(PodSettings):
     gpus_per_replica: Annotated[int, Field(ge=0)] = 0
     model: ModelSource
     inference_mode: InferenceMode = "batched"
-    batch_limit: Annotated[int, Field(ge=1)] = 32
-    """Most requests merged into one forward pass (DL4J batchLimit; Triton max_batch_size)."""
-    queue_limit: Annotated[int, Field(ge=1)] = 64
-    """Most requests waiting; beyond it requests are rejected at once with 429 (DL4J queueLimit)."""
-    max_queue_delay_microseconds: Annotated[int, Field(ge=0)] = 0
-    """How long a batch may wait to fill (Triton's dynamic batcher; 0 batches whatever is queued)."""
-    request_timeout_ms: Annotated[int, Field(ge=1)] = 30000
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     """HTTP port of the Open Inference Protocol (and /metrics)."""
     grpc_port: Annotated[int, Field(ge=1, le=65535)] = 8001
@@ -135,6 +154,11 @@ class InferencePoolSpec(PodSettings):
         if self.port == self.grpc_port:
             raise ValueError(f"port and grpcPort must differ (both are {self.port}); the default grpcPort is 8001")
         return self
+
+    @property
+    def batching(self) -> BatchingSettings:
+        """The batching fields, which reach running servers without restarting them."""
+        return BatchingSettings(**{name: getattr(self, name) for name in LIVE_FIELDS})
 
 
 class ModelStatus(ApiModel):
@@ -156,6 +180,9 @@ class InferencePoolStatus(ApiModel):
     endpoint: str | None = None
     """Base URL of the Open Inference Protocol (v2) endpoint."""
     model: ModelStatus = Field(default_factory=ModelStatus)
+    batching: BatchingSettings | None = None
+    """The batching settings the ready servers report running with (see the BatchingDiffers condition while they
+    differ)."""
     message: str = ""
     observed_generation: int | None = None
     selector: str | None = None

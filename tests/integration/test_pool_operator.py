@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 
 import kubernetes_validate
@@ -26,6 +27,7 @@ from jobs import ROOT, TESTS
 from operator_runs import (
     GROUP,
     JOBS,
+    NO_PROXY,
     NS,
     POOLS,
     READY,
@@ -33,6 +35,7 @@ from operator_runs import (
     VERSION,
     Client,
     claim,
+    infer,
     pool_manifest,
     server_pods,
     start_operator,
@@ -168,8 +171,8 @@ def test_a_pool_becomes_its_objects_scales_through_its_scale_subresource_and_del
         "the pool's objects and pods to go")
 
 
-def test_changing_the_batching_rolls_the_servers_without_failing_a_request(cluster):
-    """A new batchLimit rolls the Deployment: the new server is started and ready before the old one is deleted
+def test_changing_the_inference_mode_rolls_the_servers_without_failing_a_request(cluster):
+    """A new inferenceMode rolls the Deployment: the new server is started and ready before the old one is deleted
     (maxUnavailable 0), and the old one keeps serving through its preStop pause while the endpoints drop it, then
     drains. A client that sends each request to the Service's ready endpoints (as kube-proxy would) sees no failure."""
     create(cluster, POOLS, pool_manifest("rolling", {"callable": "tandem.examples.digits:mlp", "inputShape": [64],
@@ -179,7 +182,8 @@ def test_changing_the_batching_rolls_the_servers_without_failing_a_request(clust
     client = Client(lambda: cluster.endpoints(NS, "rolling"))
     client.start()
     try:
-        cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "rolling", {"spec": {"batchLimit": 4}})
+        cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "rolling",
+                                                      {"spec": {"inferenceMode": "sequential"}})
         cluster.wait_for(lambda: cluster.get("pods", NS, before["metadata"]["name"]) is None, READY,
                          "the old server to go")
         rolled = wait_pool(cluster, "rolling", lambda s: s.get("phase") == "Ready" and s.get("observedGeneration") == 2,
@@ -191,9 +195,93 @@ def test_changing_the_batching_rolls_the_servers_without_failing_a_request(clust
     assert len(client.served_by) == 2, "requests went to the old server, then to the new one"
     [after] = server_pods(cluster, "rolling")
     config = json.loads(cluster.get("configmaps", NS, "rolling-spec")["data"]["pool.json"])
-    assert config["spec"]["batchLimit"] == 4 and rolled["readySummary"] == "1/1"
+    assert config["spec"]["inferenceMode"] == "sequential" and rolled["readySummary"] == "1/1"
     assert after["metadata"]["name"] != before["metadata"]["name"]
     cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "rolling")
+
+
+def batch_sizes(host: str) -> dict[str, float]:
+    """A server's batch-size histogram (cumulative buckets by bound) and batching gauges, from its /metrics."""
+    with NO_PROXY.open(f"http://{host}/metrics", timeout=30) as response:
+        metrics = response.read().decode()
+    found = {bound: float(count) for bound, count in re.findall(
+        r'tandem_inference_batch_size_bucket{le="([^"]+)",model="digits"} (\S+)', metrics)}
+    for gauge in ("batch_limit", "max_queue_delay_seconds"):
+        found[gauge] = float(re.search(rf'tandem_inference_{gauge}{{model="digits"}} (\S+)', metrics).group(1))
+    return found
+
+
+def test_a_batching_change_reaches_the_running_servers_under_load_without_a_new_pod_or_a_failed_request(cluster):
+    """batchLimit and maxQueueDelayMicroseconds patched while eight clients keep two servers busy: the operator sends
+    the new settings to each server; the Deployment is not changed, no pod is replaced or restarted, every request
+    succeeds, the servers batch by the new limit (their /metrics) and the pool's status shows what they run."""
+    create(cluster, POOLS, pool_manifest("live", {"callable": "tandem.examples.digits:mlp", "inputShape": [64],
+                                                  "name": "digits"}, replicas=2))
+    ready = wait_pool(cluster, "live", lambda s: s.get("phase") == "Ready" and s.get("batching"), "Ready")
+    assert ready["batching"] == {"batchLimit": 8, "queueLimit": 64, "maxQueueDelayMicroseconds": 0,
+                                 "requestTimeoutMs": 30000}
+    pods = {p["metadata"]["name"]: p["metadata"]["uid"] for p in server_pods(cluster, "live")}
+    deployment = cluster.get("deployments", NS, "live-server")
+    clients = [Client(lambda: cluster.endpoints(NS, "live")) for _ in range(8)]
+    for client in clients:
+        client.start()
+    try:
+        cluster.wait_for(lambda: sum(c.answered for c in clients) >= 40, READY, "answers before the change")
+        cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "live", {"spec": {
+            "batchLimit": 3, "maxQueueDelayMicroseconds": 20000}})
+        hosts = cluster.endpoints(NS, "live")
+        cluster.wait_for(lambda: all(batch_sizes(h)["batch_limit"] == 3 for h in hosts), 30,
+                         "the servers to run the new batch limit")
+        before = {host: batch_sizes(host) for host in hosts}
+        answered = sum(c.answered for c in clients)
+        cluster.wait_for(lambda: sum(c.answered for c in clients) >= answered + 200, READY,
+                         "answers after the change")
+        after = {host: batch_sizes(host) for host in hosts}
+        changed = wait_pool(cluster, "live", lambda s: s.get("batching", {}).get("batchLimit") == 3
+                            and s.get("observedGeneration") == 2, "showing the new batching")
+    finally:
+        for client in clients:
+            client.stop.set()
+        for client in clients:
+            client.join(timeout=30)
+    assert [f for c in clients for f in c.failures] == [] and all(c.answered for c in clients)
+    assert changed["batching"] == {"batchLimit": 3, "queueLimit": 64, "maxQueueDelayMicroseconds": 20000,
+                                   "requestTimeoutMs": 30000}
+    assert condition(changed, "BatchingDiffers").get("status") in (None, "False")
+    now = cluster.get("deployments", NS, "live-server")
+    assert now["metadata"]["generation"] == deployment["metadata"]["generation"]
+    assert now["spec"]["template"] == deployment["spec"]["template"]
+    assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in server_pods(cluster, "live")} == pods
+    assert all(c.get("restartCount", 0) == 0 for p in server_pods(cluster, "live")
+               for c in p["status"].get("containerStatuses") or [])
+    config = json.loads(cluster.get("configmaps", NS, "live-spec")["data"]["pool.json"])
+    assert config["spec"]["batchLimit"] == 3, "a server started later starts with the new settings"
+    new = {host: {bound: after[host][bound] - before[host].get(bound, 0) for bound in after[host]} for host in hosts}
+    for host, delta in new.items():
+        assert after[host]["max_queue_delay_seconds"] == 0.02
+        assert delta["+Inf"] - delta["3.0"] <= 1, f"{host}: batches over the new limit after the change: {delta}"
+    assert sum(delta["3.0"] - delta["2.0"] for delta in new.values()) > 0, f"no batch of the new limit, 3: {new}"
+    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "live")
+
+
+def test_batching_a_server_refuses_is_a_condition_with_its_answer_and_the_server_keeps_serving(cluster):
+    """A batchLimit the model fails at (its warm-up at the new batch size raises): the server refuses it and keeps
+    its settings, the pool says so in BatchingDiffers with the server's own answer, and no pod is replaced."""
+    model = {"callable": "inference_models:at_most", "args": {"rows": 8}, "inputShape": [64], "name": "digits"}
+    create(cluster, POOLS, pool_manifest("refusing", model))
+    wait_pool(cluster, "refusing", lambda s: s.get("phase") == "Ready" and s.get("batching"), "Ready")
+    [before] = server_pods(cluster, "refusing")
+    cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "refusing", {"spec": {"batchLimit": 16}})
+    refused = wait_pool(cluster, "refusing", lambda s: condition(s, "BatchingDiffers").get("reason") == "Refused",
+                        "saying the server refused the batching")
+    message = condition(refused, "BatchingDiffers")["message"]
+    assert "fails its warm-up at the new batch sizes: RuntimeError: this model takes at most 8 examples, not 16" \
+        in message, message
+    assert refused["batching"]["batchLimit"] == 8 and refused["phase"] == "Ready"
+    [after] = server_pods(cluster, "refusing")
+    assert after["metadata"]["uid"] == before["metadata"]["uid"]
+    assert infer(address(cluster, "refusing"), [0.5] * 64)
+    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "refusing")
 
 
 def test_a_missing_job_or_checkpoint_is_a_condition_and_the_pool_recovers_pinned_to_the_latest(cluster, tmp_path):

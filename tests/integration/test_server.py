@@ -610,3 +610,137 @@ def test_tandem_serve_checkpoint_serves_a_checkpoint_file_or_a_directorys_latest
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def batch_size_buckets(port: int, model: str = "digits") -> dict[str, float]:
+    """The batch-size histogram's cumulative buckets from /metrics, by bound."""
+    metrics = request(port, "GET", "/metrics")[2].decode()
+    return {bound: float(count) for bound, count in re.findall(
+        rf'tandem_inference_batch_size_bucket{{le="([^"]+)",model="{model}"}} (\S+)', metrics)}
+
+
+def test_batching_changes_reach_a_running_server_under_load_and_fail_no_request(served):
+    """`PUT /v2/models/{m}/batching` while eight clients keep sending: every request succeeds; the server reports the
+    new settings (the endpoint, the model metadata's parameters, Triton's config, /metrics) and batches by them."""
+    server = served(make_pool(workersPerReplica=2, queueLimit=256), allow_batching_changes=True)
+    path = "/v2/models/digits/batching"
+    assert json.loads(request(server.port, "GET", path)[2]) == {
+        "batchLimit": 32, "queueLimit": 256, "maxQueueDelayMicroseconds": 0, "requestTimeoutMs": 30000}
+    x = inputs(8, seed=4)
+    expected = reference(x)
+    stop = threading.Event()
+    failures, answered = [], [0]
+
+    def client(index: int) -> None:
+        connection = triton.InferenceServerClient(server.url)
+        while not stop.is_set():
+            try:
+                y = infer(connection, x[index:index + 1])
+            except Exception as error:  # recorded: the test asserts there are none
+                failures.append(error)
+                return
+            if not np.allclose(y, expected[index:index + 1], rtol=1e-5, atol=1e-6):
+                failures.append(AssertionError(f"client {index} got another request's output"))
+            answered[0] += 1
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_until(lambda: answered[0] >= 50, WAIT_S, "the clients to get answers")
+        status, _, body = request(server.port, "PUT", path, b'{"batchLimit": 48, "maxQueueDelayMicroseconds": 100}')
+        assert status == 200 and json.loads(body)["batchLimit"] == 48
+        status, _, body = request(server.port, "PUT", path, b'{"batchLimit": 2, "requestTimeoutMs": 20000}')
+        assert (status, json.loads(body)) == (200, {"batchLimit": 2, "queueLimit": 256,
+                                                     "maxQueueDelayMicroseconds": 100, "requestTimeoutMs": 20000})
+        before = batch_size_buckets(server.port)
+        answered_before = answered[0]
+        wait_until(lambda: answered[0] >= answered_before + 100, WAIT_S, "answers under the new batching")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(WAIT_S)
+    assert failures == [] and answered[0] > 150, failures[:3]
+    after = batch_size_buckets(server.port)
+    # 100 answers after the change: at most 8 of them (one per client) were batched before it, and at most 16 more
+    # in the two batches the workers may have taken before it; the others came in batches of at most 2.
+    assert after["2.0"] - before["2.0"] >= (100 - 8 - 16) / 2, "batches of the new limit"
+    assert after["+Inf"] - after["2.0"] - (before["+Inf"] - before["2.0"]) <= 2, \
+        "only batches the two workers had taken before the change may be larger"
+    assert {"32.0", "48.0"} <= after.keys(), "a bucket for every limit run with, so no count moves between buckets"
+
+    metadata = json.loads(request(server.port, "GET", "/v2/models/digits")[2])["parameters"]
+    assert {k: metadata[k] for k in ("batch_limit", "queue_limit", "max_queue_delay_microseconds",
+                                     "request_timeout_ms")} == {
+        "batch_limit": 2, "queue_limit": 256, "max_queue_delay_microseconds": 100, "request_timeout_ms": 20000}
+    metrics = request(server.port, "GET", "/metrics")[2].decode()
+    assert 'tandem_inference_batch_limit{model="digits"} 2.0' in metrics
+    assert 'tandem_inference_max_queue_delay_seconds{model="digits"} 0.0001' in metrics
+    assert 'tandem_inference_request_timeout_seconds{model="digits"} 20.0' in metrics
+    config = json.loads(request(server.port, "GET", "/v2/models/digits/config")[2])
+    assert config["max_batch_size"] == 2 and config["dynamic_batching"]["max_queue_delay_microseconds"] == 100
+    status, _, body = request(server.port, "POST", "/v2/models/digits/infer", json_body(inputs(3)))
+    assert status == 400 and "outside 1..2" in json.loads(body)["error"], "a request may carry the new limit at most"
+    assert request(server.port, "PUT", path, b'{"batchLimit": 2000}')[0] == 200
+    big = inputs(1500, seed=6)  # over the old limits, and as JSON over the body limit (1 MiB) the old ones gave
+    np.testing.assert_allclose(infer(triton.InferenceServerClient(server.url), big, binary=False), reference(big),
+                               rtol=1e-5, atol=1e-6)
+
+
+BAD_BATCHING = [
+    (b'{"batchLimit": 0}', "batchLimit: Input should be greater than or equal to 1"),
+    (b'{"queueLimit": "many"}', "queueLimit: Input should be a valid integer"),
+    (b'{"batchSize": 8}', "batchSize: Extra inputs are not permitted"),
+    (b'[8]', "must be a JSON object"),
+    (b'{"batchLimit": ', "is not JSON"),
+]
+
+
+def test_a_bad_batching_change_is_400_naming_the_field_and_changes_nothing(served):
+    server = served(make_pool(), allow_batching_changes=True)
+    for body, words in BAD_BATCHING:
+        status, _, answer = request(server.port, "PUT", "/v2/models/digits/batching", body)
+        assert status == 400 and words in json.loads(answer)["error"], (body, answer)
+    assert json.loads(request(server.port, "GET", "/v2/models/digits/batching")[2])["batchLimit"] == 32
+    assert request(server.port, "PUT", "/v2/models/other/batching", b"{}")[0] == 404
+    assert request(server.port, "POST", "/v2/models/digits/batching", b"{}")[0] == 405
+
+
+def test_a_batch_limit_the_model_cannot_run_is_400_and_the_server_keeps_its_settings(served):
+    model = {"callable": "inference_models:at_most", "args": {"rows": 4}, "inputShape": [64]}
+    server = served(make_pool(model=model, batchLimit=4), allow_batching_changes=True)
+    status, _, body = request(server.port, "PUT", "/v2/models/digits/batching", b'{"batchLimit": 8}')
+    assert status == 400
+    assert "fails its warm-up at the new batch sizes: RuntimeError: this model takes at most 4 examples, not 8" \
+        in json.loads(body)["error"]
+    assert json.loads(request(server.port, "GET", "/v2/models/digits/batching")[2])["batchLimit"] == 4
+    assert request(server.port, "PUT", "/v2/models/digits/batching", b'{"batchLimit": 2}')[0] == 200
+    assert infer(triton.InferenceServerClient(server.url), inputs(2)).shape == (2, 10)
+
+
+def test_a_server_takes_batching_changes_only_when_started_to(served):
+    server = served(make_pool())
+    status, _, body = request(server.port, "PUT", "/v2/models/digits/batching", b'{"batchLimit": 4}')
+    assert status == 403 and "--allow-batching-changes" in json.loads(body)["error"]
+    assert json.loads(request(server.port, "GET", "/v2/models/digits/batching")[2])["batchLimit"] == 32
+
+
+def test_a_new_request_timeout_applies_to_new_requests_and_pending_ones_keep_theirs(served):
+    name = "timeout-change"
+    server = served(gated_pool(name, workersPerReplica=1, batchLimit=1, requestTimeoutMs=600_000),
+                    allow_batching_changes=True)
+    gate = GATES[name]
+    pool = ThreadPoolExecutor(2)
+    gate.close()
+    running = pool.submit(request, server.port, "POST", f"/v2/models/{name}/infer", json_body(inputs(1)))
+    gate.wait_entered(1)
+    status, _, _ = request(server.port, "PUT", f"/v2/models/{name}/batching", b'{"requestTimeoutMs": 200}')
+    assert status == 200
+    # bounded: a server that kept the old timeout fails here instead of waiting for the gate
+    status, _, body = request(server.port, "POST", f"/v2/models/{name}/infer", json_body(inputs(1, seed=2)),
+                              timeout=10)
+    assert (status, json.loads(body)["error"]) == (504, "no output within the pool's requestTimeoutMs of 200 ms")
+    assert not running.done(), "the request sent before the change keeps its 10-minute deadline"
+    gate.open.set()
+    assert running.result(WAIT_S)[0] == 200
+    pool.shutdown()

@@ -365,11 +365,13 @@ def real_metric_names() -> set[str]:
     from prometheus_client import REGISTRY
 
     import tandem.operator.metrics  # noqa: F401 (registers the operator's metrics)
+    from tandem.api.inference import BatchingSettings
     from tandem.worker.serve.metrics import registry_for
     from tandem.worker.serve.stats import InferenceStats
 
     state = {"model": "m", "outcomes": dict.fromkeys(("success", "rejected", "failed", "invalid"), 0),
-             "stats": InferenceStats().snapshot(), "pending": 0, "ready": True, "batch_limit": 8}
+             "stats": InferenceStats().snapshot(), "pending": 0, "ready": True,
+             "batching": BatchingSettings(batchLimit=8), "batch_limits": [8]}
     suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"]}
     names = {family.name + suffix for registry in (REGISTRY, registry_for(lambda: state))
              for family in registry.collect() for suffix in suffixes.get(family.type, [""])}

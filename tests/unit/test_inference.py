@@ -9,7 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from inference_models import GATES, POISON, Forward, gated_mlp, recorder, seeded_mlp
+from inference_models import GATES, POISON, Forward, at_most, gated_mlp, recorder, seeded_mlp
 
 from tandem import ParallelInference
 from tandem.worker.serve.inference import InferenceTimeout, ModelError, QueueFullError, ShutDownError
@@ -310,6 +310,111 @@ def test_warm_up_runs_every_batch_size_in_use_on_every_replica(gate):
         pass
     assert sorted(gate.batches) == sorted([1, 2, 4, 8, 12] * 2)
     assert warmup_sizes("sequential", 32, 3) == [1, 3]
+
+
+def test_a_lowered_batch_limit_applies_to_the_requests_already_queued(gate):
+    model, gate = gate
+    x = _inputs(11)
+    with ParallelInference(model, workers=1, batch_limit=32) as inference, ThreadPoolExecutor(11) as pool:
+        futures = _hold(inference, gate, pool, x)  # one running at the gate, ten queued
+        inference.update(batch_limit=3)
+        gate.open.set()
+        outputs = [f.result(60) for f in futures]
+    assert gate.batches == [1, 3, 3, 3, 1]
+    torch.testing.assert_close(torch.cat(outputs), model.inner(x))
+
+
+def test_a_lowered_queue_limit_keeps_the_queued_requests_and_refuses_new_ones(gate):
+    model, gate = gate
+    x = _inputs(6)
+    with ParallelInference(model, workers=1, batch_limit=1, queue_limit=8) as inference, \
+            ThreadPoolExecutor(6) as pool:
+        futures = _hold(inference, gate, pool, x)  # one running, five queued
+        inference.update(queue_limit=2)
+        with pytest.raises(QueueFullError, match="queue_limit=2"):
+            inference.output(x[:1])
+        gate.open.set()
+        outputs = [f.result(60) for f in futures]
+        torch.testing.assert_close(inference.output(x[:1]), model.inner(x[:1]))
+    torch.testing.assert_close(torch.cat(outputs), model.inner(x))
+    assert inference.stats.snapshot()["rejected_count"] == 1
+
+
+def test_a_raised_batch_limit_is_warmed_up_at_its_new_sizes_before_it_is_used(gate):
+    model, gate = gate
+    gate.close()
+    gate.open.set()
+    with ParallelInference(model, workers=2, batch_limit=4, example=_inputs(1)) as inference:
+        gate.batches.clear()
+        inference.update(batch_limit=12)
+        assert sorted(gate.batches) == sorted([1, 2, 4, 8, 12] * 2), "new replicas, warmed at every size in use"
+        gate.batches.clear()
+        inference.update(batch_limit=2, max_delay_us=10)
+        assert gate.batches == [], "every size of a lower limit is warm already"
+        assert (inference.batch_limit, inference.max_delay_s) == (2, 10e-6)
+
+
+def test_an_update_under_concurrent_load_fails_nothing_and_the_new_batch_limit_shows_in_the_batch_sizes():
+    model = seeded_mlp(seed=3)
+    x = _inputs(32)
+    expected = model(x)
+    stop = threading.Event()
+    errors, counts = [], []
+
+    def client(index: int) -> None:
+        row = x[index:index + 1]
+        served = 0
+        while not stop.is_set() and served < 10_000:
+            try:
+                y = inference.output(row)
+            except Exception as error:  # recorded: the test asserts there are none
+                errors.append(error)
+                return
+            if not torch.allclose(y, expected[index:index + 1]):
+                errors.append(AssertionError(f"client {index} got another request's output"))
+            served += 1
+        counts.append(served)
+
+    with ParallelInference(model, workers=2, batch_limit=32, queue_limit=64, example=x[:1]) as inference:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        _wait_executions(inference, 20)
+        inference.update(batch_limit=48, queue_limit=16, max_delay_us=50)  # new sizes: warmed up while serving
+        _wait_executions(inference, inference.stats.snapshot()["execution_count"] + 20)
+        inference.update(batch_limit=2, max_delay_us=0)
+        before = inference.stats.snapshot()["batches"]
+        _wait_executions(inference, inference.stats.snapshot()["execution_count"] + 40)
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+        after = inference.stats.snapshot()["batches"]
+    assert not errors, errors[:3]
+    new = {size: after[size][0] - before.get(size, [0])[0] for size in after}
+    assert sum(count for size, count in new.items() if size > 2) <= 2, \
+        f"only the batches the two workers had taken before the update may be larger: {new}"
+    assert sum(count for size, count in new.items() if size <= 2) >= 38
+    assert sum(counts) >= 80
+
+
+def test_a_batch_limit_the_model_cannot_run_is_refused_by_its_warm_up_and_changes_nothing():
+    model = at_most(4)
+    x = _inputs(4)
+    with ParallelInference(model, workers=2, batch_limit=4, example=x[:1]) as inference:
+        with pytest.raises(RuntimeError, match="at most 4 examples, not 8"):
+            inference.update(batch_limit=8, queue_limit=9)
+        assert (inference.batch_limit, inference.queue_limit) == (4, 64)
+        torch.testing.assert_close(inference.output(x), model(x))
+
+
+def test_bad_updates_are_named_and_change_nothing():
+    with ParallelInference(seeded_mlp(), batch_limit=8) as inference:
+        for kwargs, message in [({"batch_limit": 0}, "batch_limit must be an integer >= 1"),
+                                ({"queue_limit": 2.5}, "queue_limit must be an integer >= 1"),
+                                ({"max_delay_us": -1}, "max_delay_us must be an integer >= 0")]:
+            with pytest.raises(ValueError, match=message):
+                inference.update(**kwargs)
+        assert (inference.batch_limit, inference.queue_limit, inference.max_delay_s) == (8, 64, 0)
 
 
 def test_shutdown_finishes_queued_requests_then_refuses_new_ones(gate):

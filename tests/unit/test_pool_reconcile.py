@@ -10,8 +10,17 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from tandem.api.inference import BatchingSettings
 from tandem.operator.pool_objects import AUTH_MOUNT, MODEL_MOUNT, SPEC_HASH, server_deployment
-from tandem.operator.pools import Served, Sources, reconcile_pool, sources
+from tandem.operator.pools import (
+    REFUSED_PUSH_SECONDS,
+    Refusal,
+    Served,
+    Sources,
+    batching_pushes,
+    reconcile_pool,
+    sources,
+)
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 IMAGE = "registry.example/tandem-worker:1"
@@ -65,8 +74,14 @@ def server_pod(name: str, phase: str = "Running", *, crashed: str | None = None)
     return {"metadata": {"name": name, "labels": {"tandem.dev/pool": "digits"}}, "status": status}
 
 
-def served(pod: str, step: int) -> Served:
-    return Served(pod, f"{MODEL_MOUNT}/digits/step-{step:08d}.pt", "fromTrainingJob/train", ago(10))
+DEFAULT_BATCHING = BatchingSettings()
+
+
+def served(pod: str, step: int, batching: BatchingSettings | None = DEFAULT_BATCHING, **settings: Any) -> Served:
+    """A ready server's report; `settings` change its batching settings from the defaults."""
+    if settings:
+        batching = BatchingSettings(**settings)
+    return Served(pod, f"{MODEL_MOUNT}/digits/step-{step:08d}.pt", "fromTrainingJob/train", ago(10), batching)
 
 
 def everything(body: dict[str, Any], ready: int = 2, **kw: Any) -> dict[str, dict | None]:
@@ -118,8 +133,19 @@ CASES = [
      [], TWO_SERVING, job(), {"apply": ["Deployment"], "replicas": 3, "rolls": False}),
     ("scaled to one: the budget goes", pool({"observedGeneration": 1}, generation=2, replicas=1), "all-1", [],
      TWO_SERVING[:1], job(), {"apply": ["Deployment"], "delete": [("PodDisruptionBudget", "digits-server")]}),
-    ("batching knobs changed: the Deployment rolls", pool({"observedGeneration": 1}, generation=2, batchLimit=8),
-     "all-2", [], TWO_SERVING, job(), {"apply": ["ConfigMap", "Deployment"], "rolls": True}),
+    ("batching changed: no roll, the servers are sent it and a condition says so until they run it",
+     pool({"observedGeneration": 1}, generation=2, batchLimit=8), "all-2", [], TWO_SERVING, job(),
+     {"apply": ["ConfigMap"], "push": ["digits-server-a", "digits-server-b"], "batching": {"batchLimit": 32},
+      "condition": ("BatchingDiffers", "True", "digits-server-b: batchLimit 32, queueLimit 64")}),
+    ("the servers run the new batching: the status shows it, nothing more is sent", pool({
+        "observedGeneration": 2, "conditions": [{"type": "BatchingDiffers", "status": "True", "reason": "Pushing",
+                                                 "message": "", "lastTransitionTime": ago(3)}]},
+        generation=2, batchLimit=8), "all-2", [],
+     [served("digits-server-a", 200, batchLimit=8), served("digits-server-b", 200, batchLimit=8)], job(),
+     {"push": [], "batching": {"batchLimit": 8, "queueLimit": 64}, "condition": ("BatchingDiffers", "False", "")}),
+    ("a server that does not report its batching is neither counted nor sent it", pool({"observedGeneration": 1},
+                                                                                        generation=2, batchLimit=8),
+     "all-2", [], [served("digits-server-a", 200, None)], job(), {"push": [], "batching": None}),
     ("autoscaling asked: an HPA on the pool's scale subresource", pool({"observedGeneration": 1}, generation=2,
                                                                         autoscaling={"maxReplicas": 4}),
      "all-2", [], TWO_SERVING, job(), {"apply": ["HorizontalPodAutoscaler"]}),
@@ -166,6 +192,112 @@ def test_reconcile_pool(name, body, children, pods, reports, source, expected):
         assert [reason for _, reason, _ in plan.events] == [expected["event"]]
     if "message" in expected:
         assert expected["message"] in status["message"]
+    if "push" in expected:
+        assert plan.push == expected["push"]
+        assert plan.batching == parse_spec(body)
+    if "batching" in expected:
+        wanted = expected["batching"]
+        assert (status.get("batching") if wanted is None else
+                {k: status["batching"][k] for k in wanted}) == wanted
+
+
+def parse_spec(body: dict[str, Any]) -> dict[str, Any]:
+    from tandem.manifest import parse
+
+    return parse({k: body[k] for k in ("apiVersion", "kind", "metadata", "spec")}).spec.batching.to_dict()
+
+
+# (what changes in the pool's spec, whether the servers are replaced)
+ROLLS = [
+    ({"batchLimit": 8}, False),
+    ({"queueLimit": 5}, False),
+    ({"maxQueueDelayMicroseconds": 2000}, False),
+    ({"requestTimeoutMs": 500}, False),
+    ({"batchLimit": 4, "queueLimit": 8, "maxQueueDelayMicroseconds": 100, "requestTimeoutMs": 900}, False),
+    ({"replicas": 3}, False),
+    ({"inferenceMode": "sequential"}, True),
+    ({"workersPerReplica": 2}, True),
+    ({"port": 9000}, True),
+    ({"image": "registry.example/other:2"}, True),
+    ({"resources": {"limits": {"cpu": "2"}}}, True),
+    ({"env": [{"name": "OMP_NUM_THREADS", "value": "1"}]}, True),
+    ({"modelRepository": {"load": True}}, True),
+    ({"model": {"fromTrainingJob": {"name": "train"}, "inputShape": [64], "version": "2"}}, True),
+    ({"grpcPort": 9001}, True),
+]
+
+
+@pytest.mark.parametrize(("change", "rolls"), ROLLS, ids=[",".join(c) for c, _ in ROLLS])
+def test_which_pool_changes_replace_the_servers_and_which_reach_them_live(change, rolls):
+    body = pool({"observedGeneration": 1}, generation=2, **change)
+    children = everything(copy.deepcopy(STEADY))
+    plan = reconcile_pool(body, children, [], TWO_SERVING, job(), NOW, IMAGE)
+    deployments = [o for o in plan.apply if o["kind"] == "Deployment"]
+    template = deployments[0]["spec"]["template"]["metadata"]["annotations"][SPEC_HASH] if deployments else None
+    before = children["Deployment"]["spec"]["template"]["metadata"]["annotations"][SPEC_HASH]
+    assert (template is not None and template != before) == rolls
+    live = set(change) & {"batchLimit", "queueLimit", "maxQueueDelayMicroseconds", "requestTimeoutMs"}
+    assert plan.push == (["digits-server-a", "digits-server-b"] if live else [])
+    assert ("ConfigMap" in [o["kind"] for o in plan.apply]) == (change.keys() != {"replicas"}), \
+        "a server started later reads every setting but the replicas from the ConfigMap"
+
+
+def test_a_pool_with_a_token_rolls_its_servers_for_a_batching_change_since_the_operator_holds_no_token():
+    auth = {"secretName": "digits-token"}
+    steady = pool({"observedGeneration": 1, "phase": "Ready"}, auth=auth)
+    children = everything(copy.deepcopy(steady))
+    command = children["Deployment"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "--allow-batching-changes" not in command
+    plan = reconcile_pool(pool({"observedGeneration": 1}, generation=2, auth=auth, batchLimit=8), children, [],
+                          TWO_SERVING, job(), NOW, IMAGE)
+    [rolled] = [o for o in plan.apply if o["kind"] == "Deployment"]
+    assert rolled["spec"]["template"]["metadata"]["annotations"][SPEC_HASH] != \
+        children["Deployment"]["spec"]["template"]["metadata"]["annotations"][SPEC_HASH]
+    assert plan.push == []
+    [differs] = [c for c in plan.status["conditions"] if c["type"] == "BatchingDiffers"]
+    assert "until the rolling update replaces them" in differs["message"]
+
+
+@pytest.mark.parametrize(("reports", "expected"), [
+    ([], []),
+    ([BatchingSettings()], []),
+    ([BatchingSettings(batchLimit=8)], ["s0"]),
+    ([BatchingSettings(), BatchingSettings(queueLimit=1), None], ["s1"]),
+    ([BatchingSettings(requestTimeoutMs=5), BatchingSettings(maxQueueDelayMicroseconds=1)], ["s0", "s1"]),
+])
+def test_the_servers_sent_the_pools_batching_are_those_that_report_other_settings_and_did_not_refuse_them(
+        reports, expected):
+    servers = [Served(f"s{i}", None, "callable", ago(1), batching) for i, batching in enumerate(reports)]
+    assert batching_pushes(BatchingSettings(), servers) == expected
+    assert batching_pushes(BatchingSettings(), servers, {"s0": "400 ..."}) == [pod for pod in expected if pod != "s0"]
+
+
+NEW_BATCHING = {"batchLimit": 64, "queueLimit": 64, "maxQueueDelayMicroseconds": 0, "requestTimeoutMs": 30000}
+
+
+# (the last refusal by digits-server-a, whether it is sent the pool's settings again, the condition's reason)
+REFUSALS = [
+    (None, True, "Pushing"),
+    (Refusal(NEW_BATCHING, "400 the model fails its warm-up at the new batch sizes", NOW - timedelta(seconds=5)),
+     False, "Refused"),
+    (Refusal(NEW_BATCHING, "400 the model fails ...", NOW - timedelta(seconds=REFUSED_PUSH_SECONDS + 1)), True,
+     "Pushing"),
+    (Refusal({**NEW_BATCHING, "batchLimit": 48}, "400 other settings", NOW - timedelta(seconds=5)), True, "Pushing"),
+]
+
+
+@pytest.mark.parametrize(("refusal", "sent", "reason"), REFUSALS, ids=["none", "lately", "long-ago", "other-settings"])
+def test_a_server_that_refused_the_pools_batching_is_left_alone_a_while_and_the_condition_says_why(refusal, sent,
+                                                                                                   reason):
+    body = pool({"observedGeneration": 1}, generation=2, batchLimit=64)
+    refusals = {} if refusal is None else {"digits-server-a": refusal}
+    plan = reconcile_pool(body, everything(copy.deepcopy(STEADY)), [], TWO_SERVING[:1], job(), NOW, IMAGE, refusals)
+    assert plan.push == (["digits-server-a"] if sent else [])
+    [differs] = [c for c in plan.status["conditions"] if c["type"] == "BatchingDiffers"]
+    assert differs["status"] == "True" and differs["reason"] == reason
+    assert ("Refused (sent again after 30 s" in differs["message"]) == (reason == "Refused")
+    if reason == "Refused":
+        assert "digits-server-a: 400 the model fails its warm-up at the new batch sizes" in differs["message"]
 
 
 def test_following_points_the_servers_at_the_jobs_directory_from_its_spec_and_mounts_its_claim_read_only():
@@ -174,7 +306,7 @@ def test_following_points_the_servers_at_the_jobs_directory_from_its_spec_and_mo
     pod = created["spec"]["template"]["spec"]
     [server] = pod["containers"]
     assert server["command"] == ["tandem", "serve", "/etc/tandem/pool.json", "--host", "0.0.0.0", "--port", "8000",
-                                 "--grpc-port", "8001", "--grace-period", "25",
+                                 "--grpc-port", "8001", "--grace-period", "25", "--allow-batching-changes",
                                  "--checkpoint", f"{MODEL_MOUNT}/runs/digits"]
     assert {"name": "tandem-model", "persistentVolumeClaim": {"claimName": "train-checkpoints", "readOnly": True}} \
         in pod["volumes"]

@@ -31,7 +31,7 @@ import signal
 
 import torch
 
-from tandem.api.inference import InferencePool
+from tandem.api.inference import BatchingSettings, InferencePool
 from tandem.worker.cores import share_cores
 from tandem.worker.serve import model_loading
 from tandem.worker.serve.auth import AuthTokenError, BearerToken
@@ -54,13 +54,16 @@ class InferenceServer:
 
     `checkpoint` (a checkpoint file, or a directory whose latest checkpoint is served) overrides the pool's
     spec.model. `auth_token_file` holds the bearer token clients must present (the pool's spec.auth Secret, mounted);
-    a pool with spec.auth needs one. Use `run()` for the process (`tandem serve`), `start()`/`drain()`/`stop()` on a
-    running event loop, or `start_in_thread()` to embed it in a program (tests do). Raises ModelLoadError when the
-    pool's model cannot be located, AuthTokenError when the token cannot be read or spec.auth has no token file."""
+    a pool with spec.auth needs one. `allow_batching_changes`: take `PUT /v2/models/{m}/batching`
+    (`update_batching`). Use `run()` for the process (`tandem serve`), `start()`/`drain()`/`stop()` on a running
+    event loop, or `start_in_thread()` to embed it in a program (tests do). Raises ModelLoadError when the pool's
+    model cannot be located, AuthTokenError when the token cannot be read or spec.auth has no token file."""
 
     def __init__(self, pool: InferencePool, checkpoint: str | None = None, *, grace_seconds: float = 25.0,
-                 follow_interval: float = 2.0, auth_token_file: str | None = None):
+                 follow_interval: float = 2.0, auth_token_file: str | None = None,
+                 allow_batching_changes: bool = False):
         spec = pool.spec
+        self.allow_batching_changes = allow_batching_changes
         self.spec = spec
         self.name = spec.model.name or pool.metadata.name
         self.version = spec.model.version
@@ -106,6 +109,14 @@ class InferenceServer:
             request.settle(output, error)
         else:
             self.routes.answer(request, context, output, error)
+
+    async def update_batching(self, settings: BatchingSettings) -> None:
+        """Batch, queue and time requests out with `settings` from now on; no request fails (those pending keep
+        their deadlines). Raises ModelLoadError while the first model loads, BatchingRefused (nothing changed) when the
+        model fails its warm-up at the new batch sizes."""
+        await self.model.update_batching(settings)
+        self.pending.set_default_timeout(settings.request_timeout_ms / 1000)
+        self.max_body = _body_limit(self.model.loaded)
 
     def _swapped(self) -> None:
         if self._owns_process:
@@ -172,10 +183,10 @@ class InferenceServer:
             return 1
         if not stop.is_set():
             _freeze_heap()
-            spec = self.spec
+            spec, batching = self.spec, self.model.batching
             log.info("ready: model %r version %s from %s; %s, %d worker(s), batch limit %d, queue limit %d",
                      self.name, self.version, self.model.loaded.loaded_from, spec.inference_mode,
-                     spec.workers_per_replica, spec.batch_limit, spec.queue_limit)
+                     spec.workers_per_replica, batching.batch_limit, batching.queue_limit)
         await stopping
         log.info("stopping: not ready; finishing requests already received")
         drained = await self.drain()

@@ -15,7 +15,8 @@ Each worker is one thread with its own replica (a deep copy of the model: on GPU
 copies); torch releases the GIL during a forward, so replicas run in parallel. There is no thread per request
 and no copy of the model per request. A full queue is rejected at once with QueueFullError; a request may
 carry a timeout; ``update_model`` switches every replica atomically (requests already running finish on the
-old model, none fails); ``shutdown`` finishes what is queued and stops the workers.
+old model, none fails); ``update`` changes batch_limit, queue_limit and max_delay_us while serving (none fails
+either); ``shutdown`` finishes what is queued and stops the workers.
 
 This module is the engine: the queue, the worker threads, the modes, swapping and shutting down. Beside it:
 batching.py (a request's Ticket, taking a batch, joining inputs and splitting outputs), replicas.py (copies of
@@ -66,10 +67,7 @@ class ParallelInference:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if workers is None:
             workers = len(devices) if devices else max(1, torch.cuda.device_count())
-        for name, value, least in (("workers", workers, 1), ("batch_limit", batch_limit, 1),
-                                   ("queue_limit", queue_limit, 1), ("max_delay_us", max_delay_us, 0)):
-            if not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be an integer >= {least}; got {value!r}")
+        _check_limits(workers=workers, batch_limit=batch_limit, queue_limit=queue_limit, max_delay_us=max_delay_us)
         self.mode = mode
         self.workers = workers
         self.batch_limit = batch_limit
@@ -91,7 +89,7 @@ class ParallelInference:
         self._free: list[int] = []  # inplace mode: indices of idle replicas
         self._waiting = 0  # inplace mode: callers waiting for a replica
         self._swap_lock = threading.Lock()
-        self._replicas = self._build_replicas(model)
+        self._replicas = self._build_replicas(model, batch_limit)
         self._generation = 0
         self._threads: list[threading.Thread] = []
         if mode == "inplace":
@@ -147,13 +145,37 @@ class ParallelInference:
         queued ones run on the new one; none fails. If building or warming up the new model raises, the old
         model keeps serving and the error propagates."""
         with self._swap_lock:
-            replicas = self._build_replicas(model)
+            replicas = self._build_replicas(model, self.batch_limit)
             with self._cond:
                 self._replicas = replicas
                 self._generation += 1
                 if self.mode == "inplace":
                     self._free = list(range(self.workers))
                     self._cond.notify_all()
+
+    def update(self, batch_limit: int | None = None, queue_limit: int | None = None,
+               max_delay_us: int | None = None) -> None:
+        """Batch, queue and wait with new limits from now on (None: keep that one), all three at once. No request
+        fails: running batches finish as they were taken, queued requests stay queued (even beyond a lowered
+        queue_limit; only new ones are refused), and a batch_limit that brings batch sizes not warmed up yet is
+        warmed up on new replicas first, while the old ones keep serving."""
+        batch_limit = self.batch_limit if batch_limit is None else batch_limit
+        queue_limit = self.queue_limit if queue_limit is None else queue_limit
+        max_delay_us = round(self.max_delay_s * 1e6) if max_delay_us is None else max_delay_us
+        _check_limits(batch_limit=batch_limit, queue_limit=queue_limit, max_delay_us=max_delay_us)
+        with self._swap_lock:
+            replicas = None
+            if self._example is not None and not set(self._warmup_sizes(batch_limit)) <= set(
+                    self._warmup_sizes(self.batch_limit)):
+                replicas = self._build_replicas(self._replicas[0], batch_limit)
+            with self._submit_lock, self._cond:
+                if replicas is not None:
+                    self._replicas = replicas
+                    self._generation += 1
+                    if self.mode == "inplace":
+                        self._free = list(range(self.workers))
+                self.batch_limit, self.queue_limit, self.max_delay_s = batch_limit, queue_limit, max_delay_us / 1e6
+                self._cond.notify_all()  # workers waiting for a batch to fill wait by the new delay
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting requests; finish the queued ones (drain=True) or fail them with ShutDownError; stop
@@ -195,9 +217,11 @@ class ParallelInference:
 
     # -- replicas -----------------------------------------------------------------------------------------
 
-    def _build_replicas(self, model: torch.nn.Module) -> list[torch.nn.Module]:
-        sizes = [] if self._example is None else warmup_sizes(self.mode, self.batch_limit, self._example.shape[0])
-        return build_replicas(model, self.devices, self._example, sizes)
+    def _build_replicas(self, model: torch.nn.Module, batch_limit: int) -> list[torch.nn.Module]:
+        return build_replicas(model, self.devices, self._example, self._warmup_sizes(batch_limit))
+
+    def _warmup_sizes(self, batch_limit: int) -> list[int]:
+        return [] if self._example is None else warmup_sizes(self.mode, batch_limit, self._example.shape[0])
 
     # -- queue and workers ----------------------------------------------------------------------------------
 
@@ -344,6 +368,13 @@ class ParallelInference:
                 raise own.error
             return own.output
         return None
+
+
+def _check_limits(**limits: int) -> None:
+    for name, value in limits.items():
+        least = 0 if name == "max_delay_us" else 1
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}; got {value!r}")
 
 
 def _model_error(error: Exception) -> ModelError:

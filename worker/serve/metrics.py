@@ -21,7 +21,9 @@ OUTCOMES = ("success", "rejected", "failed", "invalid")
 
 class ServerCollector:
     """Reads `state()` at scrape time: a dict with `model`, `outcomes` (HTTP requests by outcome), `stats`
-    (InferenceStats.snapshot(), or None before the model is loaded), `pending`, `ready`, `batch_limit`."""
+    (InferenceStats.snapshot(), or None before the model is loaded), `pending`, `ready`, `batching` (the
+    BatchingSettings run with) and `batch_limits` (every batch limit run with: the batch-size histogram has a bucket
+    for each, so that a change adds buckets and never moves counts between them)."""
 
     def __init__(self, state: Callable[[], dict[str, Any]]):
         self._state = state
@@ -39,6 +41,15 @@ class ServerCollector:
                      model, state["pending"])
         yield _gauge("tandem_inference_ready", "1 when the model is loaded, warmed up and the server accepts requests",
                      model, 1 if state["ready"] else 0)
+        batching = state["batching"]
+        yield _gauge("tandem_inference_batch_limit", "Most examples in one forward pass (the pool's batchLimit, as "
+                     "this server runs it)", model, batching.batch_limit)
+        yield _gauge("tandem_inference_queue_limit", "Most requests waiting before new ones are refused (429)",
+                     model, batching.queue_limit)
+        yield _gauge("tandem_inference_max_queue_delay_seconds", "How long a batch may wait to fill", model,
+                     batching.max_queue_delay_microseconds / 1e6)
+        yield _gauge("tandem_inference_request_timeout_seconds", "How long a request may take before it is answered "
+                     "504", model, batching.request_timeout_ms / 1000)
         stats = state["stats"]
         if stats is None:
             return
@@ -52,7 +63,7 @@ class ServerCollector:
         yield _histogram("tandem_inference_compute_duration_seconds", "Time of the forward pass (with input "
                          "batching and output splitting) that answered each request", model, LATENCY_BUCKETS,
                          stats["compute_histogram"], compute_ns / 1e9)
-        bounds = batch_sizes(state["batch_limit"])
+        bounds = sorted({size for limit in state["batch_limits"] for size in batch_sizes(limit)})
         counts = [0] * (len(bounds) + 1)
         for size, (executions, *_) in stats["batches"].items():
             counts[next((i for i, bound in enumerate(bounds) if size <= bound), len(bounds))] += executions

@@ -59,13 +59,14 @@ class Pending:
     """One request between submit and answer. `ticket` is ParallelInference's handle (to withdraw it while it is
     queued); `context` is the caller's, handed back to `answer` with the request."""
 
-    __slots__ = ("owner", "request", "context", "ticket", "deadline", "timeout", "finished")
+    __slots__ = ("owner", "request", "context", "ticket", "deadline", "timeout", "pools", "finished")
 
     def __init__(self, owner: PendingRequests, request: Any, context: Any, timeout: float, deadline: float):
         self.owner = owner
         self.request = request
         self.context = context
         self.timeout = timeout
+        self.pools = timeout == owner.default_timeout  # the pool's timeout, not the request's own (even once changed)
         self.deadline = deadline
         self.ticket = None
         self.finished = False
@@ -86,7 +87,7 @@ class Pending:
         if not self.finished:
             self.ticket.cancel()
             milliseconds = f"{self.timeout * 1000:.0f} ms"
-            if self.timeout == self.owner.default_timeout:
+            if self.pools:
                 why = f"the pool's requestTimeoutMs of {milliseconds}"
             else:
                 why = f"the request's timeout of {milliseconds} (parameters.timeout)"
@@ -142,6 +143,16 @@ class PendingRequests:
         self._completions = Completions(self._loop)
         self._sweeper = asyncio.create_task(self._sweep())
 
+    def set_default_timeout(self, timeout: float) -> None:
+        """Requests submitted from now on get `timeout`; those pending keep theirs. (Their deadlines move to the
+        heap: the deque holds default deadlines in order, which requests with the new timeout would break.)"""
+        for pending in self._deadlines:
+            if not pending.finished:
+                self._early_count += 1
+                heapq.heappush(self._early, (pending.deadline, self._early_count, pending))
+        self._deadlines.clear()
+        self.default_timeout = timeout
+
     def new(self, request: Any, context: Any, timeout: float) -> Pending:
         """A request due in `timeout` seconds from now, not tracked until `track` (once it is submitted)."""
         return Pending(self, request, context, timeout, self._loop.time() + timeout)
@@ -149,7 +160,7 @@ class PendingRequests:
     def track(self, pending: Pending) -> None:
         """Count a submitted request and watch its deadline."""
         self._count += 1
-        if pending.timeout == self.default_timeout:
+        if pending.pools and pending.timeout == self.default_timeout:
             self._deadlines.append(pending)
         else:
             self._early_count += 1

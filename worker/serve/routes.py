@@ -4,10 +4,18 @@ configuration, statistics and model repository extensions):
     GET  /v2/health/live | /v2/health/ready            200 {"live": true} / {"ready": true}; not ready: 503
     GET  /v2                                           server metadata
     GET  /v2/models/{m}[/versions/{v}]                 inputs and outputs (shapes with -1 for the batch); what
-                                                       is served: parameters {checkpoint, source, loaded_at}
+                                                       is served and how: parameters {checkpoint, source,
+                                                       loaded_at, batch_limit, queue_limit, ...}
     GET  /v2/models/{m}[/versions/{v}]/ready           200 / 503, with what is served once loaded (open behind
                                                        the token, like every readiness endpoint: the operator reads it)
     POST /v2/models/{m}[/versions/{v}]/infer           JSON tensors or binary tensor data, both directions
+    GET  /v2/models/{m}[/versions/{v}]/batching        the batching settings the server runs with (the pool's
+                                                       batchLimit, queueLimit, maxQueueDelayMicroseconds,
+                                                       requestTimeoutMs); also in the parameters of the model's
+                                                       metadata and readiness
+    PUT  /v2/models/{m}[/versions/{v}]/batching        run with new ones (any of the four; the others stay), no
+                                                       request failed (403 unless tandem serve
+                                                       --allow-batching-changes, as the operator starts servers)
     GET  /v2/models/{m}[/versions/{v}]/config          Triton's model configuration (for perf_analyzer)
     GET  /v2/models[/{m}[/versions/{v}]]/stats         Triton's statistics shape
     POST /v2/repository/index
@@ -20,7 +28,8 @@ with WWW-Authenticate: Bearer to a request without it, before anything else. The
 answers the same through the public methods here (metadata, config, stats, index, load).
 
 Errors are {"error": "..."} naming the problem: 400 bad request, 401 no or another token, 403 a load the pool's
-spec.modelRepository forbids, 404 unknown model/version/endpoint, 405 wrong method, 429 queue full (with
+spec.modelRepository forbids or a batching change a server does not allow, 404 unknown model/version/endpoint, 405
+wrong method, 429 queue full (with
 Retry-After), 503 loading or shutting down, 504 timed out, 500 the model's forward failed (only the request that
 breaks it fails: a failing batch is retried request by request). 413 (body too large) is the HTTP layer's.
 
@@ -34,9 +43,12 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 import tandem
+from tandem.api.inference import BatchingSettings
 from tandem.worker.serve import model_loading, triton
 from tandem.worker.serve.auth import CHALLENGE, path_needs_token, refusal
 from tandem.worker.serve.errors import InferenceTimeout, QueueFullError, ShutDownError
@@ -45,6 +57,7 @@ from tandem.worker.serve.metrics import OUTCOMES, registry_for
 from tandem.worker.serve.model_loading import LOADS_DISABLED, LoadForbidden, ModelLoadError
 from tandem.worker.serve.protocol import HEADER_LENGTH, ProtocolError, decode_request, dumps, encode_response
 from tandem.worker.serve.replicas import warmup_sizes
+from tandem.worker.serve.served_model import BatchingRefused
 
 if TYPE_CHECKING:
     from tandem.worker.serve.app import InferenceServer
@@ -53,7 +66,7 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "
 RETRY_AFTER_SECONDS = "1"
 JSON = "application/json"
 _HEADER_LENGTH_KEY = HEADER_LENGTH.lower()
-_MODEL_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/(infer|ready|config|stats))?$")
+_MODEL_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/(infer|ready|config|stats|batching))?$")
 _REPOSITORY_PATH = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
 
 Reply = tuple[int, bytes, str, dict[str, str] | None]
@@ -110,6 +123,9 @@ class Routes:
                 if action == "infer":
                     _allow(method, "POST", path)
                     return self._infer(request, name, version)
+                if action == "batching" and method == "PUT":
+                    self._check_model(name, version)
+                    return self._change_batching(request)
                 _allow(method, "GET", path)
                 self.check_model(name, version)
                 if action is None:
@@ -118,6 +134,8 @@ class Routes:
                     reply = self._model_ready()
                 elif action == "config":
                     reply = self._config()
+                elif action == "batching":
+                    reply = _json(self.server.model.batching.to_dict(), headers={"Allow": "GET, PUT"})
                 else:
                     reply = self._stats()
             elif path in self._fixed:
@@ -172,9 +190,14 @@ class Routes:
         return _json(self.model_metadata())
 
     def model_metadata(self) -> dict[str, Any]:
-        """Inputs and outputs, and in `parameters` what is served: checkpoint, source, loaded_at."""
+        """Inputs and outputs, and in `parameters` what is served and how (served_parameters)."""
         loaded = self.loaded()
-        return {**loaded.signature.metadata(self.name, [self.version]), "parameters": loaded.parameters()}
+        return {**loaded.signature.metadata(self.name, [self.version]), "parameters": self.served_parameters(loaded)}
+
+    def served_parameters(self, loaded) -> dict[str, Any]:
+        """What is served (checkpoint, source, loaded_at) and how (the batching settings, by their snake_case names:
+        batch_limit, queue_limit, max_queue_delay_microseconds, request_timeout_ms)."""
+        return {**loaded.parameters(), **self.server.model.batching.model_dump()}
 
     def _model_ready(self) -> Reply:
         """Whether the model is ready, and in `parameters` what is served (open behind the pool's token, like every
@@ -182,22 +205,23 @@ class Routes:
         ready, loaded = self.server.ready, self.server.model.loaded
         answer = {"name": self.name, "ready": ready}
         if loaded is not None:
-            answer["parameters"] = loaded.parameters()
+            answer["parameters"] = self.served_parameters(loaded)
         return _json(answer, 200 if ready else 503)
 
     def _config(self) -> Reply:
         return _json(self.config())
 
     def config(self) -> dict[str, Any]:
-        """The model configuration in Triton's shape."""
+        """The model configuration in Triton's shape, with the batching settings the server runs with."""
         signature = self.signature()
-        spec = self.spec
+        spec, batching = self.spec, self.server.model.batching
         kind = "KIND_GPU" if any(d.type == "cuda" for d in self.server.model.inference.devices) else "KIND_CPU"
-        preferred = warmup_sizes(spec.inference_mode, spec.batch_limit) if spec.inference_mode == "batched" else []
+        preferred = warmup_sizes(spec.inference_mode, batching.batch_limit) if spec.inference_mode == "batched" \
+            else []
         return triton.model_config(
             signature, self.name, instances=spec.workers_per_replica, kind=kind,
-            max_queue_delay_us=spec.max_queue_delay_microseconds, preferred=preferred,
-            queue_limit=spec.queue_limit, timeout_us=spec.request_timeout_ms * 1000)
+            max_queue_delay_us=batching.max_queue_delay_microseconds, preferred=preferred,
+            queue_limit=batching.queue_limit, timeout_us=batching.request_timeout_ms * 1000)
 
     def _stats(self) -> Reply:
         return _json(self.stats())
@@ -227,8 +251,33 @@ class Routes:
         return {
             "model": self.name, "outcomes": dict(self.outcomes), "pending": server.pending.count,
             "ready": server.ready, "stats": None if inference is None else inference.stats.snapshot(),
-            "batch_limit": self.spec.batch_limit,
+            "batching": server.model.batching, "batch_limits": sorted(server.model.batch_limits),
         }
+
+    # -- batching settings ----------------------------------------------------------------------------------
+
+    async def _change_batching(self, request: Request) -> None:
+        """PUT /v2/models/{m}/batching: some of the batching settings in the pool's names; answers the settings now
+        run with. 403 unless the server allows changes, 400 naming a bad field or the model's failure at the new batch
+        sizes (nothing changed), 503 while the model loads."""
+        server = self.server
+        if not server.allow_batching_changes:
+            reply = _error(403, "this server does not take batching changes: start tandem serve with "
+                           "--allow-batching-changes (the operator starts its servers so)")
+        else:
+            try:
+                settings = parse_batching(request.body, server.model.batching)
+                await server.update_batching(settings)
+            except ProtocolError as error:
+                reply = _error(error.status, str(error))
+            except ModelLoadError as error:
+                reply = _error(503, str(error), {"Retry-After": RETRY_AFTER_SECONDS})
+            except BatchingRefused as error:
+                reply = _error(400, f"batching not changed: {error} (still running with "
+                               f"{server.model.batching.summary()})")
+            else:
+                reply = _json(server.model.batching.to_dict())
+        request.respond(*reply)
 
     # -- model repository -----------------------------------------------------------------------------------
 
@@ -316,6 +365,23 @@ class Routes:
 def error_status(error: BaseException) -> int:
     """The HTTP status of a request that failed after it was submitted."""
     return 504 if isinstance(error, InferenceTimeout) else 503 if isinstance(error, ShutDownError) else 500
+
+
+def parse_batching(body: bytes, current: BatchingSettings) -> BatchingSettings:
+    """A batching change's body (a JSON object with any of the settings, by the pool's field names) over the
+    `current` settings. Raises ProtocolError (400) naming the field and what it must be."""
+    try:
+        change = orjson.loads(body or b"{}")
+    except orjson.JSONDecodeError as error:
+        raise ProtocolError(f"the batching change is not JSON: {error}", 400) from None
+    if not isinstance(change, dict):
+        raise ProtocolError("the batching change must be a JSON object such as {\"batchLimit\": 16}", 400)
+    try:
+        return BatchingSettings.model_validate({**current.to_dict(), **change})
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in error.errors())
+        fields = ", ".join(BatchingSettings.model_construct().to_dict())
+        raise ProtocolError(f"bad batching change: {problems} (the settings: {fields})", 400) from None
 
 
 def _allow(method: str, allowed: str, path: str) -> None:

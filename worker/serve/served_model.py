@@ -9,12 +9,13 @@ the `tandem.serve` logger: what was loaded (and what it replaced), the load time
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tandem.api.inference import InferencePoolSpec
+from tandem.api.inference import BatchingSettings, InferencePoolSpec
 from tandem.worker.serve import model_loading
 from tandem.worker.serve.inference import ParallelInference
 from tandem.worker.serve.model_loading import LoadedModel, ModelLoadError, ModelLocation
@@ -23,10 +24,15 @@ from tandem.worker.serve.tasks import cancel_and_wait
 log = logging.getLogger("tandem.serve")
 
 
+class BatchingRefused(Exception):
+    """New batching settings the model cannot run with (its warm-up at the new batch sizes failed)."""
+
+
 class ServedModel:
     """One pool's model (`name` in the API): `loaded` (what is served now) and `inference` (the engine serving it),
     both None until `load()` is done. `on_swap` runs on the event loop after each successful swap.
-    `repository_root`: the directory load requests may name checkpoints under (None: none may be named)."""
+    `repository_root`: the directory load requests may name checkpoints under (None: none may be named).
+    `batching`: the batching settings it runs with (the spec's until `update_batching`)."""
 
     def __init__(self, spec: InferencePoolSpec, location: ModelLocation, *, name: str, follow_interval: float = 2.0,
                  on_swap: Callable[[], None] | None = None):
@@ -36,6 +42,9 @@ class ServedModel:
         self.repository_root = model_loading.repository_root(spec.model_repository, location)
         self.follow_interval = follow_interval
         self.on_swap = on_swap
+        self.batching = spec.batching
+        self.batch_limits = {spec.batch_limit}
+        """Every batch limit run with so far (the batch-size histogram keeps a bucket for each)."""
         self.loaded: LoadedModel | None = None
         self.inference: ParallelInference | None = None
         self._swap_lock = asyncio.Lock()
@@ -87,6 +96,25 @@ class ServedModel:
                  loaded.loaded_from, cause, _seconds(built - started), _seconds(time.perf_counter() - built))
         return loaded
 
+    async def update_batching(self, settings: BatchingSettings) -> None:
+        """Run with `settings` from now on, without failing a request (ParallelInference.update; new batch sizes
+        are warmed up first, on an executor thread). A request may then carry up to the new batch limit. Raises
+        ModelLoadError while the first model loads, BatchingRefused (nothing changed) when the warm-up fails."""
+        if self.inference is None or self.loaded is None:
+            raise ModelLoadError("the server's first model is still loading")
+        async with self._swap_lock:  # a swap loads with the batch limit, so never both at once
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, lambda: self.inference.update(
+                    batch_limit=settings.batch_limit, queue_limit=settings.queue_limit,
+                    max_delay_us=settings.max_queue_delay_microseconds))
+            except Exception as error:  # the warm-up at the new batch sizes failed: nothing changed
+                raise BatchingRefused(f"the model fails its warm-up at the new batch sizes: {type(error).__name__}: "
+                                      f"{error}") from error
+            previous, self.batching = self.batching, settings
+            self.batch_limits.add(settings.batch_limit)
+            self.loaded = _with_batch_limit(self.loaded, settings.batch_limit)
+        log.info("batching of %s changed from %s to %s", self.name, previous.summary(), settings.summary())
+
     async def stop_following(self) -> None:
         follower, self._follower = self._follower, None
         await cancel_and_wait(follower)
@@ -122,13 +150,19 @@ class ServedModel:
     def _load(self, checkpoint: Path | None) -> LoadedModel:
         """The first model, or (once one serves) a swap's, which must be built by the same code."""
         served = self.loaded.reference if self.loaded is not None else None
-        return model_loading.load(self.location, self.spec.model, self.spec.batch_limit, checkpoint, served)
+        return model_loading.load(self.location, self.spec.model, self.batching.batch_limit, checkpoint, served)
 
     def _start_inference(self, loaded: LoadedModel) -> ParallelInference:
-        spec = self.spec
+        spec, batching = self.spec, self.batching
         return ParallelInference(
-            loaded.module, mode=spec.inference_mode, workers=spec.workers_per_replica, batch_limit=spec.batch_limit,
-            queue_limit=spec.queue_limit, max_delay_us=spec.max_queue_delay_microseconds, example=loaded.example)
+            loaded.module, mode=spec.inference_mode, workers=spec.workers_per_replica,
+            batch_limit=batching.batch_limit, queue_limit=batching.queue_limit,
+            max_delay_us=batching.max_queue_delay_microseconds, example=loaded.example)
+
+
+def _with_batch_limit(loaded: LoadedModel, batch_limit: int) -> LoadedModel:
+    return dataclasses.replace(loaded, signature=dataclasses.replace(loaded.signature, max_batch_size=batch_limit))
+
 
 
 def _seconds(elapsed: float) -> str:

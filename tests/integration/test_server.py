@@ -725,6 +725,21 @@ def test_a_server_takes_batching_changes_only_when_started_to(served):
     assert json.loads(request(server.port, "GET", "/v2/models/digits/batching")[2])["batchLimit"] == 32
 
 
+def test_behind_the_pools_token_a_batching_change_needs_it_too(served, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("batching-token\n")
+    server = served(make_pool(auth={"secretName": "digits-token"}), auth_token_file=str(token),
+                    allow_batching_changes=True)
+    path, change = "/v2/models/digits/batching", b'{"batchLimit": 4}'
+    assert request(server.port, "PUT", path, change)[0] == 401
+    assert request(server.port, "GET", path)[0] == 401
+    assert json.loads(request(server.port, "GET", "/v2/models/digits/ready")[2])["parameters"]["batch_limit"] == 32, \
+        "readiness, open for the operator, reports the batching"
+    bearer = {"Authorization": "Bearer batching-token"}
+    assert request(server.port, "PUT", path, change, bearer)[0] == 200
+    assert json.loads(request(server.port, "GET", path, headers=bearer)[2])["batchLimit"] == 4
+
+
 def test_a_new_request_timeout_applies_to_new_requests_and_pending_ones_keep_theirs(served):
     name = "timeout-change"
     server = served(gated_pool(name, workersPerReplica=1, batchLimit=1, requestTimeoutMs=600_000),

@@ -124,7 +124,7 @@ class Routes:
                     _allow(method, "POST", path)
                     return self._infer(request, name, version)
                 if action == "batching" and method == "PUT":
-                    self._check_model(name, version)
+                    self.check_model(name, version)
                     return self._change_batching(request)
                 _allow(method, "GET", path)
                 self.check_model(name, version)

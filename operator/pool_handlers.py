@@ -6,7 +6,8 @@ its job from kopf's in-memory indices, ask each ready server what it serves, dec
 
 How the operator learns which checkpoint each replica serves: it asks each ready server pod (`GET
 /v2/models/{m}/ready` on the pod's IP, a readiness endpoint and so open even behind the pool's token, which the
-operator never reads; the answer's `parameters` carry `checkpoint`, `source` and `loaded_at`). Chosen over
+operator never reads; the answer's `parameters` carry `checkpoint`, `source` and `loaded_at`, the served checkpoint's
+recorded metrics and a promotion gate's last skipped candidate). Chosen over
 servers annotating their own pods because (1) a server then needs no API credentials at all (its pods mount no
 ServiceAccount token, so a compromised server cannot write to the API), (2) what is reported is what the process
 answering inference requests holds, not what it last managed to write, and (3) only ready pods are asked, so a
@@ -36,7 +37,16 @@ from tandem.api.inference import LIVE_FIELDS, BatchingSettings
 from tandem.operator import daemon, handlers
 from tandem.operator.handlers import wake
 from tandem.operator.pool_objects import POOL_LABEL
-from tandem.operator.pools import PoolPlan, Refusal, Served, Sources, reconcile_pool, sources
+from tandem.operator.pools import (
+    PoolPlan,
+    Refusal,
+    Served,
+    Sources,
+    reconcile_pool,
+    served_metrics,
+    skipped_candidate,
+    sources,
+)
 
 POOLS = "inferencepools"
 JOBS = "paralleltrainingjobs"
@@ -132,7 +142,8 @@ async def _ask(session: aiohttp.ClientSession, pod: dict[str, Any], model: str, 
         log.info("server pod %s did not say what it serves: %s", name, error)
         return None
     return Served(name, parameters.get("checkpoint"), str(parameters.get("source", "")),
-                  str(parameters.get("loaded_at", "")), _reported_batching(parameters))
+                  str(parameters.get("loaded_at", "")), _reported_batching(parameters), served_metrics(parameters),
+                  skipped_candidate(parameters))
 
 
 def _reported_batching(parameters: dict[str, Any]) -> BatchingSettings | None:

@@ -14,6 +14,9 @@ create or replace, objects to delete, the status, events, when to look again).
   refused the same settings within REFUSED_PUSH_SECONDS (then BatchingDiffers has reason Refused and its answer). The
   spec ConfigMap has them too, so that a server started later starts with them. A pool with `spec.auth` rolls its
   servers instead (pool_objects.live_batching: the operator holds no token).
+- `fromTrainingJob.checkpoint` pins the servers to that checkpoint of the job (a rollback is a patch of it);
+  `fromTrainingJob.promote` leaves the gate to the servers (worker/serve/promotion.py) and reports what they did:
+  `status.model.metrics` of the served checkpoint, `status.lastSkipped`, and an Event for each promotion and skip.
 - The status tells what the servers do: `readyReplicas` from the Deployment, `model` from what the ready servers
   report serving (their `/v2/models/{m}`), a CheckpointsDiffer condition while they serve different ones (mid-swap),
   `batching` from the settings they report running with, a BatchingDiffers condition while some run other settings
@@ -25,6 +28,7 @@ create or replace, objects to delete, the status, events, when to look again).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -32,6 +36,7 @@ from typing import Any
 
 from tandem.api import InferencePool, ParallelTrainingJob
 from tandem.api.inference import BatchingSettings
+from tandem.contract import SERVED_METRIC_PARAMETER, checkpoint_step
 from tandem.manifest import ManifestError
 from tandem.operator.observed import WAITING_FAILURES, condition, observe_pod, parse_resource, with_condition
 from tandem.operator.pool_objects import (
@@ -66,6 +71,10 @@ class Served:
     loaded_at: str
     batching: BatchingSettings | None = None
     """The batching settings it runs with (None: it does not say, so it is neither counted nor pushed to)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What the checkpoint's job recorded for it."""
+    skipped: dict[str, Any] | None = None
+    """With a promotion gate: the latest candidate it did not promote (status.lastSkipped's shape)."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +147,9 @@ def reconcile_pool(body: dict[str, Any], children: dict[str, dict[str, Any] | No
     elif condition(conditions, "ModelLoadFailed"):
         conditions = with_condition(conditions, "ModelLoadFailed", False, "Loaded", "the servers load the model", now)
     model, differ = _model_status(pool, served)
+    last_skipped = _last_skipped(served) or status.get("lastSkipped")
+    if pool.spec.model.from_training_job is not None and pool.spec.model.from_training_job.promote is not None:
+        plan.events += promotion_events(status, model, last_skipped, differ is not None)
     if differ:
         conditions = with_condition(conditions, "CheckpointsDiffer", True, "Swapping", differ, now)
     elif condition(conditions, "CheckpointsDiffer"):
@@ -180,6 +192,8 @@ def reconcile_pool(body: dict[str, Any], children: dict[str, dict[str, Any] | No
         plan.status["model"] = model
     if batching_status is not None:
         plan.status["batching"] = batching_status
+    if last_skipped is not None:
+        plan.status["lastSkipped"] = last_skipped
     plan.requeue_after = PUSHED_SECONDS if plan.push else WATCH_SECONDS
     return plan
 
@@ -267,9 +281,12 @@ def _model_job(pool: InferencePool, job: dict[str, Any] | None) -> tuple[Paralle
 
 def _pinned_step(pool: InferencePool, body: dict[str, Any], deployment: dict[str, Any] | None,
                  job: dict[str, Any] | None) -> int | None:
-    """follow: false: the step of the checkpoint the servers serve. It stays what it was until the pool changes
-    (its generation moves past the one last observed); then it is the job's latest."""
+    """The step of the checkpoint the servers serve when they do not follow the job: the one `checkpoint` names;
+    with follow: false, the job's latest when the pool was created or last changed (its generation moved past the
+    one last observed), kept until it changes again."""
     source = pool.spec.model.from_training_job
+    if source is not None and source.checkpoint is not None:
+        return checkpoint_step(source.checkpoint)
     if source is None or source.follow:
         return None
     observed_generation = (body.get("status") or {}).get("observedGeneration")
@@ -283,8 +300,7 @@ def _pinned_step(pool: InferencePool, body: dict[str, Any], deployment: dict[str
 def _served_step(deployment: dict[str, Any]) -> int | None:
     command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
     path = command[command.index("--checkpoint") + 1] if "--checkpoint" in command else ""
-    name = path.rsplit("/", 1)[-1]
-    return int(name[5:-3]) if name.startswith("step-") and name.endswith(".pt") else None
+    return checkpoint_step(path.rsplit("/", 1)[-1])
 
 
 def _changed(children: dict[str, dict[str, Any] | None], desired: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -347,11 +363,58 @@ def _model_status(pool: InferencePool, served: list[Served]) -> tuple[dict[str, 
     model = {"source": same[0].source, "loadedAt": max(s.loaded_at for s in same)}
     if checkpoint is not None:
         model["checkpoint"] = checkpoint
+    if same[0].metrics:
+        model["metrics"] = dict(same[0].metrics)
     differ = None
     if len(counts) > 1:
         differ = "replicas serve different checkpoints: " + "; ".join(
             f"{s.pod}: {s.checkpoint}" for s in sorted(served, key=lambda s: s.pod))
     return model, differ
+
+
+def served_metrics(parameters: dict[str, Any]) -> dict[str, float]:
+    """The recorded metrics a server's model metadata reports (`metric.<name>` parameters; numbers only)."""
+    prefix = SERVED_METRIC_PARAMETER
+    return {key[len(prefix):]: float(value) for key, value in parameters.items()
+            if key.startswith(prefix) and len(key) > len(prefix) and isinstance(value, int | float)
+            and not isinstance(value, bool) and math.isfinite(value)}
+
+
+def skipped_candidate(parameters: dict[str, Any]) -> dict[str, Any] | None:
+    """The candidate a gated server last skipped, as status.lastSkipped holds it; None when it reports none."""
+    checkpoint, reason = parameters.get("skipped_checkpoint"), parameters.get("skipped_reason")
+    if not isinstance(checkpoint, str) or not checkpoint:
+        return None
+    skipped: dict[str, Any] = {"checkpoint": checkpoint, "reason": str(reason or "")}
+    metric = parameters.get("skipped_metric")
+    if isinstance(metric, int | float) and not isinstance(metric, bool) and math.isfinite(metric):
+        skipped["metric"] = float(metric)
+    return skipped
+
+
+def _last_skipped(served: list[Served]) -> dict[str, Any] | None:
+    """The latest candidate a gated server skipped (the highest step, as the servers report them)."""
+    skipped = [s.skipped for s in served if s.skipped is not None]
+    return max(skipped, key=lambda s: (checkpoint_step(s["checkpoint"].rsplit("/", 1)[-1]) or -1, s["checkpoint"]),
+               default=None)
+
+
+def promotion_events(status: dict[str, Any], model: dict[str, Any] | None, last_skipped: dict[str, Any] | None,
+                     swapping: bool) -> list[tuple[str, str, str]]:
+    """A gated pool's Events, from its status before this pass and what the servers report now: Promoted when the
+    served checkpoint changed (once every ready replica serves it), PromotionSkipped for a newly skipped one."""
+    events = []
+    before = (status.get("model") or {}).get("checkpoint")
+    now = (model or {}).get("checkpoint")
+    if before is not None and now is not None and now != before and not swapping:
+        metrics = ", ".join(f"{name} {value:.6g}" for name, value in sorted((model.get("metrics") or {}).items()))
+        events.append(("Normal", "Promoted", f"serving {now}" + (f" ({metrics})" if metrics else "") +
+                       f" in place of {before}"))
+    skipped_before = (status.get("lastSkipped") or {}).get("checkpoint")
+    if last_skipped is not None and last_skipped["checkpoint"] != skipped_before:
+        events.append(("Warning", "PromotionSkipped", f"not serving {last_skipped['checkpoint']}: "
+                       f"{last_skipped['reason']}"))
+    return events
 
 
 def _phase(replicas: int, ready: int, pods: list[dict[str, Any]], missing: str | None,

@@ -69,6 +69,18 @@ def checkpoint_name(step: int) -> str:
     return CHECKPOINT_NAME.format(step=step)
 
 
+SERVED_METRIC_PARAMETER = "metric."
+"""A server's model metadata carries each metric recorded for the checkpoint it serves as the parameter
+`metric.<name>` (the protocol's parameter values are scalars); the operator reads them into status.model.metrics.
+With a promotion gate, also `skipped_checkpoint`, `skipped_reason` and `skipped_metric` for status.lastSkipped."""
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint file name (`step-00000200.pt`: 200); None for another name."""
+    stem = name.removeprefix("step-").removesuffix(".pt")
+    return int(stem) if name.startswith("step-") and name.endswith(".pt") and stem.isdigit() else None
+
+
 class ContractError(RuntimeError):
     """The worker's environment does not satisfy the contract, or the group it describes cannot form."""
 

@@ -121,3 +121,29 @@ class CrashOnceAfterCheckpoint(DropoutMLP):
 
 def crash_once_after_checkpoint(at: int = 0, hidden: int = 32, p: float = 0.3) -> nn.Module:
     return CrashOnceAfterCheckpoint(at, hidden, p)
+
+
+class LearningRateSpike(nn.Module):
+    """The digits MLP whose gradients are multiplied by `factor` in training steps `at` + 1 .. `at` + `steps` (one
+    training forward a step): with SGD, the learning rate spiking `factor`-fold for those steps, so that the
+    checkpoints after them are worse than those before."""
+
+    def __init__(self, hidden: int, at: int, steps: int, factor: float):
+        super().__init__()
+        self.net = mlp(hidden=hidden)
+        self.at, self.steps, self.factor = at, steps, factor
+        self.forwards = 0
+        for parameter in self.parameters():
+            parameter.register_hook(self._scaled)
+
+    def _scaled(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad * self.factor if self.at < self.forwards <= self.at + self.steps else grad
+
+    def forward(self, x):
+        if self.training:
+            self.forwards += 1
+        return self.net(x)
+
+
+def learning_rate_spike(hidden: int = 32, at: int = 50, steps: int = 5, factor: float = 30.0) -> nn.Module:
+    return LearningRateSpike(hidden, at, steps, factor)

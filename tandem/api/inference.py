@@ -14,12 +14,47 @@ PoolPhase = Literal["Pending", "Loading", "Ready", "Degraded", "Failed"]
 Datatype = Literal["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "BF16", "FP32", "FP64"]
 
 
+CheckpointName = Annotated[str, StringConstraints(pattern=r"^step-[0-9]{8,}\.pt$")]
+MetricName = Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z][A-Za-z0-9_.-]*$")]
+
+
+class Promotion(ApiModel):
+    """A gate on following a job: a server swaps to a new checkpoint only when the metric its job recorded for it
+    (rank 0 evaluates on `evalData` at each checkpoint) beats the served checkpoint's by more than `minDelta`."""
+
+    metric: MetricName
+    """A metric the trainer records per checkpoint: `accuracy` or `evalLoss` (see status.checkpoint.history)."""
+    mode: Literal["max", "min"] = "max"
+    """`max`: higher is better (accuracy); `min`: lower is better (a loss)."""
+    min_delta: Annotated[float, Field(ge=0)] = 0.0
+    """How much better a candidate must be; with 0, any strict improvement (an equal value is skipped)."""
+
+
 class FromTrainingJob(ApiModel):
-    """Serve the latest checkpoint of a ParallelTrainingJob in the same namespace."""
+    """Serve a checkpoint of a ParallelTrainingJob in the same namespace: its latest (followed, or gated by
+    `promote`), or the one `checkpoint` names."""
+
+    model_config = {"json_schema_extra": {"x-kubernetes-validations": [
+        {"rule": "!has(self.checkpoint) || !has(self.promote)",
+         "message": "checkpoint pins one checkpoint and promote gates following the job: set at most one"},
+    ]}}
 
     name: ResourceName
     follow: bool = True
     """Load each new checkpoint as the job writes it (zero-drop hot swap)."""
+    promote: Promotion | None = None
+    """Follow only to better checkpoints: each new one is a candidate, promoted when its recorded metric beats the
+    served one's, else skipped (status.lastSkipped, an Event); a server starts on the best checkpoint there is."""
+    checkpoint: CheckpointName | None = None
+    """Pin the servers to this checkpoint of the job (a file name in its checkpoint directory, as
+    status.checkpoint.history lists them, e.g. `step-00000200.pt`); they load it and keep it (`follow` does not
+    apply). Setting it rolls the servers back or forward; removing it follows the job again."""
+
+    @model_validator(mode="after")
+    def _pin_or_gate(self) -> FromTrainingJob:
+        if self.checkpoint is not None and self.promote is not None:
+            raise ValueError("checkpoint pins one checkpoint and promote gates following the job: set at most one")
+        return self
 
 
 class ModelSource(ApiModel):
@@ -166,6 +201,17 @@ class ModelStatus(ApiModel):
     """What is loaded: `checkpoint`, `callable` or `fromTrainingJob/<name>`."""
     checkpoint: str | None = None
     loaded_at: datetime | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    """The metrics its job recorded for the served checkpoint (empty for one written without evalData)."""
+
+
+class SkippedCandidate(ApiModel):
+    """A checkpoint the promotion gate did not swap to."""
+
+    checkpoint: str
+    metric: float | None = None
+    """Its value of the gate's metric (absent when the checkpoint has none recorded)."""
+    reason: str
 
 
 class InferencePoolStatus(ApiModel):
@@ -183,6 +229,8 @@ class InferencePoolStatus(ApiModel):
     batching: BatchingSettings | None = None
     """The batching settings the ready servers report running with (see the BatchingDiffers condition while they
     differ)."""
+    last_skipped: SkippedCandidate | None = None
+    """With fromTrainingJob.promote: the latest candidate checkpoint the servers did not promote, and why."""
     message: str = ""
     observed_generation: int | None = None
     selector: str | None = None

@@ -373,6 +373,9 @@ class CheckpointRecord(ApiModel):
     path: str
     step: Annotated[int, Field(ge=0)]
     time: datetime
+    metrics: dict[str, float] = Field(default_factory=dict)
+    """What rank 0 measured on evalData for this checkpoint (evalLoss, and accuracy for class labels); also in the
+    checkpoint's manifest (`metrics`). Empty without evalData."""
 
 
 class CheckpointStatus(ApiModel):

@@ -10,7 +10,7 @@ checkpoint files under the repository root, after symlinks and `..` are resolved
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from tandem import contract
 from tandem.api.inference import ModelRepository, ModelSource
 from tandem.worker import checkpoint as checkpoints
 from tandem.worker.serve.errors import ModelError
+from tandem.worker.serve.promotion import recorded_metrics
 from tandem.worker.serve.protocol import DATATYPES, TORCH_DATATYPE, Signature, TensorSpec
 from tandem.worker.serve.replicas import check_output
 from tandem.worker.user_code import build_model
@@ -66,6 +67,8 @@ class LoadedModel:
     loaded_at: datetime
     reference: str
     """The module:callable that built it (the callable, or the checkpoint manifest's): a swap must keep it."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The metrics its job recorded in the checkpoint's manifest (none for a callable or an older checkpoint)."""
 
     @property
     def loaded_from(self) -> str:
@@ -75,15 +78,17 @@ class LoadedModel:
     def parameters(self) -> dict[str, str | None]:
         """The model metadata's `parameters`: what each replica serves, for the operator's status.model."""
         return {"checkpoint": self.checkpoint, "source": self.source,
-                "loaded_at": self.loaded_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+                "loaded_at": self.loaded_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                **{f"{contract.SERVED_METRIC_PARAMETER}{name}": value for name, value in self.metrics.items()}}
 
 
 def locate(model: ModelSource, checkpoint: str | None = None) -> ModelLocation:
     """Where to read `model` (a pool's spec.model) from; `checkpoint` (tandem serve --checkpoint: a file, or a
     directory whose latest checkpoint is served) overrides it. Raises ModelLoadError naming what is missing."""
+    job = model.from_training_job
     if checkpoint is not None:
-        label = f"fromTrainingJob/{model.from_training_job.name}" if model.from_training_job else "checkpoint"
-        return _checkpoint_location(Path(checkpoint), label, _follows(model))
+        label = f"fromTrainingJob/{job.name}" if job else "checkpoint"
+        return _checkpoint_location(Path(checkpoint), label, _follows(model), job.checkpoint if job else None)
     if model.checkpoint is not None:
         return _checkpoint_location(Path(model.checkpoint), "checkpoint", False)
     if model.callable is not None:
@@ -91,22 +96,30 @@ def locate(model: ModelSource, checkpoint: str | None = None) -> ModelLocation:
             raise ModelLoadError(f"model.inputShape is required with model.callable ({model.callable}): the "
                                  "server validates requests and warms up with it")
         return ModelLocation(callable=model.callable, args=dict(model.args), label="callable")
-    job = model.from_training_job
     directory = os.environ.get(contract.CHECKPOINT_DIR)
     if not directory:
         raise ModelLoadError(
             f"model.fromTrainingJob ({job.name}): pass --checkpoint with the job's checkpoint directory (its "
             f"spec.checkpoint.directory) or one checkpoint file, or set {contract.CHECKPOINT_DIR}")
-    return ModelLocation(directory=Path(directory), follow=job.follow, label=f"fromTrainingJob/{job.name}")
+    return _checkpoint_location(Path(directory), f"fromTrainingJob/{job.name}", job.follow, job.checkpoint)
 
 
 def _follows(model: ModelSource) -> bool:
-    return model.from_training_job is not None and model.from_training_job.follow
+    job = model.from_training_job
+    return job is not None and job.follow and job.checkpoint is None
 
 
-def _checkpoint_location(path: Path, label: str, follow: bool) -> ModelLocation:
+def _checkpoint_location(path: Path, label: str, follow: bool, pinned: str | None = None) -> ModelLocation:
+    """`pinned` (fromTrainingJob.checkpoint): the checkpoint of that name in a directory, loaded and kept."""
+    if path.is_dir() and pinned is not None:
+        pinned_path = path / pinned
+        if not pinned_path.is_file():
+            present = ", ".join(p.name for p in checkpoints.list_checkpoints(path)) or "none"
+            raise ModelLoadError(f"model.fromTrainingJob.checkpoint {pinned}: no such checkpoint in {path} (there: "
+                                 f"{present}); name one the job has kept (its status.checkpoint.history)")
+        return ModelLocation(checkpoint=pinned_path, label=label)
     if path.is_dir():
-        return ModelLocation(directory=path, follow=follow, label=label)
+        return ModelLocation(directory=path, follow=follow and pinned is None, label=label)
     return ModelLocation(checkpoint=path, label=label)
 
 
@@ -192,7 +205,16 @@ def load(location: ModelLocation, model: ModelSource, batch_limit: int,
         TensorSpec(INPUT_NAME, datatype, shape), TensorSpec(OUTPUT_NAME, output[0], output[1]), batch_limit)
     reference = location.callable if path is None else manifest["model"]
     return LoadedModel(module, signature, example, location.label, None if path is None else str(path),
-                       datetime.now(UTC), reference)
+                       datetime.now(UTC), reference, {} if path is None else recorded_metrics(manifest))
+
+
+def checkpoint_metrics(path: Path) -> dict[str, float]:
+    """The metrics recorded in a checkpoint's manifest, without building its model; none for a checkpoint that
+    cannot be read (the gate then skips it: it has no metric to beat the served one with)."""
+    try:
+        return recorded_metrics(checkpoints.load(path)["manifest"])
+    except checkpoints.CheckpointError:
+        return {}
 
 
 def _checkpoint_shape(path: Path, manifest: dict[str, Any], model: ModelSource) -> tuple[int, ...]:

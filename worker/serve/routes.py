@@ -195,9 +195,11 @@ class Routes:
         return {**loaded.signature.metadata(self.name, [self.version]), "parameters": self.served_parameters(loaded)}
 
     def served_parameters(self, loaded) -> dict[str, Any]:
-        """What is served (checkpoint, source, loaded_at) and how (the batching settings, by their snake_case names:
-        batch_limit, queue_limit, max_queue_delay_microseconds, request_timeout_ms)."""
-        return {**loaded.parameters(), **self.server.model.batching.model_dump()}
+        """What is served (checkpoint, source, loaded_at, its recorded metrics; with a promotion gate, the last
+        candidate skipped) and how (the batching settings, by their snake_case names: batch_limit, queue_limit,
+        max_queue_delay_microseconds, request_timeout_ms)."""
+        model = self.server.model
+        return {**loaded.parameters(), **model.promotion_parameters(), **model.batching.model_dump()}
 
     def _model_ready(self) -> Reply:
         """Whether the model is ready, and in `parameters` what is served (open behind the pool's token, like every

@@ -16,9 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tandem.api.inference import BatchingSettings, InferencePoolSpec
-from tandem.worker.serve import model_loading
+from tandem.worker import checkpoint as checkpoints
+from tandem.worker.serve import model_loading, promotion
 from tandem.worker.serve.inference import ParallelInference
 from tandem.worker.serve.model_loading import LoadedModel, ModelLoadError, ModelLocation
+from tandem.worker.serve.promotion import Verdict
 from tandem.worker.serve.tasks import cancel_and_wait
 
 log = logging.getLogger("tandem.serve")
@@ -45,8 +47,13 @@ class ServedModel:
         self.batching = spec.batching
         self.batch_limits = {spec.batch_limit}
         """Every batch limit run with so far (the batch-size histogram keeps a bucket for each)."""
+        job = spec.model.from_training_job
+        self.promotion = job.promote if job is not None and location.directory is not None else None
+        """fromTrainingJob.promote: the gate each followed checkpoint must pass (promotion.py)."""
         self.loaded: LoadedModel | None = None
         self.inference: ParallelInference | None = None
+        self.skipped: tuple[str, Verdict] | None = None
+        """The latest followed checkpoint the gate did not promote, and the gate's verdict on it."""
         self._swap_lock = asyncio.Lock()
         self._follower: asyncio.Task | None = None
 
@@ -61,7 +68,8 @@ class ServedModel:
             while model_loading.current_checkpoint(location) is None:
                 await asyncio.sleep(self.follow_interval)
         started = time.perf_counter()
-        loaded = await loop.run_in_executor(None, self._load, None)
+        first = await loop.run_in_executor(None, self._best_checkpoint) if self.promotion is not None else None
+        loaded = await loop.run_in_executor(None, self._load, first)
         built = time.perf_counter()
         self.inference = await loop.run_in_executor(None, self._start_inference, loaded)
         self.loaded = loaded
@@ -132,7 +140,9 @@ class ServedModel:
     async def _follow(self) -> None:
         """Hot-swap each new checkpoint the training job writes (fromTrainingJob with follow). Only a checkpoint
         not seen before is loaded: one that fails is not retried, and a checkpoint loaded by hand through
-        the repository API stays until the job writes a newer one."""
+        the repository API stays until the job writes a newer one. With a promotion gate, a new checkpoint is
+        loaded only when its recorded metric beats the served one's (promotion.py); a skipped one is not judged
+        again."""
         seen = self.loaded.checkpoint
         while True:
             await asyncio.sleep(self.follow_interval)
@@ -141,11 +151,45 @@ class ServedModel:
                 continue
             seen = str(latest)
             try:
-                await self.swap(latest, cause=f"followed {self.location.directory}")
+                cause = f"followed {self.location.directory}"
+                if self.promotion is not None:
+                    verdict = await self._judge(latest)
+                    if not verdict.promote:
+                        continue
+                    cause = f"promoted: {verdict.reason}"
+                await self.swap(latest, cause=cause)
             except Exception as error:  # anything: a follower that dies would stop following without a word
                 reason = error if isinstance(error, ModelLoadError) else f"{type(error).__name__}: {error}"
                 log.warning("not swapping %s to followed checkpoint %s, still serving %s: %s", self.name, latest,
                             self.loaded.loaded_from, reason)
+
+    async def _judge(self, candidate: Path) -> Verdict:
+        """The gate's verdict on a followed checkpoint; a skipped one is logged and kept for the status."""
+        metrics = await asyncio.get_running_loop().run_in_executor(None, model_loading.checkpoint_metrics, candidate)
+        verdict = promotion.judge(self.promotion, metrics, self.loaded.metrics)
+        if not verdict.promote:
+            self.skipped = (str(candidate), verdict)
+            log.info("not promoting %s to %s, still serving %s: %s", self.name, candidate, self.loaded.loaded_from,
+                     verdict.reason)
+        return verdict
+
+    def _best_checkpoint(self) -> Path | None:
+        """A gated server's first checkpoint: the best recorded in the directory (None: none has the metric, so the
+        latest), so that a restart never brings back a checkpoint the gate had refused."""
+        found = checkpoints.list_checkpoints(self.location.directory)
+        chosen = promotion.best(self.promotion, ((str(p), model_loading.checkpoint_metrics(p)) for p in found))
+        return Path(chosen) if chosen is not None else None
+
+    def promotion_parameters(self) -> dict[str, str | float]:
+        """For the model metadata's `parameters`, with a promotion gate: the latest candidate it skipped
+        (`skipped_checkpoint`, `skipped_reason`, and `skipped_metric` when it has one); empty before any skip."""
+        parameters: dict[str, str | float] = {}
+        if self.skipped is not None:
+            checkpoint, verdict = self.skipped
+            parameters |= {"skipped_checkpoint": checkpoint, "skipped_reason": verdict.reason}
+            if verdict.metric is not None:
+                parameters["skipped_metric"] = verdict.metric
+        return parameters
 
     def _load(self, checkpoint: Path | None) -> LoadedModel:
         """The first model, or (once one serves) a swap's, which must be built by the same code."""

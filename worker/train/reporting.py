@@ -156,11 +156,12 @@ class Reporter:
             steps_per_second = (step - step_then) / elapsed
             progress.eta_seconds = max(0.0, (progress.total_steps - step) / steps_per_second)
 
-    def checkpoint(self, path: Path, step: int, seconds: float | None = None) -> None:
+    def checkpoint(self, path: Path, step: int, seconds: float | None = None,
+                   metrics: dict[str, float] | None = None) -> None:
         """The checkpoint of `step` is complete at `path`; `seconds`: how long writing it took (None: not written by
-        this process, as a resumed one)."""
+        this process, as a resumed one); `metrics`: its evaluation's."""
         self._checkpoint_seconds = seconds
-        record = CheckpointRecord(path=str(path), step=step, time=now())
+        record = CheckpointRecord(path=str(path), step=step, time=now(), metrics=metrics or {})
         checkpoint = self.status.checkpoint
         checkpoint.latest, checkpoint.step, checkpoint.time = record.path, record.step, record.time
         checkpoint.history = [*checkpoint.history, record][-HISTORY_LIMIT:]

@@ -18,6 +18,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -146,13 +147,19 @@ class Checkpointer:
         self.seconds: float | None = None
         """On rank 0, the wall time of the latest save, from its start (the mode's preparation, gathering each rank's
         state) until the file is complete on disk: what a graceful preemption costs (status.preemptionCost)."""
+        self.metrics: dict[str, float] = {}
+        """What the latest save's evaluation measured (empty without one)."""
 
-    def save(self, state: TrainState, *, input_shape: list[int] | None, final: bool = False) -> Path | None:
+    def save(self, state: TrainState, *, input_shape: list[int] | None, final: bool = False,
+             evaluate: Callable[[], dict[str, float]] | None = None) -> Path | None:
         """A checkpoint of `state` at its step; the path on rank 0, None on the others. With `final`, the mode
-        leaves the model as the checkpoint holds it (averaging: the average)."""
+        leaves the model as the checkpoint holds it (averaging: the average). `evaluate` (every rank calls it: the
+        evaluation is sharded) measures the model the checkpoint holds; its metrics go into the manifest, where a
+        gated InferencePool reads them, and into `self.metrics`."""
         started = time.perf_counter()
         position = state.position
         with state.mode.for_checkpoint(position.step, state.optimizer, final=final) as replica:
+            self.metrics = evaluate() if evaluate is not None else {}
             per_rank = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object(state.rank_state_dict(replica), per_rank, dst=0)
             if self.rank != 0:
@@ -163,7 +170,7 @@ class Checkpointer:
                 input_shape=input_shape, input_dtype="FP32", step=position.step, epoch=position.epoch,
                 world_size=self.world_size, batch_size_per_worker=self.layout.batch_size,
                 gradient_accumulation_steps=self.layout.accumulation, training_mode=self.spec.training_mode,
-                job=self.job,
+                job=self.job, metrics=self.metrics,
             )
             contents = {"manifest": manifest, **state.state_dict(), "per_rank": per_rank}
             path = checkpoint.save(self.directory, contents, step=position.step,

@@ -106,13 +106,18 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
             reporter.progress(epoch=epoch_shown(position), step=position.step, loss=record.running_loss,
                               samples=position.samples)
 
+    def evaluate_checkpoint() -> dict[str, float]:
+        return evaluate(model, eval_set, rank=context.rank, world_size=context.world_size, device=context.device,
+                        batch_size=trainer.batch_size_per_worker)
+
     def save(final: bool = False) -> None:
         record.flush()  # brings position's bad-step counts and the running loss up to date
-        path = checkpointer.save(state, input_shape=train_step.input_shape, final=final)
+        path = checkpointer.save(state, input_shape=train_step.input_shape, final=final,
+                                 evaluate=evaluate_checkpoint if eval_set is not None else None)
         agreement.checkpoint_written()
         if reporter is not None and path is not None:
             report_progress()
-            reporter.checkpoint(path, position.step, seconds=checkpointer.seconds)
+            reporter.checkpoint(path, position.step, seconds=checkpointer.seconds, metrics=checkpointer.metrics)
 
     outcome = NOTHING_AGREED
     model.train()
@@ -139,8 +144,7 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
     agreement.close()
     save(final=True)
 
-    metrics = evaluate(model, eval_set, rank=context.rank, world_size=context.world_size, device=context.device,
-                       batch_size=trainer.batch_size_per_worker) if eval_set is not None else {}
+    metrics = checkpointer.metrics  # the final checkpoint's evaluation: the trained model's
     communication = communication_totals(mode)
     if reporter is None:
         return None

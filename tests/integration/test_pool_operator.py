@@ -35,6 +35,7 @@ from operator_runs import (
     VERSION,
     Client,
     claim,
+    events,
     infer,
     pool_manifest,
     server_pods,
@@ -44,6 +45,7 @@ from tritonclient.utils import InferenceServerException
 
 from devcluster import Cluster
 from tandem.operator.pool_objects import MODEL_MOUNT
+from tandem.worker import checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -322,6 +324,66 @@ def test_a_missing_job_or_checkpoint_is_a_condition_and_the_pool_recovers_pinned
 def write_checkpoint_status(cluster: Cluster, job: str, step: int) -> None:
     cluster.custom.patch_namespaced_custom_object_status(GROUP, VERSION, NS, JOBS, job, {"status": {"checkpoint": {
         "latest": f"/var/lib/tandem/checkpoints/ckpt/step-{step:08d}.pt", "step": step}}})
+
+
+def test_a_gated_pool_reports_its_promotions_and_skips_and_a_patch_pins_it_back(cluster):
+    """The operator's side of gated promotion: the test plays rank 0 (it writes checkpoints onto the claim with the
+    metrics a job's evaluation records, starting from the digits job's own checkpoint). A worse candidate is skipped
+    (status.lastSkipped with its metric and why, a PromotionSkipped Event), a better one promoted (status.model
+    with its metrics, a Promoted Event); then one patch of fromTrainingJob.checkpoint rolls the servers back to the
+    first checkpoint while a client's requests keep succeeding."""
+    claim(cluster, "gated-data")
+    create(cluster, JOBS, {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob",
+                           "metadata": {"name": "gated-train"},
+                           "spec": {"workers": 1, "trainingMode": "custom", "custom": {"command": SLEEP},
+                                    "trainer": {"model": "tandem.examples.digits:mlp",
+                                                "data": "tandem.examples.digits:train_data"},
+                                    "checkpoint": {"directory": "ckpt", "persistentVolumeClaim": "gated-data"}}})
+    source = cluster.kubelet.claim_dir(NS, "digits-checkpoints") / "runs/digits-train/checkpoints/step-00000200.pt"
+    target = cluster.kubelet.claim_dir(NS, "gated-data") / "ckpt"
+
+    def write(step: int, accuracy: float) -> str:
+        state = checkpoint.load(source)
+        state["manifest"]["metrics"] = {"accuracy": accuracy, "evalLoss": 1.0 - accuracy}
+        checkpoint.save(target, {k: v for k, v in state.items() if k != "format"}, step=step, keep_last=10)
+        cluster.custom.patch_namespaced_custom_object_status(GROUP, VERSION, NS, JOBS, "gated-train", {"status": {
+            "checkpoint": {"latest": f"/var/lib/tandem/checkpoints/ckpt/step-{step:08d}.pt", "step": step}}})
+        return f"{MODEL_MOUNT}/ckpt/step-{step:08d}.pt"
+
+    first = write(100, 0.9)
+    create(cluster, POOLS, pool_manifest("gated", {"name": "digits", "fromTrainingJob": {
+        "name": "gated-train", "promote": {"metric": "accuracy", "mode": "max", "minDelta": 0.01}}}))
+    ready = wait_pool(cluster, "gated", lambda s: s.get("phase") == "Ready" and s.get("model"), "Ready")
+    assert on_cluster(cluster, "gated-data", ready["model"]["checkpoint"]) == first
+    assert ready["model"]["metrics"] == {"accuracy": 0.9, "evalLoss": pytest.approx(0.1)}
+    client = Client(lambda: cluster.endpoints(NS, "gated"))
+    client.start()
+    try:
+        worse = write(200, 0.5)
+        skipped = wait_pool(cluster, "gated", lambda s: on_cluster(cluster, "gated-data", (s.get(
+            "lastSkipped") or {}).get("checkpoint")) == worse, "reporting the skipped candidate", timeout=30)
+        assert skipped["lastSkipped"]["metric"] == 0.5
+        assert skipped["lastSkipped"]["reason"] == "accuracy 0.5 is not above the served 0.9 by more than 0.01"
+        assert served_checkpoint(cluster, "gated", "gated-data") == first
+        better = write(300, 0.95)
+        promoted = wait_pool(cluster, "gated", lambda s: served_checkpoint(cluster, "gated", "gated-data") == better,
+                             "serving the better checkpoint", timeout=30)
+        assert promoted["model"]["metrics"]["accuracy"] == 0.95
+        cluster.wait_for(lambda: {"PromotionSkipped", "Promoted"} <= set(events(cluster, "gated")), 10,
+                         "the pool's promotion Events")
+        reasons = events(cluster, "gated")
+        assert reasons.index("PromotionSkipped") < reasons.index("Promoted"), reasons
+        cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "gated", {"spec": {"model": {
+            "fromTrainingJob": {"promote": None, "checkpoint": "step-00000100.pt"}}}})
+        wait_pool(cluster, "gated", lambda s: s.get("observedGeneration") == 2 and s.get("phase") == "Ready"
+                  and served_checkpoint(cluster, "gated", "gated-data") == first, "rolled back to the pinned one")
+    finally:
+        client.stop.set()
+        client.join(timeout=30)
+    assert client.answered > 0 and client.failures == [], client.failures[:5]
+    command = cluster.get("deployments", NS, "gated-server")["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--checkpoint") + 1] == first
+    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "gated")
 
 
 def test_a_model_that_cannot_load_fails_the_pool_with_the_servers_own_error(cluster):

@@ -107,8 +107,12 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
                               samples=position.samples)
 
     def evaluate_checkpoint() -> dict[str, float]:
-        return evaluate(model, eval_set, rank=context.rank, world_size=context.world_size, device=context.device,
-                        batch_size=trainer.batch_size_per_worker)
+        # The evaluation's loader draws from torch's generator: restored, so that a checkpoint (one a signal asks
+        # for, say) never changes the random numbers training draws next.
+        cuda = [context.device.index or 0] if context.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            return evaluate(model, eval_set, rank=context.rank, world_size=context.world_size,
+                            device=context.device, batch_size=trainer.batch_size_per_worker)
 
     def save(final: bool = False) -> None:
         record.flush()  # brings position's bad-step counts and the running loss up to date

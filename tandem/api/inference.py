@@ -37,6 +37,8 @@ class FromTrainingJob(ApiModel):
     model_config = {"json_schema_extra": {"x-kubernetes-validations": [
         {"rule": "!has(self.checkpoint) || !has(self.promote)",
          "message": "checkpoint pins one checkpoint and promote gates following the job: set at most one"},
+        {"rule": "!has(self.promote) || !has(self.follow) || self.follow",
+         "message": "promote gates following the job: it needs follow: true"},
     ]}}
 
     name: ResourceName
@@ -54,6 +56,8 @@ class FromTrainingJob(ApiModel):
     def _pin_or_gate(self) -> FromTrainingJob:
         if self.checkpoint is not None and self.promote is not None:
             raise ValueError("checkpoint pins one checkpoint and promote gates following the job: set at most one")
+        if self.promote is not None and not self.follow:
+            raise ValueError("promote gates following the job: it needs follow: true")
         return self
 
 

@@ -85,6 +85,8 @@ def test_the_api_names_the_fields_and_refuses_a_pin_with_a_gate():
     with pytest.raises(ValueError, match="set at most one"):
         FromTrainingJob.model_validate({"name": "train", "checkpoint": "step-00000200.pt", "promote": {
             "metric": "accuracy"}})
+    with pytest.raises(ValueError, match="it needs follow: true"):
+        FromTrainingJob.model_validate({"name": "train", "follow": False, "promote": {"metric": "accuracy"}})
     for bad, field in (({"checkpoint": "../step-00000200.pt"}, "checkpoint"),
                        ({"promote": {"metric": "accuracy", "mode": "up"}}, "mode"),
                        ({"promote": {"metric": "accuracy", "minDelta": -1}}, "minDelta")):

@@ -50,7 +50,7 @@ DAEMON_BACKOFF = 1.0
 """kopf's backoff after a daemon raised something unexpected (a bug): a last resort, never kopf's 60 s default."""
 OPERATOR_FIELDS = frozenset({"phase", "conditions", "workers", "master", "restarts", "startTime", "completionTime",
                              "message", "observedGeneration", "selector", "replicas", "readyReplicas", "readySummary",
-                             "endpoint", "model", "queue", "batching"})
+                             "endpoint", "model", "lastSkipped", "queue", "batching"})
 """The status fields the operator writes; the rest of a job's status (progress, metrics, communication,
 checkpoint, preemptionCost) is rank 0's."""
 FINISHED = -1.0

@@ -13,6 +13,7 @@ from test_pool_reconcile import IMAGE, MODEL_MOUNT, NOW, ago, everything, job, p
 from tandem.api.inference import FromTrainingJob, Promotion
 from tandem.contract import checkpoint_step
 from tandem.manifest import ManifestError, parse
+from tandem.operator.daemon import OPERATOR_FIELDS
 from tandem.operator.pools import Served, reconcile_pool, served_metrics, skipped_candidate
 from tandem.worker.serve import promotion
 from tandem.worker.serve.model_loading import ModelLoadError, locate
@@ -157,6 +158,7 @@ def test_the_status_shows_the_served_checkpoints_metrics_and_the_last_skipped_ca
                                                       f"0.95) in place of {MODEL_MOUNT}/digits/step-00000200.pt")]
     skipped = gated_pass({"model": promoted.status["model"]}, [reporting(300, 0.95, skipped=(400, 0.4)),
                                                                reporting(300, 0.95, skipped=(400, 0.4), pod="b")])
+    assert set(skipped.status) <= OPERATOR_FIELDS, "the operator publishes only the fields it owns"
     assert skipped.status["lastSkipped"] == {"checkpoint": f"{MODEL_MOUNT}/digits/step-00000400.pt",
                                              "reason": "not above", "metric": 0.4}
     assert skipped.events == [("Warning", "PromotionSkipped",

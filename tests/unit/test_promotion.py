@@ -6,10 +6,15 @@ status.lastSkipped, Promoted and PromotionSkipped Events, the pinned Deployment)
 from __future__ import annotations
 
 import copy
+import json
+import re
 
 import pytest
+import yaml
+from jobs import ROOT
 from test_pool_reconcile import IMAGE, MODEL_MOUNT, NOW, ago, everything, job, pool
 
+from devcluster.patches import json_patch, merge_patch
 from tandem.api.inference import FromTrainingJob, Promotion
 from tandem.contract import checkpoint_step
 from tandem.manifest import ManifestError, parse
@@ -200,3 +205,16 @@ def test_pinning_a_named_checkpoint_points_the_servers_at_it_and_a_patch_rolls_t
     [following] = [o for o in reconcile_pool(unpinned, children, [], [], job(step=400), NOW, IMAGE).apply
                    if o["kind"] == "Deployment"]
     assert following["spec"]["template"]["spec"]["containers"][0]["command"][-1] == f"{MODEL_MOUNT}/digits"
+
+
+def test_the_readmes_rollback_commands_pin_the_example_pool_and_unpin_it():
+    """The two `kubectl patch tip digits` lines of the README, applied as kubectl applies them to
+    examples/digits-pool.yaml: the first pins step-00000200.pt, the second follows the job again."""
+    readme = (ROOT / "README.md").read_text()
+    merge = json.loads(re.search(r"kubectl patch tip digits --type merge -p '([^']+)'", readme).group(1))
+    remove = json.loads(re.search(r"kubectl patch tip digits --type json -p '([^']+)'", readme).group(1))
+    example = yaml.safe_load((ROOT / "examples" / "digits-pool.yaml").read_text())
+    pinned = merge_patch(example, merge)
+    assert parse(pinned).spec.model.from_training_job.checkpoint == "step-00000200.pt"
+    unpinned = json_patch(pinned, remove)
+    assert parse(unpinned).spec.model.from_training_job.checkpoint is None

@@ -75,7 +75,7 @@ class LoadedModel:
         """Its checkpoint's path, else its source (`callable`, ...): for logs and the repository index."""
         return self.checkpoint or self.source
 
-    def parameters(self) -> dict[str, str | None]:
+    def parameters(self) -> dict[str, str | float | None]:
         """The model metadata's `parameters`: what each replica serves, for the operator's status.model."""
         return {"checkpoint": self.checkpoint, "source": self.source,
                 "loaded_at": self.loaded_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -149,7 +149,7 @@ def reconcile_pool(body: dict[str, Any], children: dict[str, dict[str, Any] | No
     model, differ = _model_status(pool, served)
     last_skipped = _last_skipped(served) or status.get("lastSkipped")
     if pool.spec.model.from_training_job is not None and pool.spec.model.from_training_job.promote is not None:
-        plan.events += promotion_events(status, model, last_skipped, differ is not None)
+        plan.events += promotion_events(status, model, last_skipped)
     if differ:
         conditions = with_condition(conditions, "CheckpointsDiffer", True, "Swapping", differ, now)
     elif condition(conditions, "CheckpointsDiffer"):
@@ -399,14 +399,15 @@ def _last_skipped(served: list[Served]) -> dict[str, Any] | None:
                default=None)
 
 
-def promotion_events(status: dict[str, Any], model: dict[str, Any] | None, last_skipped: dict[str, Any] | None,
-                     swapping: bool) -> list[tuple[str, str, str]]:
+def promotion_events(status: dict[str, Any], model: dict[str, Any] | None,
+                     last_skipped: dict[str, Any] | None) -> list[tuple[str, str, str]]:
     """A gated pool's Events, from its status before this pass and what the servers report now: Promoted when the
-    served checkpoint changed (once every ready replica serves it), PromotionSkipped for a newly skipped one."""
+    pool's served checkpoint (status.model, the one most ready replicas serve) changed, PromotionSkipped for a newly
+    skipped one."""
     events = []
     before = (status.get("model") or {}).get("checkpoint")
     now = (model or {}).get("checkpoint")
-    if before is not None and now is not None and now != before and not swapping:
+    if before is not None and now is not None and now != before:
         metrics = ", ".join(f"{name} {value:.6g}" for name, value in sorted((model.get("metrics") or {}).items()))
         events.append(("Normal", "Promoted", f"serving {now}" + (f" ({metrics})" if metrics else "") +
                        f" in place of {before}"))

@@ -176,10 +176,18 @@ def test_the_status_shows_the_served_checkpoints_metrics_and_the_last_skipped_ca
     assert restarted.status["lastSkipped"] == skipped.status["lastSkipped"], "a restarted server forgets; the pool not"
 
 
-def test_mid_swap_no_promotion_event_until_every_ready_replica_serves_the_new_checkpoint():
-    before = {"model": {"checkpoint": f"{MODEL_MOUNT}/digits/step-00000200.pt"}}
-    mixed = gated_pass(before, [reporting(300, 0.95), reporting(200, 0.9, pod="b")])
-    assert [reason for _, reason, _ in mixed.events] == []
+def test_a_swap_across_replicas_is_one_promoted_event_whichever_replica_swaps_first():
+    """Mid-swap the pool's checkpoint is the one most ready replicas serve (a tie: the first reported); the Event
+    comes with the pass where it changes, and none when the other replica follows."""
+    old, new = f"{MODEL_MOUNT}/digits/step-00000200.pt", f"{MODEL_MOUNT}/digits/step-00000300.pt"
+    for first in ([reporting(300, 0.95), reporting(200, 0.9, pod="b")],
+                  [reporting(200, 0.9, pod="b"), reporting(300, 0.95)]):
+        status, reasons = {"model": {"checkpoint": old}}, []
+        for reports in (first, [reporting(300, 0.95), reporting(300, 0.95, pod="b")]):
+            plan = gated_pass(status, reports)
+            reasons += [reason for _, reason, _ in plan.events]
+            status = {"model": plan.status["model"]}
+        assert reasons == ["Promoted"] and status["model"]["checkpoint"] == new
 
 
 def test_pinning_a_named_checkpoint_points_the_servers_at_it_and_a_patch_rolls_them_back():

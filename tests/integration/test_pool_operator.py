@@ -41,6 +41,7 @@ from operator_runs import (
     server_pods,
     start_operator,
 )
+from serving import write_checkpoint
 from tritonclient.utils import InferenceServerException
 
 from devcluster import Cluster
@@ -326,9 +327,9 @@ def write_checkpoint_status(cluster: Cluster, job: str, step: int) -> None:
         "latest": f"/var/lib/tandem/checkpoints/ckpt/step-{step:08d}.pt", "step": step}}})
 
 
-def test_a_gated_pool_reports_its_promotions_and_skips_and_a_patch_pins_it_back(cluster):
-    """The operator's side of gated promotion: the test plays rank 0 (it writes checkpoints onto the claim with the
-    metrics a job's evaluation records, starting from the digits job's own checkpoint). A worse candidate is skipped
+def test_a_gated_pool_reports_its_promotions_and_skips_and_a_patch_pins_it_back(cluster, tmp_path):
+    """The operator's side of gated promotion: the test plays rank 0 (it writes digits checkpoints onto the claim
+    with the metrics a job's evaluation records, as tests/serving.py writes checkpoints). A worse candidate is skipped
     (status.lastSkipped with its metric and why, a PromotionSkipped Event), a better one promoted (status.model
     with its metrics, a Promoted Event); then one patch of fromTrainingJob.checkpoint rolls the servers back to the
     first checkpoint while a client's requests keep succeeding."""
@@ -339,11 +340,10 @@ def test_a_gated_pool_reports_its_promotions_and_skips_and_a_patch_pins_it_back(
                                     "trainer": {"model": "tandem.examples.digits:mlp",
                                                 "data": "tandem.examples.digits:train_data"},
                                     "checkpoint": {"directory": "ckpt", "persistentVolumeClaim": "gated-data"}}})
-    source = cluster.kubelet.claim_dir(NS, "digits-checkpoints") / "runs/digits-train/checkpoints/step-00000200.pt"
     target = cluster.kubelet.claim_dir(NS, "gated-data") / "ckpt"
 
     def write(step: int, accuracy: float) -> str:
-        state = checkpoint.load(source)
+        state = checkpoint.load(write_checkpoint(tmp_path, seed=step, step=step))
         state["manifest"]["metrics"] = {"accuracy": accuracy, "evalLoss": 1.0 - accuracy}
         checkpoint.save(target, {k: v for k, v in state.items() if k != "format"}, step=step, keep_last=10)
         cluster.custom.patch_namespaced_custom_object_status(GROUP, VERSION, NS, JOBS, "gated-train", {"status": {

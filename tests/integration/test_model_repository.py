@@ -206,7 +206,9 @@ def test_model_metadata_parameters_say_which_checkpoint_is_served_from_which_sou
         metadata = triton.InferenceServerClient(server.url).get_model_metadata("digits", "1")  # tritonclient parses it
         assert metadata["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 64]}]
         parameters = metadata["parameters"]
-        assert set(parameters) == {"checkpoint", "source", "loaded_at"}
+        assert set(parameters) == {"checkpoint", "source", "loaded_at", "batch_limit", "queue_limit",
+                                    "max_queue_delay_microseconds", "request_timeout_ms"}  # and what it batches by
+        assert parameters["batch_limit"] == make_pool().spec.batch_limit
         assert (parameters["checkpoint"], parameters["source"]) == (str(good) if source == "checkpoint" else None,
                                                                      source)
         assert parameters["loaded_at"].endswith("Z")

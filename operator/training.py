@@ -13,11 +13,11 @@ the other's fields (a merge patch of its own). The rules, in the order they appl
 4. `suspend: true`: the pods are deleted (SIGTERM: the ranks checkpoint), phase Suspended (a queued job leaves its
    queue: its Workload is deleted once the pods are gone); `suspend: false` starts a group again from the latest
    checkpoint, with the spec as it is then.
-4a. A job labelled `kueue.x-k8s.io/queue-name` runs only while Kueue admits its Workload (queueing.py): until then,
-   and once evicted, it is Queued with no pods (an evicted group is stopped as a suspension stops it, and its quota
-   given back once every pod is gone); admitted, a group starts from the latest checkpoint on the assigned flavours.
-   A group whose pod set changed (a resize) queues again with a new Workload. `spec.gang` needs the operator's
-   gang scheduling (--gang-scheduling): the group's PodGroup is created with it.
+4a. A job labelled `kueue.x-k8s.io/queue-name` runs only while Kueue admits its Workload (training_queue.py):
+   until then, and once evicted, it is Queued with no pods (an evicted group is stopped as a suspension stops it,
+   and its quota given back once every pod is gone); admitted, a group starts from the latest checkpoint on the
+   assigned flavours. A group whose pod set changed (a resize) queues again with a new Workload. `spec.gang` needs
+   the operator's gang scheduling (--gang-scheduling): the group's PodGroup is created with it.
 5. A running group whose trainer, image, GPUs or other group settings changed keeps running as it was, with a
    SpecChangeRefused condition (suspend and resume the job to apply them); a changed `workers` (or `kubectl
    scale`) or `ranksPerPod` restarts the group at the new size or layout from the latest checkpoint.
@@ -31,7 +31,6 @@ the other's fields (a merge patch of its own). The rules, in the order they appl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -47,10 +46,11 @@ from tandem.operator.training_objects import (
     group_objects,
     master_address,
     pod_name,
-    selector,
     selector_string,
     worker_pod,
 )
+from tandem.operator.training_plan import Plan, Queueing, Settings
+from tandem.operator.training_queue import QueueRules
 from tandem.restart_policy import after_failure, backoff_seconds, deadline_exceeded, heartbeat_expired, seconds_left
 
 POLICY_FIELDS = {"workers", "ranksPerPod", "suspend", "backoffLimit", "activeDeadlineSeconds",
@@ -66,58 +66,12 @@ WATCH_SECONDS = 5.0
 """How soon to look again while a group runs (heartbeat and deadline); pod changes come sooner, as events."""
 
 
-@dataclass(frozen=True)
-class Settings:
-    worker_image: str = "tandem-worker:latest"
-    restart_backoff_seconds: float = 10.0
-    kueue: bool = False
-    """Admit jobs labelled kueue.x-k8s.io/queue-name through Kueue's Workloads (tandem operator --kueue)."""
-    gang_scheduling: bool = False
-    """Create PodGroups for jobs with spec.gang (tandem operator --gang-scheduling)."""
-
-
-@dataclass(frozen=True)
-class Queueing:
-    """What the operator read for a job labelled kueue.x-k8s.io/queue-name."""
-
-    workload: dict[str, Any] | None = None
-    """Its Workload, as the API holds it."""
-    priority: queueing.Priority | None = None
-    """The priority its Workload is created with (read from its class)."""
-    priority_problem: str | None = None
-    """Why that class could not be read (it does not exist, say): the Workload waits for it."""
-    placement: queueing.Placement = field(default_factory=queueing.Placement)
-    """What its admission adds to the rank pods (the flavours read)."""
-
-
-@dataclass
-class Plan:
-    create: list[dict[str, Any]] = field(default_factory=list)
-    """Objects to create; a ConfigMap that exists already is replaced, anything else that exists is kept."""
-    delete_pods: list[str] = field(default_factory=list)
-    kill_at_once: bool = False
-    """Delete those pods with no grace period: a hung group cannot write a checkpoint on SIGTERM."""
-    stop_first: bool = False
-    """Delete those pods before writing the status: a suspension, which the spec itself records (an operator
-    stopped between the two suspends again from the spec), so a refused status patch does not hold the ranks up."""
-    delete_job: bool = False
-    delete_workload: str | None = None
-    """The name of the job's Workload to delete (it left its queue, or no longer stands for the group)."""
-    workload_status: dict[str, Any] | None = None
-    """A merge patch of the Workload's status subresource (with the resourceVersion it was decided on)."""
-    status: dict[str, Any] = field(default_factory=dict)
-    """The operator's status fields (a merge patch of the status subresource)."""
-    events: list[tuple[str, str, str]] = field(default_factory=list)
-    """(type, reason, message) Events to post on the job."""
-    requeue_after: float | None = None
-
-
 def reconcile(body: dict[str, Any], pods: list[dict[str, Any]], config_map: dict[str, Any] | None, now: datetime,
               settings: Settings, queued: Queueing | None = None) -> Plan:
     return _Reconciler(body, pods, config_map, now, settings, queued or Queueing()).plan()
 
 
-class _Reconciler:
+class _Reconciler(QueueRules):
     def __init__(self, body: dict[str, Any], pods: list[dict[str, Any]], config_map: dict[str, Any] | None,
                  now: datetime, settings: Settings, queued: Queueing):
         self.body, self.now, self.settings, self.queued = body, now, settings, queued
@@ -217,48 +171,6 @@ class _Reconciler:
         else:
             self._start_group(self.job, "Resumed", "resumed: starting the ranks from the latest checkpoint")
 
-    # -- queues and gangs ----------------------------------------------------------------------------------------
-
-    def _may_run(self) -> bool:
-        """Whether the group may run: a job outside any queue may; a queued job while Kueue admits its Workload.
-        Otherwise the job is Queued (its ranks stopped, an evicted Workload's quota given back), or held Pending
-        where the operator lacks what the spec asks for."""
-        if self.spec.gang is not None and not self.settings.gang_scheduling:
-            return self._held("Pending", "GangSchedulingDisabled",
-                              "spec.gang asks for a PodGroup, but the operator runs without gang scheduling: start it "
-                              "with --gang-scheduling (the chart's gangScheduling.enabled: true), or remove spec.gang")
-        if self.queue is None:
-            return True
-        admission = self._admission()
-        if not self.settings.kueue:
-            return self._held("Queued", "KueueDisabled",
-                              f"labelled for Kueue's queue {self.queue}, but the operator runs without Kueue: start it "
-                              "with --kueue (the chart's kueue.enabled: true), or remove the label "
-                              f"{queueing.QUEUE_LABEL}")
-        existing = self.queued.workload
-        if existing is None:
-            if self.queued.priority_problem:
-                return self._held("Queued", "PriorityClassNotFound", self.queued.priority_problem)
-            self.result.create.append(self._workload())
-            return self._held("Queued", "Queued", f"queued in {self.queue}: waiting for Kueue to admit it")
-        name = existing["metadata"]["name"]
-        if not queueing.same_pod_set(existing, self._workload()):
-            if not self.pods:
-                self.result.delete_workload = name
-            return self._held("Queued", "PodSetChanged",
-                              f"the group changed ({self.spec.pods} pods): queued again in {self.queue}")
-        if admission.admitted:
-            self.admitted = True
-            return True
-        if admission.evicted and not self.pods and admission.holds_quota:
-            self.result.workload_status = queueing.released(existing, self.now)
-            self.queue_status["evictions"] += 1
-            self.result.events.append(("Normal", "Requeued", f"the ranks stopped; Kueue's quota given back, queued "
-                                                             f"again in {self.queue}"))
-        what = "evicted by Kueue" if admission.evicted else "waiting for Kueue"
-        return self._held("Queued", admission.reason, f"{what} in {self.queue} ({admission.reason}): "
-                                                      f"{admission.message}")
-
     def _held(self, phase: str, reason: str, message: str) -> bool:
         """Stop the group if it runs (as a suspension does: SIGTERM, the ranks checkpoint) and wait in `phase`."""
         stopping = [p for p in self.pods if not p.finished]
@@ -273,31 +185,6 @@ class _Reconciler:
             self.queue_status.update(reason=reason, message=message)
         self.result.requeue_after = self.result.requeue_after or WATCH_SECONDS
         return False
-
-    def _admission(self) -> queueing.Admission:
-        """The Workload's state, kept for status.queue."""
-        admission = queueing.admission_of(self.queued.workload or {})
-        previous = self.status.get("queue") or {}
-        self.queue_status = {
-            "name": self.queue, "workload": (self.queued.workload or {}).get("metadata", {}).get("name"),
-            "admitted": admission.admitted, "reason": admission.reason, "message": admission.message,
-            "evictions": int(previous.get("evictions") or 0),
-            **({"clusterQueue": admission.cluster_queue} if admission.cluster_queue else {}),
-            **({"priority": self.queued.workload["spec"]["priority"]}
-               if "priority" in (self.queued.workload or {}).get("spec", {}) else {}),
-        }
-        return admission
-
-    def queued_in(self) -> str:
-        cluster_queue = (self.queue_status or {}).get("clusterQueue")
-        return f"{self.queue}" + (f" (ClusterQueue {cluster_queue})" if cluster_queue else "")
-
-    def _workload(self) -> dict[str, Any]:
-        """The Workload the next group needs (its pods as they are before an admission places them)."""
-        job = self._next_group()
-        template = worker_pod(self.body, job, 0, group=self.restarts, resume_from=None,
-                              default_image=self.settings.worker_image)
-        return queueing.workload(self.body, job, template, self.queued.priority, selector(job.metadata.name))
 
     def _next_group(self) -> ParallelTrainingJob:
         """The spec the next group runs: while a group runs or restarts (after a failure or for a resize), the

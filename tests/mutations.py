@@ -104,7 +104,7 @@ BUGS = [
     Bug("a rank that only lost its peer named as the group's cause", "operator/training.py",
         "elif self._cause_on_its_way():", "elif False:",
         "tests/unit/test_training_reconcile.py::test_reconcile"),
-    Bug("an evicted Workload's quota given back while its ranks still run", "operator/training.py",
+    Bug("an evicted Workload's quota given back while its ranks still run", "operator/training_queue.py",
         "if admission.evicted and not self.pods and admission.holds_quota:",
         "if admission.evicted and admission.holds_quota:",
         "tests/unit/test_queueing.py::test_reconcile_under_a_queue"),

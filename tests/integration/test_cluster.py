@@ -434,7 +434,7 @@ def test_field_refs_resolve_in_the_environment(cluster):
     env = json.loads(cluster.logs(NS, "refs"))
     assert env["POD_NAME"] == "refs" and env["POD_NAMESPACE"] == NS and env["TEAM"] == "ml"
     assert env["POD_UID"] == done["metadata"]["uid"] and env["POD_IP"] == done["status"]["podIP"]
-    assert re.fullmatch(r"127\.0\.\d+\.\d+", env["POD_IP"]) and env["NODE"] == done["spec"]["nodeName"]
+    assert re.fullmatch(r"127\.\d+\.\d+\.\d+", env["POD_IP"]) and env["NODE"] == done["spec"]["nodeName"]
     assert env["GREETING"] == "hello refs" and env["CUDA_VISIBLE_DEVICES"] == ""
     kubeconfig = json.loads(Path(env["KUBECONFIG"]).read_text())  # the cluster's, with the pod's own token
     assert kubeconfig["clusters"][0]["cluster"]["server"] == cluster.url and "KUBERNETES_SERVICE_HOST" not in env

@@ -11,14 +11,26 @@ import subprocess
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
+import pytest
 import torch
 import tritonclient.http as triton
 from inference_models import seeded_mlp
-from serving import ROOT, WAIT_S, infer, inputs, make_pool, reference, request, serve_process, write_checkpoint
+from serving import (
+    ROOT,
+    WAIT_S,
+    Servers,
+    infer,
+    inputs,
+    make_pool,
+    reference,
+    request,
+    serve_process,
+    write_checkpoint,
+)
 
 from tandem.worker import checkpoint
 
@@ -129,31 +141,56 @@ REFUSED = [
 ]
 
 
-def test_load_requests_are_refused_unless_enabled_and_under_the_root_and_a_checkpoint(served, tmp_path):
-    """The table above against a server of `repo/good/...` with loads on and no root set (the served checkpoint's
-    directory is the root), then good loads: a newer checkpoint under the root, a directory's latest, a reload."""
-    repo = tmp_path / "models" / "digits"
-    good = write_checkpoint(repo, seed=1, step=1)
-    x = inputs(2)
+class Repository(NamedTuple):
+    root: Path
+    good: Path
+    server: Any
+
+
+@pytest.fixture(scope="module")
+def loading_server(tmp_path_factory):
+    """A server of `root/good/...` with loads on and no root set (the served checkpoint's directory is the root),
+    for every refused load (each a case of its own; none changes what the server serves)."""
+    root = tmp_path_factory.mktemp("models") / "digits"
+    good = write_checkpoint(root, seed=1, step=1)
+    with Servers() as servers:
+        yield Repository(root, good, servers(make_pool(model={"checkpoint": str(good)},
+                                                       modelRepository={"load": True})))
+
+
+def test_load_requests_are_refused_unless_enabled(served, tmp_path):
+    good = write_checkpoint(tmp_path / "models" / "digits", seed=1, step=1)
     disabled = served(make_pool(model={"checkpoint": str(good)}))
     status, _, body = request(disabled.port, "POST", LOAD, load_body(good))
     assert (status, json.loads(body)) == (403, {"error": "model repository loads are disabled: set "
                                                          "spec.modelRepository.load: true in the InferencePool"})
     assert request(disabled.port, "POST", LOAD, b"")[0] == 403  # a reload too
 
+
+@pytest.mark.parametrize("case", REFUSED, ids=[case.name for case in REFUSED])
+def test_a_load_outside_the_root_or_of_no_checkpoint_is_refused_and_the_model_kept(loading_server, case):
+    repo, good, server = loading_server
+    x = inputs(2)
+    status, _, body = request(server.port, "POST", LOAD, case.body(repo))
+    error = json.loads(body)["error"]
+    words = case.words.format(root=repo, parent=repo.parent)
+    assert (status, words in error) == (case.status, True), (case.name, status, error)
+    if status == 400 and "JSON" not in case.words and "parameter" not in case.words:
+        assert f"still serving {good}" in error, (case.name, error)
+    client = triton.InferenceServerClient(server.url)
+    np.testing.assert_allclose(infer(client, x), reference(x, seed=1), rtol=1e-5, atol=1e-6, err_msg=case.name)
+    assert client.get_model_metadata("digits")["parameters"]["checkpoint"] == str(good)
+    assert not (repo / "unpickled").exists()
+    client.close()
+
+
+def test_loads_under_the_root_swap_the_model(served, tmp_path):
+    """Good loads: a newer checkpoint under the root, a directory's latest, a reload of the pool's own."""
+    repo = tmp_path / "models" / "digits"
+    good = write_checkpoint(repo, seed=1, step=1)
+    x = inputs(2)
     server = served(make_pool(model={"checkpoint": str(good)}, modelRepository={"load": True}))
     client = triton.InferenceServerClient(server.url)
-    for case in REFUSED:
-        status, _, body = request(server.port, "POST", LOAD, case.body(repo))
-        error = json.loads(body)["error"]
-        words = case.words.format(root=repo, parent=repo.parent)
-        assert (status, words in error) == (case.status, True), (case.name, status, error)
-        if status == 400 and "JSON" not in case.words and "parameter" not in case.words:
-            assert f"still serving {good}" in error, (case.name, error)
-        np.testing.assert_allclose(infer(client, x), reference(x, seed=1), rtol=1e-5, atol=1e-6, err_msg=case.name)
-    assert not (repo / "unpickled").exists()
-    assert client.get_model_metadata("digits")["parameters"]["checkpoint"] == str(good)
-
     newer = write_checkpoint(repo / "newer", seed=2, step=2)
     status, _, body = request(server.port, "POST", LOAD, load_body(newer))
     assert (status, json.loads(body)["checkpoint"]) == (200, str(newer))

@@ -21,6 +21,7 @@ from inference_models import GATES, POISON, Forward, Gate
 from serving import (
     ROOT,
     WAIT_S,
+    Servers,
     gated_pool,
     infer,
     infer_in_thread,
@@ -316,14 +317,32 @@ BAD_REQUESTS = [
 ]
 
 
-def test_bad_requests_get_4xx_naming_the_problem_and_the_server_keeps_serving(served):
+@pytest.fixture(scope="module")
+def one_server():
+    """One server for every bad request (each is a case of its own; none changes what the server serves)."""
+    with Servers() as servers:
+        yield servers(make_pool())
+
+
+def send(server, method: str, path: str, body: str | None, headers: dict) -> tuple[int, dict, bytes]:
+    return request(server.port, method, path, None if body is None else body.encode(), headers)
+
+
+@pytest.mark.parametrize(("method", "path", "body", "headers", "status", "words"), BAD_REQUESTS,
+                         ids=[f"{case[4]}-{case[5][:48]}" for case in BAD_REQUESTS])
+def test_a_bad_request_gets_its_4xx_naming_the_problem(one_server, method, path, body, headers, status, words):
+    got, response_headers, raw = send(one_server, method, path, body, headers)
+    assert response_headers["Content-Type"].startswith("application/json"), (path, body)
+    error = json.loads(raw)["error"]
+    assert (got, words in error) == (status, True), (method, path, body[:80] if body else None, got, error)
+
+
+def test_bad_requests_leave_the_server_serving_and_are_counted_as_invalid(served):
+    """All the bad requests above on one fresh server: it still answers, and its counter of invalid requests counts
+    exactly the inference requests among them (each row's own answer is checked by the test above)."""
     server = served(make_pool())
-    for method, path, body, headers, status, words in BAD_REQUESTS:
-        got, response_headers, raw = request(server.port, method, path, None if body is None else body.encode(),
-                                             headers)
-        assert response_headers["Content-Type"].startswith("application/json"), (path, body)
-        error = json.loads(raw)["error"]
-        assert (got, words in error) == (status, True), (method, path, body[:80] if body else None, got, error)
+    for method, path, body, headers, _, _ in BAD_REQUESTS:
+        send(server, method, path, body, headers)
     x = inputs(2)
     np.testing.assert_allclose(infer(triton.InferenceServerClient(server.url), x), reference(x), rtol=1e-5, atol=1e-6)
     metrics = request(server.port, "GET", "/metrics")[2].decode()

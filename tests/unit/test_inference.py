@@ -255,42 +255,60 @@ def test_update_model_switches_without_failing_requests_and_running_ones_finish_
         torch.testing.assert_close(running.result(60), old.inner(x))
 
 
+class Clients:
+    """Eight client threads, each sending its own row of `x` to `inference` again and again (at most 10,000 times)
+    until `stop()`: the errors it raised and the answers `expected(index, y)` refused are in `errors`, each client's
+    count of answers in `counts`."""
+
+    def __init__(self, inference: ParallelInference, x: torch.Tensor, expected, what: str) -> None:
+        self.inference, self.x, self.expected, self.what = inference, x, expected, what
+        self.stopped = threading.Event()
+        self.errors: list[Exception] = []
+        self.counts: list[int] = []
+        self.threads = [threading.Thread(target=self._client, args=(i,)) for i in range(8)]
+        for thread in self.threads:
+            thread.start()
+
+    def _client(self, index: int) -> None:
+        row = self.x[index:index + 1]
+        served = 0
+        while not self.stopped.is_set() and served < 10_000:
+            try:
+                y = self.inference.output(row)
+            except Exception as error:  # recorded: the tests assert there are none
+                self.errors.append(error)
+                return
+            if not self.expected(index, y):
+                self.errors.append(AssertionError(f"client {index} got {self.what}"))
+            served += 1
+        self.counts.append(served)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        for thread in self.threads:
+            thread.join(60)
+
+
 def test_update_model_under_concurrent_load_fails_nothing():
     old, new = seeded_mlp(seed=1), seeded_mlp(seed=2)
     x = _inputs(32)
     expected_old, expected_new = old(x), new(x)
-    stop = threading.Event()
-    errors, counts = [], []
 
-    def client(index: int) -> None:
-        row = x[index:index + 1]
-        served = 0
-        while not stop.is_set() and served < 10_000:
-            try:
-                y = inference.output(row)
-            except Exception as error:  # recorded: the test asserts there are none
-                errors.append(error)
-                return
-            rows = slice(index, index + 1)
-            if not (torch.allclose(y, expected_old[rows]) or torch.allclose(y, expected_new[rows])):
-                errors.append(AssertionError(f"client {index} got an output from neither model"))
-            served += 1
-        counts.append(served)
+    def from_either(index: int, y: torch.Tensor) -> bool:
+        rows = slice(index, index + 1)
+        return torch.allclose(y, expected_old[rows]) or torch.allclose(y, expected_new[rows])
 
     with ParallelInference(old, workers=2, queue_limit=64, example=x[:1]) as inference:
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
-        for thread in threads:
-            thread.start()
+        clients = Clients(inference, x, from_either, "an output from neither model")
         _wait_executions(inference, 20)
         inference.update_model(new)
         after = inference.stats.snapshot()["execution_count"]
         _wait_executions(inference, after + 20)
-        stop.set()
-        for thread in threads:
-            thread.join(60)
-        assert not errors
+        clients.stop()
+        assert not clients.errors
         torch.testing.assert_close(inference.output(x), expected_new)
-    assert sum(counts) >= 40  # each of the 40 forwards waited for answered a request; measured (5 runs): 113..256
+    # each of the 40 forwards waited for answered a request; measured (5 runs): 113..256
+    assert sum(clients.counts) >= 40
 
 
 def test_a_new_model_that_fails_warm_up_leaves_the_old_one_serving():
@@ -358,43 +376,24 @@ def test_an_update_under_concurrent_load_fails_nothing_and_the_new_batch_limit_s
     model = seeded_mlp(seed=3)
     x = _inputs(32)
     expected = model(x)
-    stop = threading.Event()
-    errors, counts = [], []
-
-    def client(index: int) -> None:
-        row = x[index:index + 1]
-        served = 0
-        while not stop.is_set() and served < 10_000:
-            try:
-                y = inference.output(row)
-            except Exception as error:  # recorded: the test asserts there are none
-                errors.append(error)
-                return
-            if not torch.allclose(y, expected[index:index + 1]):
-                errors.append(AssertionError(f"client {index} got another request's output"))
-            served += 1
-        counts.append(served)
 
     with ParallelInference(model, workers=2, batch_limit=32, queue_limit=64, example=x[:1]) as inference:
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
-        for thread in threads:
-            thread.start()
+        clients = Clients(inference, x, lambda index, y: torch.allclose(y, expected[index:index + 1]),
+                          "another request's output")
         _wait_executions(inference, 20)
         inference.update(batch_limit=48, queue_limit=16, max_delay_us=50)  # new sizes: warmed up while serving
         _wait_executions(inference, inference.stats.snapshot()["execution_count"] + 20)
         inference.update(batch_limit=2, max_delay_us=0)
         before = inference.stats.snapshot()["batches"]
         _wait_executions(inference, inference.stats.snapshot()["execution_count"] + 40)
-        stop.set()
-        for thread in threads:
-            thread.join(60)
+        clients.stop()
         after = inference.stats.snapshot()["batches"]
-    assert not errors, errors[:3]
+    assert not clients.errors, clients.errors[:3]
     new = {size: after[size][0] - before.get(size, [0])[0] for size in after}
     assert sum(count for size, count in new.items() if size > 2) <= 2, \
         f"only the batches the two workers had taken before the update may be larger: {new}"
     assert sum(count for size, count in new.items() if size <= 2) >= 38
-    assert sum(counts) >= 80
+    assert sum(clients.counts) >= 80
 
 
 def test_a_batch_limit_the_model_cannot_run_is_refused_by_its_warm_up_and_changes_nothing():

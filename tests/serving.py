@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +100,22 @@ def wait_until(condition, timeout: float = WAIT_S, what: str = "condition") -> N
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not reached within {timeout}s")
         time.sleep(0.01)
+
+
+def fill_the_queue(name: str, inference, send: Callable[[int], np.ndarray]) -> tuple[ThreadPoolExecutor,
+                                                                                    list[Future]]:
+    """On gated_pool(name, workersPerReplica=1, batchLimit=1, queueLimit=4): request 0 held at the gate (running)
+    and requests 1-4 queued, each `send(i)` on a thread of its own; the pool and the futures of their answers."""
+    gate = GATES[name]
+    pool = ThreadPoolExecutor(5)
+    gate.close()
+    accepted = []
+    for i in range(5):
+        accepted.append(pool.submit(send, i))
+        if i == 0:
+            gate.wait_entered(1)
+    wait_until(lambda: inference.queued == 4, what="four queued requests")
+    return pool, accepted
 
 
 class Servers:

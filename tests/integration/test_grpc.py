@@ -16,6 +16,7 @@ import tritonclient.http as thttp
 from inference_models import GATES, Forward
 from serving import (
     WAIT_S,
+    fill_the_queue,
     gated_pool,
     infer_in_thread,
     inputs,
@@ -235,16 +236,10 @@ def test_bad_requests_get_a_status_code_and_a_message_naming_the_field(served, m
 def test_a_full_queue_is_resource_exhausted_and_every_accepted_request_succeeds(served):
     name = "grpc-queue-full"
     server = served(gated_pool(name, workersPerReplica=1, batchLimit=1, queueLimit=4), grpc=True)
-    gate, inference = GATES[name], server.server.model.inference
+    gate = GATES[name]
     x = inputs(5)
-    pool = ThreadPoolExecutor(5)
-    gate.close()
-    accepted = []
-    for i in range(5):  # one running (held at the gate) and four queued
-        accepted.append(pool.submit(grpc_infer_in_thread, server.grpc_url, x[i:i + 1], name))
-        if i == 0:
-            gate.wait_entered(1)
-    wait_until(lambda: inference.queued == 4, what="four queued requests")
+    pool, accepted = fill_the_queue(name, server.server.model.inference,
+                                    lambda i: grpc_infer_in_thread(server.grpc_url, x[i:i + 1], name))
     client = tgrpc.InferenceServerClient(server.grpc_url)
     rejected = status_of(lambda: grpc_infer(client, x[:1], name))
     assert rejected.status() == "StatusCode.RESOURCE_EXHAUSTED"

@@ -22,6 +22,7 @@ from serving import (
     ROOT,
     WAIT_S,
     Servers,
+    fill_the_queue,
     gated_pool,
     infer,
     infer_in_thread,
@@ -170,16 +171,9 @@ def test_a_full_queue_answers_429_with_retry_after_and_every_accepted_request_su
     name = "queue-full"
     server = served(gated_pool(name, workersPerReplica=1, batchLimit=1, queueLimit=4))
     gate = GATES[name]
-    inference = server.server.model.inference
     x = inputs(5)
-    pool = ThreadPoolExecutor(5)
-    gate.close()
-    accepted = []
-    for i in range(5):  # one running (held at the gate) and four queued
-        accepted.append(pool.submit(infer_in_thread, server.url, x[i:i + 1], name))
-        if i == 0:
-            gate.wait_entered(1)
-    wait_until(lambda: inference.queued == 4, what="four queued requests")
+    pool, accepted = fill_the_queue(name, server.server.model.inference,
+                                    lambda i: infer_in_thread(server.url, x[i:i + 1], name))
     for _ in range(3):
         status, headers, body = request(server.port, "POST", f"/v2/models/{name}/infer", json_body(x[:1]))
         assert status == 429 and headers["Retry-After"] == "1"

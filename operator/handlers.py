@@ -26,13 +26,11 @@ from tandem.operator import daemon, metrics, queueing
 from tandem.operator.api_policy import configure_kopf
 from tandem.operator.cluster import Cluster, login
 from tandem.operator.observed import parse_resource
-from tandem.operator.training import Plan, Queueing, Settings, reconcile
+from tandem.operator.training import Plan, Queueing, reconcile
 from tandem.operator.training_objects import JOB_LABEL, config_map_name, selector_string
 
 JOBS = "paralleltrainingjobs"
 WORKLOADS = "workloads"
-SETTINGS = Settings()
-"""Replaced by `tandem operator` from its options before kopf starts."""
 
 
 @kopf.on.startup()
@@ -100,10 +98,10 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
         pods = await state.confirm_deletions(state.present(job_pods.get(key, [])), lambda: memo.cluster.pod_uids(
             namespace, selector_string(name)))
         queued = None
-        if SETTINGS.kueue and queueing.queue_name(observed):
+        if memo.settings.kueue and queueing.queue_name(observed):
             workloads = state.present(indices.get("job_workloads", {}).get(key, []))  # none: no Kueue CRDs
             queued = await reads.read(memo.cluster, observed, next(iter(workloads), None))
-        plan = reconcile(observed, pods, config_map, datetime.now(UTC), SETTINGS, queued)
+        plan = reconcile(observed, pods, config_map, datetime.now(UTC), memo.settings, queued)
         await _apply(plan, observed, pods, memo.cluster, state, reads)
         memo.phases.set(key, plan.status.get("phase"))
         return daemon.FINISHED if plan.delete_job else plan.requeue_after

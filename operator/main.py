@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
     for handler in logging.getLogger().handlers:
         handler.addFilter(KopfRequestFailures())
 
-    handlers.SETTINGS = Settings(worker_image=args.worker_image, restart_backoff_seconds=args.restart_backoff_seconds,
-                                 kueue=args.kueue, gang_scheduling=args.gang_scheduling)
+    settings = Settings(worker_image=args.worker_image, restart_backoff_seconds=args.restart_backoff_seconds,
+                        kueue=args.kueue, gang_scheduling=args.gang_scheduling)
     if args.kueue:
         handlers.watch_workloads()
     if args.metrics_port is not None:
@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None,
+        memo=kopf.Memo(settings=settings),  # every handler's memo is a copy of this one: `memo.settings`
         **peering_options(args),
     )
     return 0

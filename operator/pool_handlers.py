@@ -34,7 +34,7 @@ from pydantic import ValidationError
 
 from tandem.api import GROUP, VERSION
 from tandem.api.inference import LIVE_FIELDS, BatchingSettings
-from tandem.operator import daemon, handlers
+from tandem.operator import daemon
 from tandem.operator.handlers import wake
 from tandem.operator.pool_objects import POOL_LABEL
 from tandem.operator.pools import (
@@ -111,7 +111,7 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
             job = next(iter(training_jobs.get((namespace, reads.job), [])), None) if reads and reads.job else None
             served = await _ask_servers(session, reads, pods) if reads else []
             plan = reconcile_pool(observed, children, pods, served, job, datetime.now(UTC),
-                                  handlers.SETTINGS.worker_image, refusals)
+                                  memo.settings.worker_image, refusals)
             if plan.push:
                 await _push_batching(session, reads, plan, pods, refusals)
             await _apply(plan, observed, children, memo.cluster, put, state)

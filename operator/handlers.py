@@ -27,9 +27,8 @@ from tandem.operator.api_policy import configure_kopf
 from tandem.operator.cluster import Cluster, login
 from tandem.operator.observed import parse_resource
 from tandem.operator.training import Plan, Queueing, reconcile
-from tandem.operator.training_objects import JOB_LABEL, config_map_name, selector_string
+from tandem.operator.training_objects import JOB_LABEL, JOB_PLURAL, config_map_name, selector_string
 
-JOBS = "paralleltrainingjobs"
 WORKLOADS = "workloads"
 
 
@@ -63,7 +62,7 @@ async def pod_changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, *
     wake(memo, namespace, labels[JOB_LABEL])
 
 
-@kopf.on.event(GROUP, VERSION, JOBS)
+@kopf.on.event(GROUP, VERSION, JOB_PLURAL)
 async def job_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     wake(memo, namespace, name)
     wake_pools_of(memo, namespace, name)
@@ -84,12 +83,12 @@ def watch_workloads() -> None:
         wake(memo, namespace, labels[JOB_LABEL])
 
 
-@kopf.daemon(GROUP, VERSION, JOBS, cancellation_timeout=10, backoff=daemon.DAEMON_BACKOFF)
+@kopf.daemon(GROUP, VERSION, JOB_PLURAL, cancellation_timeout=10, backoff=daemon.DAEMON_BACKOFF)
 async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo,
                     job_pods: kopf.Index, job_specs: kopf.Index, **indices: Any) -> None:
     key = (namespace, name)
     waker = memo.wakers.setdefault(key, asyncio.Event())
-    state = daemon.Reconciliation(JOBS, namespace, name)
+    state = daemon.Reconciliation(JOB_PLURAL, namespace, name)
     reads = QueueReads()
 
     async def one_pass() -> float | None:
@@ -201,7 +200,7 @@ async def _apply(plan: Plan, body: dict[str, Any], pods: list[dict[str, Any]], c
             reads.indexed is not None):
         state.found_gone(reads.indexed)
     if plan.delete_job:
-        await cluster.delete_custom(JOBS, state.name, state.namespace)
+        await cluster.delete_custom(JOB_PLURAL, state.name, state.namespace)
 
 
 def wake(memo: kopf.Memo, namespace: str, name: str, wakers: str = "wakers") -> None:

@@ -7,7 +7,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from tandem.api.training import TRAINING_PHASES
 
-JOBS = Gauge("tandem_operator_jobs", "ParallelTrainingJobs by phase, as last reconciled", ["phase"])
+JOBS_BY_PHASE = Gauge("tandem_operator_jobs", "ParallelTrainingJobs by phase, as last reconciled", ["phase"])
 RESTARTS = Counter("tandem_operator_restarts_total", "Whole-group restarts of ParallelTrainingJobs after a failure")
 RECONCILE_SECONDS = Histogram("tandem_operator_reconcile_seconds", "Time to reconcile one job and apply the plan",
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
@@ -34,4 +34,4 @@ class PhaseCount:
         else:
             self.phases[key] = phase
         for name in TRAINING_PHASES:
-            JOBS.labels(name).set(sum(1 for p in self.phases.values() if p == name))
+            JOBS_BY_PHASE.labels(name).set(sum(1 for p in self.phases.values() if p == name))

@@ -36,7 +36,7 @@ from tandem.api import GROUP, VERSION
 from tandem.api.inference import LIVE_FIELDS, BatchingSettings
 from tandem.operator import daemon
 from tandem.operator.handlers import wake
-from tandem.operator.pool_objects import POOL_LABEL
+from tandem.operator.pool_objects import POOL_LABEL, POOL_PLURAL
 from tandem.operator.pools import (
     PoolPlan,
     Refusal,
@@ -47,9 +47,8 @@ from tandem.operator.pools import (
     skipped_candidate,
     sources,
 )
+from tandem.operator.training_objects import JOB_PLURAL
 
-POOLS = "inferencepools"
-JOBS = "paralleltrainingjobs"
 CHILD_KINDS = {
     ("apps", "v1", "deployments"): "Deployment",
     ("", "v1", "configmaps"): "ConfigMap",
@@ -81,22 +80,22 @@ for _group, _version, _plural in [*CHILD_KINDS, ("", "v1", "pods")]:  # the serv
     _index_children(_group, _version, _plural)
 
 
-@kopf.index(GROUP, VERSION, JOBS)
+@kopf.index(GROUP, VERSION, JOB_PLURAL)
 def training_jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict]:
     return {(namespace, name): dict(body)}
 
 
-@kopf.on.event(GROUP, VERSION, POOLS)
+@kopf.on.event(GROUP, VERSION, POOL_PLURAL)
 async def pool_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     wake(memo, namespace, name, "pool_wakers")
 
 
-@kopf.daemon(GROUP, VERSION, POOLS, cancellation_timeout=10, backoff=daemon.DAEMON_BACKOFF)
+@kopf.daemon(GROUP, VERSION, POOL_PLURAL, cancellation_timeout=10, backoff=daemon.DAEMON_BACKOFF)
 async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.DaemonStopped,
                      memo: kopf.Memo, pool_pods: kopf.Index, training_jobs: kopf.Index, **indices: Any) -> None:
     key = (namespace, name)
     waker = memo.pool_wakers.setdefault(key, asyncio.Event())
-    state = daemon.Reconciliation(POOLS, namespace, name)
+    state = daemon.Reconciliation(POOL_PLURAL, namespace, name)
     put = RecentlyPut()
     refusals: dict[str, Refusal] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ASK_SECONDS)) as session:

@@ -25,6 +25,7 @@ from typing import Any
 from tandem.api import API_VERSION, InferencePool, InferencePoolSpec, ParallelTrainingJob
 from tandem.api.inference import LIVE_FIELDS
 from tandem.contract import checkpoint_name
+from tandem.crd import RESOURCES
 from tandem.operator.pod_template import (
     SPEC_MOUNT,
     child_name,
@@ -34,6 +35,8 @@ from tandem.operator.pod_template import (
     spec_file_config_map,
 )
 
+POOL_PLURAL = RESOURCES["InferencePool"].plural
+"""The resource's name in API paths: `inferencepools`."""
 POOL_LABEL = "tandem.dev/pool"
 SPEC_FILE = "pool.json"
 MODEL_MOUNT = "/var/lib/tandem/models"

@@ -18,6 +18,7 @@ from typing import Any
 
 from tandem.api import GROUP, ParallelTrainingJob
 from tandem.contract import RESUME_LATEST, WorkerContract
+from tandem.crd import RESOURCES
 from tandem.operator.gangs import gang_member, pod_group
 from tandem.operator.pod_template import (
     SPEC_MOUNT,
@@ -28,6 +29,8 @@ from tandem.operator.pod_template import (
     spec_file_config_map,
 )
 
+JOB_PLURAL = RESOURCES["ParallelTrainingJob"].plural
+"""The resource's name in API paths and RBAC rules: `paralleltrainingjobs`."""
 JOB_LABEL = "tandem.dev/job"
 RANK_LABEL = "tandem.dev/rank"
 """The pod's first rank (its only one, with ranksPerPod 1): `-l tandem.dev/rank=0` finds rank 0's pod."""
@@ -164,7 +167,7 @@ def rank0_access(owner: dict[str, Any], job: ParallelTrainingJob) -> list[dict[s
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": object_metadata(owner, name, labels),
          "automountServiceAccountToken": True},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": object_metadata(owner, name, labels),
-         "rules": [{"apiGroups": [GROUP], "resources": ["paralleltrainingjobs", "paralleltrainingjobs/status"],
+         "rules": [{"apiGroups": [GROUP], "resources": [JOB_PLURAL, f"{JOB_PLURAL}/status"],
                     "resourceNames": [job.metadata.name], "verbs": ["get", "patch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
          "metadata": object_metadata(owner, name, labels),

@@ -37,16 +37,8 @@ from tandem.api.inference import LIVE_FIELDS, BatchingSettings
 from tandem.operator import daemon
 from tandem.operator.handlers import wake
 from tandem.operator.pool_objects import POOL_LABEL, POOL_PLURAL
-from tandem.operator.pools import (
-    PoolPlan,
-    Refusal,
-    Served,
-    Sources,
-    reconcile_pool,
-    served_metrics,
-    skipped_candidate,
-    sources,
-)
+from tandem.operator.pool_served import Refusal, Served, served_metrics, skipped_candidate
+from tandem.operator.pools import PoolPlan, Sources, reconcile_pool, sources
 from tandem.operator.training_objects import JOB_PLURAL
 
 CHILD_KINDS = {

@@ -12,15 +12,8 @@ import pytest
 
 from tandem.api.inference import BatchingSettings
 from tandem.operator.pool_objects import AUTH_MOUNT, MODEL_MOUNT, SPEC_HASH, server_deployment
-from tandem.operator.pools import (
-    REFUSED_PUSH_SECONDS,
-    Refusal,
-    Served,
-    Sources,
-    batching_pushes,
-    reconcile_pool,
-    sources,
-)
+from tandem.operator.pool_served import REFUSED_PUSH_SECONDS, Refusal, Served, batching_pushes
+from tandem.operator.pools import Sources, reconcile_pool, sources
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 IMAGE = "registry.example/tandem-worker:1"

@@ -1,6 +1,6 @@
 """Gated promotion's decisions, without servers: the gate (worker/serve/promotion.py) as a table, the checkpoint a
 gated server starts on, the API fields (fromTrainingJob.promote and .checkpoint), where a pinned server reads its
-model, and what the operator makes of the servers' reports (operator/pools.py: status.model.metrics,
+model, and what the operator makes of the servers' reports (operator/pools.py and pool_served.py: status.model.metrics,
 status.lastSkipped, Promoted and PromotionSkipped Events, the pinned Deployment)."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from tandem.api.inference import FromTrainingJob, Promotion
 from tandem.contract import checkpoint_step
 from tandem.manifest import ManifestError, parse
 from tandem.operator.daemon import OPERATOR_FIELDS
-from tandem.operator.pools import Served, reconcile_pool, served_metrics, skipped_candidate
+from tandem.operator.pool_served import Served, served_metrics, skipped_candidate
+from tandem.operator.pools import reconcile_pool
 from tandem.worker.serve import promotion
 from tandem.worker.serve.model_loading import ModelLoadError, locate
 

@@ -21,11 +21,10 @@ from typing import Any
 import kopf
 
 from tandem.api import GROUP, VERSION
-from tandem.manifest import ManifestError
 from tandem.operator import daemon, metrics, queueing
 from tandem.operator.api_policy import configure_kopf
 from tandem.operator.cluster import Cluster, login
-from tandem.operator.observed import parse_resource
+from tandem.operator.observed import ParsedResource, read_resource
 from tandem.operator.training import Plan, Queueing, reconcile
 from tandem.operator.training_objects import JOB_LABEL, JOB_PLURAL, config_map_name, selector_string
 
@@ -92,16 +91,16 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
     reads = QueueReads()
 
     async def one_pass() -> float | None:
-        observed = state.observed(body)
+        observed = read_resource(state.observed(body))
         config_map = next(iter(job_specs.get(key, [])), None)
         pods = await state.confirm_deletions(state.present(job_pods.get(key, [])), lambda: memo.cluster.pod_uids(
             namespace, selector_string(name)))
         queued = None
-        if memo.settings.kueue and queueing.queue_name(observed):
+        if memo.settings.kueue and queueing.queue_name(observed.body):
             workloads = state.present(indices.get("job_workloads", {}).get(key, []))  # none: no Kueue CRDs
             queued = await reads.read(memo.cluster, observed, next(iter(workloads), None))
         plan = reconcile(observed, pods, config_map, datetime.now(UTC), memo.settings, queued)
-        await _apply(plan, observed, pods, memo.cluster, state, reads)
+        await _apply(plan, observed.body, pods, memo.cluster, state, reads)
         memo.phases.set(key, plan.status.get("phase"))
         return daemon.FINISHED if plan.delete_job else plan.requeue_after
 
@@ -124,13 +123,13 @@ class QueueReads:
         self.indexed: dict[str, Any] | None = None
         """The Workload kopf's index held at the last read."""
 
-    async def read(self, cluster: Cluster, body: dict[str, Any], indexed: dict[str, Any] | None) -> Queueing:
+    async def read(self, cluster: Cluster, job: ParsedResource, indexed: dict[str, Any] | None) -> Queueing:
         self.indexed = workload = indexed
         if indexed is not None and self.patched is not None and (
                 indexed["metadata"].get("resourceVersion") == self.patched[0]):
             workload = self.patched[1]  # the index has not caught up with the operator's own patch
         if workload is None:
-            return await self._priority(cluster, body)
+            return await self._priority(cluster, job)
         admission = queueing.admission_of(workload)
         if admission.admitted and self.flavors[0] != admission.flavors:
             found = {}
@@ -143,11 +142,10 @@ class QueueReads:
         return Queueing(workload=workload, placement=queueing.placement(admission, flavors))
 
     @staticmethod
-    async def _priority(cluster: Cluster, body: dict[str, Any]) -> Queueing:
-        try:
-            source = queueing.priority_source(body, parse_resource(body))
-        except ManifestError:
+    async def _priority(cluster: Cluster, job: ParsedResource) -> Queueing:
+        if job.model is None:
             return Queueing()  # the decision reports the spec's problems
+        source = queueing.priority_source(job.body, job.model)
         if source is None:
             return Queueing()
         group, kind, name = source

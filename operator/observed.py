@@ -1,14 +1,14 @@
 """What the operator reads from the cluster, reduced to the facts its decisions use: a resource parsed by the API
-models, a rank pod's state, and Kubernetes-style conditions kept with their transition times."""
+models (once per pass), a rank pod's state, and Kubernetes-style conditions kept with their transition times."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from tandem.manifest import Resource, parse
+from tandem.manifest import ManifestError, Resource, parse
 from tandem.operator.training_objects import GROUP_LABEL, POD_INDEX_LABEL, RANK_LABEL
 
 MESSAGE_TAIL = 600
@@ -22,14 +22,28 @@ WAITING_FAILURES = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "Cre
                     "CreateContainerError", "CrashLoopBackOff"}
 
 
-def parse_resource(body: dict[str, Any]) -> Resource:
+@dataclass(frozen=True)
+class ParsedResource:
+    """A job or pool as one reconciliation pass reads it: its body as the API holds it (status and all), and the API
+    models' reading of its spec, parsed once and handed to every decision of the pass that needs it."""
+
+    body: dict[str, Any]
+    model: Resource | None
+    """None for a spec the API models reject (`problems` names each field wrong)."""
+    problems: list[str] = field(default_factory=list)
+
+
+def read_resource(body: dict[str, Any]) -> ParsedResource:
     """A ParallelTrainingJob or InferencePool as the API models read it (its status and the rest of its metadata
-    left out). Raises ManifestError naming each field wrong."""
+    left out), or the problems that keep them from it."""
     metadata = body.get("metadata", {})
     document = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
                 "metadata": {"name": metadata.get("name"), "namespace": metadata.get("namespace")},
                 "spec": body.get("spec")}
-    return parse(document, source=f"{body.get('kind')} {metadata.get('name')}")
+    try:
+        return ParsedResource(body, parse(document, source=f"{body.get('kind')} {metadata.get('name')}"))
+    except ManifestError as error:
+        return ParsedResource(body, None, error.problems)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from tandem.api import GROUP, VERSION
 from tandem.api.inference import LIVE_FIELDS, BatchingSettings
 from tandem.operator import daemon
 from tandem.operator.handlers import wake
+from tandem.operator.observed import read_resource
 from tandem.operator.pool_objects import POOL_LABEL, POOL_PLURAL
 from tandem.operator.pool_served import Refusal, Served, served_metrics, skipped_candidate
 from tandem.operator.pools import PoolPlan, Sources, reconcile_pool, sources
@@ -93,7 +94,7 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ASK_SECONDS)) as session:
 
         async def one_pass() -> float | None:
-            observed = state.observed(body)
+            observed = read_resource(state.observed(body))
             reads = sources(observed)
             memo.pool_sources[key] = reads.job if reads else None
             children = put.over({kind: next(iter(state.present(indices[f"pool_{plural}"].get(key, []))), None)
@@ -105,7 +106,7 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
                                   memo.settings.worker_image, refusals)
             if plan.push:
                 await _push_batching(session, reads, plan, pods, refusals)
-            await _apply(plan, observed, children, memo.cluster, put, state)
+            await _apply(plan, observed.body, children, memo.cluster, put, state)
             return plan.requeue_after
 
         try:

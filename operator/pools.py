@@ -35,8 +35,14 @@ from typing import Any
 
 from tandem.api import InferencePool, ParallelTrainingJob
 from tandem.contract import checkpoint_step
-from tandem.manifest import ManifestError
-from tandem.operator.observed import WAITING_FAILURES, condition, observe_pod, parse_resource, with_condition
+from tandem.operator.observed import (
+    WAITING_FAILURES,
+    ParsedResource,
+    condition,
+    observe_pod,
+    read_resource,
+    with_condition,
+)
 from tandem.operator.pool_objects import (
     SPEC_HASH,
     autoscaler,
@@ -81,20 +87,19 @@ class PoolPlan:
     """The pool's batching settings, as a server takes them."""
 
 
-def reconcile_pool(body: dict[str, Any], children: dict[str, dict[str, Any] | None], pods: list[dict[str, Any]],
+def reconcile_pool(parsed: ParsedResource, children: dict[str, dict[str, Any] | None], pods: list[dict[str, Any]],
                    served: list[Served], job: dict[str, Any] | None, now: datetime,
                    worker_image: str, refusals: dict[str, Refusal] | None = None) -> PoolPlan:
     """`children`: the pool's Deployment, ConfigMap, Service, PodDisruptionBudget and HorizontalPodAutoscaler as
     they exist (None where they do not), by kind. `refusals`: the last refusal of batching settings by each server
     pod that refused some."""
+    body, pool = parsed.body, parsed.model
     status = dict(body.get("status") or {})
     conditions = list(status.get("conditions") or [])
     phase_before = status.get("phase") or "Pending"
     plan = PoolPlan()
-    try:
-        pool = parse_resource(body)
-    except ManifestError as error:
-        message = "; ".join(error.problems)
+    if pool is None:
+        message = "; ".join(parsed.problems)
         conditions = with_condition(conditions, "InvalidSpec", True, "InvalidSpec", message, now)
         plan.status = {"conditions": conditions, "message": f"invalid spec: {message}"}
         return plan
@@ -187,11 +192,10 @@ class Sources:
     port: int
 
 
-def sources(body: dict[str, Any]) -> Sources | None:
+def sources(parsed: ParsedResource) -> Sources | None:
     """None for a pool its spec does not parse (its InvalidSpec condition says why)."""
-    try:
-        pool = parse_resource(body)
-    except ManifestError:
+    pool = parsed.model
+    if pool is None:
         return None
     source = pool.spec.model.from_training_job
     return Sources(source.name if source else None, model_name(pool), pool.spec.port)
@@ -204,11 +208,10 @@ def _model_job(pool: InferencePool, job: dict[str, Any] | None) -> tuple[Paralle
         return None, None
     if job is None:
         return None, f"ParallelTrainingJob {source.name} does not exist in this namespace: waiting for it"
-    try:
-        parsed = parse_resource(job)
-    except ManifestError as error:
-        return None, f"ParallelTrainingJob {source.name} is not valid: {'; '.join(error.problems)}"
-    checkpoint = parsed.spec.checkpoint
+    served = read_resource(job)
+    if served.model is None:
+        return None, f"ParallelTrainingJob {source.name} is not valid: {'; '.join(served.problems)}"
+    checkpoint = served.model.spec.checkpoint
     if checkpoint.persistent_volume_claim is None:
         return None, (f"ParallelTrainingJob {source.name} keeps its checkpoints on an emptyDir, which its pods alone "
                       "see: set its spec.checkpoint.persistentVolumeClaim to serve them")
@@ -217,7 +220,7 @@ def _model_job(pool: InferencePool, job: dict[str, Any] | None) -> tuple[Paralle
                       "only a directory relative to its claim can be served")
     if not ((job.get("status") or {}).get("checkpoint") or {}).get("latest"):
         return None, f"ParallelTrainingJob {source.name} has written no checkpoint yet: waiting for its first"
-    return parsed, None
+    return served.model, None
 
 
 def _pinned_step(pool: InferencePool, body: dict[str, Any], deployment: dict[str, Any] | None,

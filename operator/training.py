@@ -37,9 +37,8 @@ from typing import Any
 from tandem.api import ParallelTrainingJob
 from tandem.api.training import TRAINING_PHASES
 from tandem.contract import RESUME_LATEST
-from tandem.manifest import ManifestError
 from tandem.operator import queueing
-from tandem.operator.observed import condition, isoformat, observe_pod, parse_resource, timestamp, with_condition
+from tandem.operator.observed import ParsedResource, condition, isoformat, observe_pod, timestamp, with_condition
 from tandem.operator.training_objects import (
     MASTER_PORT,
     applied_job,
@@ -66,20 +65,20 @@ WATCH_SECONDS = 5.0
 """How soon to look again while a group runs (heartbeat and deadline); pod changes come sooner, as events."""
 
 
-def reconcile(body: dict[str, Any], pods: list[dict[str, Any]], config_map: dict[str, Any] | None, now: datetime,
+def reconcile(job: ParsedResource, pods: list[dict[str, Any]], config_map: dict[str, Any] | None, now: datetime,
               settings: Settings, queued: Queueing | None = None) -> Plan:
-    return _Reconciler(body, pods, config_map, now, settings, queued or Queueing()).plan()
+    return _Reconciler(job, pods, config_map, now, settings, queued or Queueing()).plan()
 
 
 class _Reconciler(QueueRules):
-    def __init__(self, body: dict[str, Any], pods: list[dict[str, Any]], config_map: dict[str, Any] | None,
+    def __init__(self, job: ParsedResource, pods: list[dict[str, Any]], config_map: dict[str, Any] | None,
                  now: datetime, settings: Settings, queued: Queueing):
-        self.body, self.now, self.settings, self.queued = body, now, settings, queued
-        self.queue = queueing.queue_name(body)
+        self.parsed, self.body, self.now, self.settings, self.queued = job, job.body, now, settings, queued
+        self.queue = queueing.queue_name(self.body)
         self.queue_status: dict[str, Any] | None = None
         self.admitted = False
         """The group runs under a Kueue admission."""
-        self.status = dict(body.get("status") or {})
+        self.status = dict(self.body.get("status") or {})
         self.phase = self.status.get("phase") or "Pending"
         self.conditions = list(self.status.get("conditions") or [])
         self.restarts = int(self.status.get("restarts") or 0)
@@ -91,10 +90,9 @@ class _Reconciler(QueueRules):
     # -- the rules ---------------------------------------------------------------------------------------------
 
     def plan(self) -> Plan:
-        try:
-            self.job = parse_resource(self.body)
-        except ManifestError as error:
-            return self._invalid(error.problems)
+        if self.parsed.model is None:
+            return self._invalid(self.parsed.problems)
+        self.job: ParallelTrainingJob = self.parsed.model
         self.spec = self.job.spec
         self._clear("InvalidSpec", "SpecValid", "the spec is valid")
         if self.phase in ("Succeeded", "Failed"):

@@ -11,6 +11,7 @@ import kubernetes_validate
 import pytest
 
 from tandem.api.inference import BatchingSettings
+from tandem.operator.observed import read_resource
 from tandem.operator.pool_objects import AUTH_MOUNT, MODEL_MOUNT, SPEC_HASH, server_deployment
 from tandem.operator.pool_served import REFUSED_PUSH_SECONDS, Refusal, Served, batching_pushes
 from tandem.operator.pools import Sources, reconcile_pool, sources
@@ -158,7 +159,7 @@ def test_reconcile_pool(name, body, children, pods, reports, source, expected):
         steady = copy.deepcopy(body)
         steady["spec"] = copy.deepcopy(STEADY["spec"])
         children = everything(steady, ready=int(children.split("-")[1]))
-    plan = reconcile_pool(body, children, pods, reports, source, NOW, IMAGE)
+    plan = reconcile_pool(read_resource(body), children, pods, reports, source, NOW, IMAGE)
     status = plan.status
     if "apply" in expected:
         assert kinds(plan) == expected["apply"]
@@ -224,7 +225,7 @@ ROLLS = [
 def test_which_pool_changes_replace_the_servers_and_which_reach_them_live(change, rolls):
     body = pool({"observedGeneration": 1}, generation=2, **change)
     children = everything(copy.deepcopy(STEADY))
-    plan = reconcile_pool(body, children, [], TWO_SERVING, job(), NOW, IMAGE)
+    plan = reconcile_pool(read_resource(body), children, [], TWO_SERVING, job(), NOW, IMAGE)
     deployments = [o for o in plan.apply if o["kind"] == "Deployment"]
     template = deployments[0]["spec"]["template"]["metadata"]["annotations"][SPEC_HASH] if deployments else None
     before = children["Deployment"]["spec"]["template"]["metadata"]["annotations"][SPEC_HASH]
@@ -241,8 +242,8 @@ def test_a_pool_with_a_token_rolls_its_servers_for_a_batching_change_since_the_o
     children = everything(copy.deepcopy(steady))
     command = children["Deployment"]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert "--allow-batching-changes" not in command
-    plan = reconcile_pool(pool({"observedGeneration": 1}, generation=2, auth=auth, batchLimit=8), children, [],
-                          TWO_SERVING, job(), NOW, IMAGE)
+    plan = reconcile_pool(read_resource(pool({"observedGeneration": 1}, generation=2, auth=auth, batchLimit=8)),
+                          children, [], TWO_SERVING, job(), NOW, IMAGE)
     [rolled] = [o for o in plan.apply if o["kind"] == "Deployment"]
     assert rolled["spec"]["template"]["metadata"]["annotations"][SPEC_HASH] != \
         children["Deployment"]["spec"]["template"]["metadata"]["annotations"][SPEC_HASH]
@@ -284,7 +285,8 @@ def test_a_server_that_refused_the_pools_batching_is_left_alone_a_while_and_the_
                                                                                                    reason):
     body = pool({"observedGeneration": 1}, generation=2, batchLimit=64)
     refusals = {} if refusal is None else {"digits-server-a": refusal}
-    plan = reconcile_pool(body, everything(copy.deepcopy(STEADY)), [], TWO_SERVING[:1], job(), NOW, IMAGE, refusals)
+    plan = reconcile_pool(read_resource(body), everything(copy.deepcopy(STEADY)), [], TWO_SERVING[:1], job(), NOW,
+                          IMAGE, refusals)
     assert plan.push == (["digits-server-a"] if sent else [])
     [differs] = [c for c in plan.status["conditions"] if c["type"] == "BatchingDiffers"]
     assert differs["status"] == "True" and differs["reason"] == reason
@@ -294,8 +296,8 @@ def test_a_server_that_refused_the_pools_batching_is_left_alone_a_while_and_the_
 
 
 def test_following_points_the_servers_at_the_jobs_directory_from_its_spec_and_mounts_its_claim_read_only():
-    [created] = [o for o in reconcile_pool(pool(), {}, [], [], job(directory="runs/digits"), NOW, IMAGE).apply
-                 if o["kind"] == "Deployment"]
+    [created] = [o for o in reconcile_pool(read_resource(pool()), {}, [], [], job(directory="runs/digits"), NOW,
+                                           IMAGE).apply if o["kind"] == "Deployment"]
     pod = created["spec"]["template"]["spec"]
     [server] = pod["containers"]
     assert server["command"] == ["tandem", "serve", "/etc/tandem/pool.json", "--host", "0.0.0.0", "--port", "8000",
@@ -308,26 +310,28 @@ def test_following_points_the_servers_at_the_jobs_directory_from_its_spec_and_mo
 
 def test_not_following_pins_the_latest_checkpoint_and_keeps_it_until_the_pool_changes():
     fixed = pool(model={"fromTrainingJob": {"name": "train", "follow": False}, "inputShape": [64]})
-    [created] = [o for o in reconcile_pool(fixed, {}, [], [], job(step=200), NOW, IMAGE).apply
+    [created] = [o for o in reconcile_pool(read_resource(fixed), {}, [], [], job(step=200), NOW, IMAGE).apply
                  if o["kind"] == "Deployment"]
     assert created["spec"]["template"]["spec"]["containers"][0]["command"][-1] == \
         f"{MODEL_MOUNT}/digits/step-00000200.pt"
     steady = copy.deepcopy(fixed)
     steady["status"] = {"observedGeneration": 1}
     children = {"Deployment": {**created, "status": {"readyReplicas": 2, "updatedReplicas": 2}}}
-    later = reconcile_pool(steady, children, [], [], job(step=400, latest="/x/step-00000400.pt"), NOW, IMAGE)
+    later = reconcile_pool(read_resource(steady), children, [], [], job(step=400, latest="/x/step-00000400.pt"), NOW,
+                           IMAGE)
     assert "Deployment" not in kinds(later), "a newer checkpoint of the job alone moves nothing"
     changed = copy.deepcopy(steady)
     changed["metadata"]["generation"] = 2
     changed["spec"]["batchLimit"] = 16
-    moved = reconcile_pool(changed, children, [], [], job(step=400, latest="/x/step-00000400.pt"), NOW, IMAGE)
+    moved = reconcile_pool(read_resource(changed), children, [], [], job(step=400, latest="/x/step-00000400.pt"), NOW,
+                           IMAGE)
     [rolled] = [o for o in moved.apply if o["kind"] == "Deployment"]
     assert rolled["spec"]["template"]["spec"]["containers"][0]["command"][-1] == \
         f"{MODEL_MOUNT}/digits/step-00000400.pt"
 
 
 def test_the_server_pods_probe_the_truth_drain_gracefully_and_never_roll_below_their_replicas():
-    [created] = [o for o in reconcile_pool(pool(gpusPerReplica=1), {}, [], [], job(), NOW, IMAGE).apply
+    [created] = [o for o in reconcile_pool(read_resource(pool(gpusPerReplica=1)), {}, [], [], job(), NOW, IMAGE).apply
                  if o["kind"] == "Deployment"]
     spec = created["spec"]
     assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
@@ -348,7 +352,7 @@ def test_the_server_pods_probe_the_truth_drain_gracefully_and_never_roll_below_t
 
 
 def test_the_status_names_the_endpoint_and_selects_exactly_the_server_pods():
-    status = reconcile_pool(pool(), {}, [], [], job(), NOW, IMAGE).status
+    status = reconcile_pool(read_resource(pool()), {}, [], [], job(), NOW, IMAGE).status
     assert status["endpoint"] == "http://digits.ml.svc.cluster.local:8000/v2"
     assert status["selector"] == "tandem.dev/pool=digits"
     assert status["readySummary"] == "0/2"
@@ -356,15 +360,15 @@ def test_the_status_names_the_endpoint_and_selects_exactly_the_server_pods():
 
 def test_an_invalid_pool_gets_a_condition_and_nothing_else():
     bad = pool(batchLimit=0)
-    plan = reconcile_pool(bad, {}, [], [], job(), NOW, IMAGE)
+    plan = reconcile_pool(read_resource(bad), {}, [], [], job(), NOW, IMAGE)
     assert plan.apply == [] and plan.delete == []
     [invalid] = plan.status["conditions"]
     assert invalid["type"] == "InvalidSpec" and "spec.batchLimit" in invalid["message"]
 
 
 @pytest.mark.parametrize("created", reconcile_pool(
-    pool(autoscaling={"maxReplicas": 4}, schedulerName="volcano", gpusPerReplica=1), {}, [], [], job(), NOW, IMAGE
-).apply, ids=lambda o: o["kind"])
+    read_resource(pool(autoscaling={"maxReplicas": 4}, schedulerName="volcano", gpusPerReplica=1)), {}, [], [], job(),
+    NOW, IMAGE).apply, ids=lambda o: o["kind"])
 def test_every_object_is_valid_kubernetes_under_strict_validation(created):
     kubernetes_validate.validate(created, kubernetes_validate.latest_version(), strict=True)
 
@@ -378,7 +382,7 @@ def test_the_specs_pod_settings_pass_through_to_the_server_pods():
         "volumes": [{"name": "cache", "emptyDir": {}}], "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
         "schedulerName": "volcano", "priorityClassName": "serving",
     }
-    [created] = [o for o in reconcile_pool(pool(**settings), {}, [], [], job(), NOW, IMAGE).apply
+    [created] = [o for o in reconcile_pool(read_resource(pool(**settings)), {}, [], [], job(), NOW, IMAGE).apply
                  if o["kind"] == "Deployment"]
     pod = created["spec"]["template"]["spec"]
     [server] = pod["containers"]
@@ -400,13 +404,13 @@ def test_the_specs_pod_settings_pass_through_to_the_server_pods():
     ("invalid: nothing to read", pool(batchLimit=0), None),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_what_a_pools_decision_reads_besides_its_objects(name, body, expected):
-    assert sources(body) == expected
+    assert sources(read_resource(body)) == expected
 
 
 def test_a_deployment_just_created_is_loading_not_rolling_so_the_status_is_written_once():
-    created = reconcile_pool(pool(), {}, [], [], job(), NOW, IMAGE)
+    created = reconcile_pool(read_resource(pool()), {}, [], [], job(), NOW, IMAGE)
     children = {o["kind"]: {**o, "metadata": {**o["metadata"], "generation": 1}} for o in created.apply}
-    later = reconcile_pool(pool(created.status), children, [], [], job(), NOW, IMAGE)
+    later = reconcile_pool(read_resource(pool(created.status)), children, [], [], job(), NOW, IMAGE)
     progressing = [c for c in later.status["conditions"] if c["type"] == "Progressing"]
     assert progressing[0]["reason"] == "Loading" and later.apply == []
     assert later.status == created.status, "nothing new to write"
@@ -430,7 +434,7 @@ def test_objects_a_pool_daemon_created_stand_in_for_the_index_until_it_shows_the
 
 
 def test_the_servers_listen_for_http_and_grpc_and_the_service_exposes_both():
-    plan = reconcile_pool(pool(port=9000, grpcPort=9001), {}, [], [], job(), NOW, IMAGE)
+    plan = reconcile_pool(read_resource(pool(port=9000, grpcPort=9001)), {}, [], [], job(), NOW, IMAGE)
     created = {o["kind"]: o for o in plan.apply}
     [server] = created["Deployment"]["spec"]["template"]["spec"]["containers"]
     assert server["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"},
@@ -446,7 +450,7 @@ def test_a_pool_with_auth_mounts_its_secrets_key_as_a_file_and_passes_it_to_the_
     """A directory mount (not subPath), so a rotated Secret reaches the running servers; the operator reads no
     Secret itself."""
     body = pool(auth={"secretName": "digits-token", "key": "bearer"})
-    created = {o["kind"]: o for o in reconcile_pool(body, {}, [], [], job(), NOW, IMAGE).apply}
+    created = {o["kind"]: o for o in reconcile_pool(read_resource(body), {}, [], [], job(), NOW, IMAGE).apply}
     pod = created["Deployment"]["spec"]["template"]["spec"]
     [server] = pod["containers"]
     assert server["command"][server["command"].index("--auth-token-file") + 1] == f"{AUTH_MOUNT}/token"
@@ -465,7 +469,7 @@ def test_a_pool_with_auth_mounts_its_secrets_key_as_a_file_and_passes_it_to_the_
     ({"auth": {"secretName": "t", "metrics": "closed"}}, "spec.auth.metrics"),
 ], ids=lambda v: str(v))
 def test_a_bad_grpc_port_or_auth_is_an_invalid_spec_naming_the_field(spec, field):
-    plan = reconcile_pool(pool(**spec), {}, [], [], job(), NOW, IMAGE)
+    plan = reconcile_pool(read_resource(pool(**spec)), {}, [], [], job(), NOW, IMAGE)
     assert plan.apply == []
     [invalid] = plan.status["conditions"]
     assert invalid["type"] == "InvalidSpec" and field in invalid["message"], invalid["message"]

@@ -19,6 +19,7 @@ from tandem.api.inference import FromTrainingJob, Promotion
 from tandem.contract import checkpoint_step
 from tandem.manifest import ManifestError, parse
 from tandem.operator.daemon import OPERATOR_FIELDS
+from tandem.operator.observed import read_resource
 from tandem.operator.pool_served import Served, served_metrics, skipped_candidate
 from tandem.operator.pools import reconcile_pool
 from tandem.worker.serve import promotion
@@ -152,7 +153,7 @@ def reporting(step: int, accuracy: float, skipped: tuple[int, float | None] | No
 def gated_pass(status: dict, reports: list[Served]):
     body = pool({"observedGeneration": 1, "phase": "Ready", **status}, model=GATED)
     steady = copy.deepcopy(body)
-    return reconcile_pool(body, everything(steady), [], reports, job(), NOW, IMAGE)
+    return reconcile_pool(read_resource(body), everything(steady), [], reports, job(), NOW, IMAGE)
 
 
 def test_the_status_shows_the_served_checkpoints_metrics_and_the_last_skipped_candidate_with_an_event_each():
@@ -193,25 +194,26 @@ def test_a_swap_across_replicas_is_one_promoted_event_whichever_replica_swaps_fi
 
 def test_pinning_a_named_checkpoint_points_the_servers_at_it_and_a_patch_rolls_them_back():
     pinned = pool(model={"fromTrainingJob": {"name": "train", "checkpoint": "step-00000100.pt"}, "inputShape": [64]})
-    [created] = [o for o in reconcile_pool(pinned, {}, [], [], job(step=300), NOW, IMAGE).apply
+    [created] = [o for o in reconcile_pool(read_resource(pinned), {}, [], [], job(step=300), NOW, IMAGE).apply
                  if o["kind"] == "Deployment"]
     assert created["spec"]["template"]["spec"]["containers"][0]["command"][-2:] == [
         "--checkpoint", f"{MODEL_MOUNT}/digits/step-00000100.pt"]
     steady = copy.deepcopy(pinned)
     steady["status"] = {"observedGeneration": 1}
     children = {"Deployment": {**created, "status": {"readyReplicas": 2, "updatedReplicas": 2}}}
-    later = reconcile_pool(steady, children, [], [], job(step=400, latest="/x/step-00000400.pt"), NOW, IMAGE)
+    later = reconcile_pool(read_resource(steady), children, [], [], job(step=400, latest="/x/step-00000400.pt"), NOW,
+                           IMAGE)
     assert "Deployment" not in [o["kind"] for o in later.apply], "a newer checkpoint of the job moves nothing"
     rolled_back = copy.deepcopy(steady)
     rolled_back["metadata"]["generation"] = 2
     rolled_back["spec"]["model"]["fromTrainingJob"]["checkpoint"] = "step-00000050.pt"
-    [rolled] = [o for o in reconcile_pool(rolled_back, children, [], [], job(step=400), NOW, IMAGE).apply
+    [rolled] = [o for o in reconcile_pool(read_resource(rolled_back), children, [], [], job(step=400), NOW, IMAGE).apply
                 if o["kind"] == "Deployment"]
     assert rolled["spec"]["template"]["spec"]["containers"][0]["command"][-1] == \
         f"{MODEL_MOUNT}/digits/step-00000050.pt"
     unpinned = copy.deepcopy(rolled_back)
     del unpinned["spec"]["model"]["fromTrainingJob"]["checkpoint"]
-    [following] = [o for o in reconcile_pool(unpinned, children, [], [], job(step=400), NOW, IMAGE).apply
+    [following] = [o for o in reconcile_pool(read_resource(unpinned), children, [], [], job(step=400), NOW, IMAGE).apply
                    if o["kind"] == "Deployment"]
     assert following["spec"]["template"]["spec"]["containers"][0]["command"][-1] == f"{MODEL_MOUNT}/digits"
 

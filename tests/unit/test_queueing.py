@@ -18,6 +18,7 @@ from devcluster import schema
 from tandem.manifest import parse
 from tandem.operator import queueing
 from tandem.operator.gangs import pod_group
+from tandem.operator.observed import read_resource
 from tandem.operator.training import Queueing, Settings, reconcile
 from tandem.operator.training_objects import group_objects, worker_pod
 
@@ -139,7 +140,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_reconcile_under_a_queue(case: Case):
-    plan = reconcile(case.body, case.pods, None, NOW, case.settings, case.queued)
+    plan = reconcile(read_resource(case.body), case.pods, None, NOW, case.settings, case.queued)
     assert plan.status.get("phase") == case.phase, plan.status.get("message")
     if case.reason:
         phase_condition = next(c for c in plan.status["conditions"] if c["type"] == case.phase)
@@ -175,7 +176,7 @@ def test_a_created_workload_has_the_groups_pod_set_and_priority():
                       resources={"requests": {"cpu": "4", "memory": "8Gi"}})
     body["metadata"]["labels"][queueing.PRIORITY_LABEL] = "high"
     priority = queueing.Priority(*queueing.priority_source(body, parse(body)), 1000)
-    plan = reconcile(body, [], None, NOW, KUEUE, Queueing(priority=priority))
+    plan = reconcile(read_resource(body), [], None, NOW, KUEUE, Queueing(priority=priority))
     (created,) = plan.create
     assert created["metadata"]["ownerReferences"][0]["controller"] is True
     assert created["spec"]["queueName"] == "team-a"

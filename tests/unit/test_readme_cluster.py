@@ -31,6 +31,7 @@ from tandem.manifest import parse
 from tandem.operator import pools
 from tandem.operator.api_policy import Refused
 from tandem.operator.daemon import describe_refusal
+from tandem.operator.observed import read_resource
 from tandem.operator.training import Settings, reconcile
 from tandem.operator.training_objects import GROUP_LABEL, MASTER_PORT, RANK_LABEL, master_address
 from tandem.worker import checkpoint
@@ -198,7 +199,7 @@ def failed_rank(rank: int, code: int, reason: str, log: str) -> dict[str, Any]:
 
 
 def job_message(job: dict[str, Any], pods: list[dict[str, Any]]) -> str:
-    return reconcile(job, pods, None, NOW, SETTINGS).status["message"]
+    return reconcile(read_resource(job), pods, None, NOW, SETTINGS).status["message"]
 
 
 def rank_failed(last_line: str, *, rank: int = 0, code: int = 1, reason: str = "Error", restarts: int = 0) -> str:
@@ -296,7 +297,7 @@ def test_a_checkpoint_that_does_not_fit_the_resumed_job():
 def test_checkpoints_on_an_empty_dir_are_said_not_durable_and_cannot_be_served():
     job = digits_job(phase="Pending", claim=False)
     del job["status"]
-    plan = reconcile(job, [], None, NOW, SETTINGS)
+    plan = reconcile(read_resource(job), [], None, NOW, SETTINGS)
     (durable,) = [c for c in plan.status["conditions"] if c["type"] == "CheckpointsDurable"]
     assert durable["status"] == "False" and flat(durable["message"]) in flat(TROUBLESHOOTING)
     pool = InferencePool.model_validate(yaml.safe_load((ROOT / "examples" / "digits-pool.yaml").read_text()))

@@ -11,6 +11,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from tandem.operator.observed import read_resource
 from tandem.operator.training import Settings, reconcile
 from tandem.operator.training_objects import (
     CHECKPOINT_MOUNT,
@@ -268,7 +269,7 @@ CASES = [
 @pytest.mark.parametrize(("name", "body", "pods", "changes", "expected"), CASES, ids=[c[0] for c in CASES])
 def test_reconcile(name, body, pods, changes, expected):
     config_map = None if changes is None else applied(body, **changes)
-    plan = reconcile(body, pods, config_map, NOW, SETTINGS)
+    plan = reconcile(read_resource(body), pods, config_map, NOW, SETTINGS)
     status = plan.status
     if "phase" in expected:
         assert status["phase"] == expected["phase"], status.get("message")
@@ -308,7 +309,7 @@ def test_reconcile(name, body, pods, changes, expected):
 
 
 def test_the_status_names_the_master_and_selects_exactly_the_rank_pods():
-    status = reconcile(job(running()), BOTH_RUNNING, applied(job()), NOW, SETTINGS).status
+    status = reconcile(read_resource(job(running())), BOTH_RUNNING, applied(job()), NOW, SETTINGS).status
     assert status["master"] == {"pod": "digits-worker-0", "address": "digits-worker-0.digits-workers", "port": 29500}
     assert status["selector"] == "tandem.dev/job=digits"
     assert status["observedGeneration"] == 1
@@ -316,11 +317,11 @@ def test_the_status_names_the_master_and_selects_exactly_the_rank_pods():
 
 def test_conditions_keep_their_transition_time_until_their_status_changes():
     body = job({"phase": "Pending", "conditions": conditions(Pending=("True", "Created", 30))})
-    first = reconcile(body, [pod(0, "Pending"), pod(1, "Pending")], applied(body), NOW, SETTINGS).status
+    first = reconcile(read_resource(body), [pod(0, "Pending"), pod(1, "Pending")], applied(body), NOW, SETTINGS).status
     [pending] = [c for c in first["conditions"] if c["type"] == "Pending"]
     assert pending["lastTransitionTime"] == ago(30)
     body["status"] = first
-    second = reconcile(body, BOTH_RUNNING, applied(body), NOW, SETTINGS).status
+    second = reconcile(read_resource(body), BOTH_RUNNING, applied(body), NOW, SETTINGS).status
     by_type = {c["type"]: c for c in second["conditions"]}
     assert by_type["Running"]["status"] == "True" and by_type["Running"]["lastTransitionTime"] == ago(0)
     assert by_type["Pending"]["status"] == "False"
@@ -328,7 +329,7 @@ def test_conditions_keep_their_transition_time_until_their_status_changes():
 
 def test_without_a_claim_checkpoints_are_on_an_empty_dir_and_a_condition_says_they_will_not_survive():
     body = job(checkpoint={"directory": "digits"})
-    plan = reconcile(body, [], None, NOW, SETTINGS)
+    plan = reconcile(read_resource(body), [], None, NOW, SETTINGS)
     [durable] = [c for c in plan.status["conditions"] if c["type"] == "CheckpointsDurable"]
     assert durable["status"] == "False" and "do not survive a restart" in durable["message"]
     [pod0] = [o for o in plan.create if o["metadata"]["name"] == "digits-worker-0"]
@@ -396,14 +397,14 @@ def test_a_pod_of_several_ranks_runs_their_launcher_with_all_their_gpus():
 
 
 def test_cpu_ranks_get_no_gpu_limit_and_other_ranks_no_service_account_token():
-    plan = reconcile(job(), [], None, NOW, SETTINGS)
+    plan = reconcile(read_resource(job()), [], None, NOW, SETTINGS)
     [pod1] = [o for o in plan.create if o["metadata"]["name"] == "digits-worker-1"]
     assert "nvidia.com/gpu" not in pod1["spec"]["containers"][0]["resources"].get("limits", {})
     assert pod1["spec"]["automountServiceAccountToken"] is False and "serviceAccountName" not in pod1["spec"]
 
 
 def test_rank_zero_may_get_and_patch_its_own_job_and_status_and_nothing_else():
-    plan = reconcile(job(), [], None, NOW, SETTINGS)
+    plan = reconcile(read_resource(job()), [], None, NOW, SETTINGS)
     [role] = [o for o in plan.create if o["kind"] == "Role"]
     assert role["rules"] == [{"apiGroups": ["tandem.dev"],
                               "resources": ["paralleltrainingjobs", "paralleltrainingjobs/status"],
@@ -413,13 +414,13 @@ def test_rank_zero_may_get_and_patch_its_own_job_and_status_and_nothing_else():
 
 
 def test_the_spec_config_map_round_trips_the_job_the_ranks_run():
-    plan = reconcile(job(), [], None, NOW, SETTINGS)
+    plan = reconcile(read_resource(job()), [], None, NOW, SETTINGS)
     [config_map] = [o for o in plan.create if o["kind"] == "ConfigMap"]
     assert applied_job(config_map).spec.workers == 2
 
 
-@pytest.mark.parametrize("created", reconcile(job(gpusPerWorker=1, schedulerName="volcano"), [], None, NOW,
-                                              SETTINGS).create, ids=lambda o: o["kind"])
+@pytest.mark.parametrize("created", reconcile(read_resource(job(gpusPerWorker=1, schedulerName="volcano")), [], None,
+                                              NOW, SETTINGS).create, ids=lambda o: o["kind"])
 def test_every_object_is_valid_kubernetes_under_strict_validation(created):
     kubernetes_validate.validate(created, kubernetes_validate.latest_version(), strict=True)
 

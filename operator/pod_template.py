@@ -24,6 +24,13 @@ RUN_AS = 1000
 SPEC_MOUNT = "/etc/tandem"
 """Where a pod finds the job or pool it runs, the spec ConfigMap mounted read-only."""
 MAX_NAME = 63
+SPEC_HASH = "tandem.dev/spec-hash"
+"""The annotation holding `spec_hash` of what a job's group or a pool's servers were started with: a change of the
+owner's spec is found by comparing hashes, not by reading the running objects back."""
+
+
+def spec_hash(spec: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def child_name(owner: str, suffix: str) -> str:
@@ -42,15 +49,18 @@ def config_map_name(owner: str) -> str:
 
 
 def spec_file_config_map(owner: dict[str, Any], kind: str, spec: dict[str, Any], *, file: str,
-                         labels: dict[str, str]) -> dict[str, Any]:
+                         labels: dict[str, str], annotations: dict[str, str] | None = None) -> dict[str, Any]:
     """The ConfigMap the owner's pods mount at SPEC_MOUNT: the resource (`kind`, its name and namespace, `spec`) as
     JSON in `file`, what its pods run."""
     metadata = owner["metadata"]
     document = {"apiVersion": API_VERSION, "kind": kind,
                 "metadata": {"name": metadata["name"], "namespace": metadata.get("namespace")}, "spec": spec}
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": object_metadata(owner, config_map_name(metadata["name"]), labels),
-            "data": {file: json.dumps(document, sort_keys=True)}}
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap",
+                  "metadata": object_metadata(owner, config_map_name(metadata["name"]), labels),
+                  "data": {file: json.dumps(document, sort_keys=True)}}
+    if annotations:
+        config_map["metadata"]["annotations"] = annotations
+    return config_map
 
 
 def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:

@@ -17,8 +17,6 @@ mounted read-only, at the directory the job's spec names: never from a path copi
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -27,12 +25,14 @@ from tandem.api.inference import LIVE_FIELDS
 from tandem.contract import checkpoint_name
 from tandem.crd import RESOURCES
 from tandem.operator.pod_template import (
+    SPEC_HASH,
     SPEC_MOUNT,
     child_name,
     config_map_name,
     object_metadata,
     pod_spec,
     spec_file_config_map,
+    spec_hash,
 )
 
 POOL_PLURAL = RESOURCES["InferencePool"].plural
@@ -48,7 +48,6 @@ PRE_STOP_SECONDS = 5
 """How long a stopping server keeps serving before its drain begins, while the endpoints drop it."""
 STARTUP_SECONDS = 600
 """How long a server may take to load and warm up its model before the kubelet gives up on it."""
-SPEC_HASH = "tandem.dev/spec-hash"
 
 
 def deployment_name(pool: str) -> str:
@@ -146,11 +145,10 @@ def server_deployment(owner: dict[str, Any], pool: InferencePool, *, job: Parall
         "terminationGracePeriodSeconds": PRE_STOP_SECONDS + DRAIN_SECONDS + 10,
     }
     served = {"spec": rollout_spec(pool), "command": command}
-    spec_hash = hashlib.sha256(json.dumps(served, sort_keys=True).encode()).hexdigest()[:16]
     template_metadata = {
         "labels": object_metadata(owner, name, labels(name))["labels"],
-        "annotations": {SPEC_HASH: spec_hash, "prometheus.io/scrape": "true", "prometheus.io/port": str(spec.port),
-                        "prometheus.io/path": "/metrics"},
+        "annotations": {SPEC_HASH: spec_hash(served), "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(spec.port), "prometheus.io/path": "/metrics"},
     }
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",

@@ -3,8 +3,7 @@
 
 The operator writes phase, conditions, workers, master, restarts, startTime, completionTime, message,
 observedGeneration, selector and queue; rank 0 writes progress, metrics, communication, checkpoint and
-preemptionCost. Neither writes
-the other's fields (a merge patch of its own). The rules, in the order they apply:
+preemptionCost. Neither writes the other's fields (a merge patch of its own). The rules, in the order they apply:
 
 1. A manifest the API models reject gets an InvalidSpec condition naming each field; nothing else happens.
 2. Succeeded or Failed is final: rank pods still running are deleted (their GPUs released; finished pods stay for
@@ -18,9 +17,10 @@ the other's fields (a merge patch of its own). The rules, in the order they appl
    and its quota given back once every pod is gone); admitted, a group starts from the latest checkpoint on the
    assigned flavours. A group whose pod set changed (a resize) queues again with a new Workload. `spec.gang` needs
    the operator's gang scheduling (--gang-scheduling): the group's PodGroup is created with it.
-5. A running group whose trainer, image, GPUs or other group settings changed keeps running as it was, with a
-   SpecChangeRefused condition (suspend and resume the job to apply them); a changed `workers` (or `kubectl
-   scale`) or `ranksPerPod` restarts the group at the new size or layout from the latest checkpoint.
+5. A running group whose trainer, image, GPUs or other group settings changed (found by the hash of its spec, on
+   its ConfigMap: RunningGroup) keeps running as it was, with a SpecChangeRefused condition (suspend and resume the
+   job to apply them); a changed `workers` (`kubectl scale`) or `ranksPerPod` restarts it regrouped from the latest
+   checkpoint.
 6. A rank that fails (in a pod of several, its launcher ends the pod and names it), a rank pod deleted or evicted,
    or rank 0 silent past `heartbeatTimeoutSeconds`, fails the group: every pod is deleted, and once they are gone
    and the backoff has passed a new group starts from `status.checkpoint.latest` (tandem/restart_policy.py), until
@@ -42,9 +42,11 @@ from tandem.operator.observed import ParsedResource, condition, isoformat, obser
 from tandem.operator.training_objects import (
     MASTER_PORT,
     applied_job,
+    changed_fields,
     group_objects,
     master_address,
     pod_name,
+    running_group,
     selector_string,
     worker_pod,
 )
@@ -52,9 +54,6 @@ from tandem.operator.training_plan import Plan, Queueing, Settings
 from tandem.operator.training_queue import QueueRules
 from tandem.restart_policy import after_failure, backoff_seconds, deadline_exceeded, heartbeat_expired, seconds_left
 
-POLICY_FIELDS = {"workers", "ranksPerPod", "suspend", "backoffLimit", "activeDeadlineSeconds",
-                 "ttlSecondsAfterFinished", "heartbeatTimeoutSeconds"}
-"""Spec fields read live from the job; every other field is the group's, fixed while it runs."""
 PEER_WAIT_SECONDS = 3.0
 """How long a group whose only failed pods lost a peer (RankPod.lost_a_peer) waits for the pod that failed first to
 report it: a pod of several ranks ends a moment after its failed rank (its launcher stops the others), later than a
@@ -188,11 +187,12 @@ class _Reconciler(QueueRules):
         """The spec the next group runs: while a group runs or restarts (after a failure or for a resize), the
         running group's (a refused change stays refused) at the size and layout the job asks for; otherwise (a first
         group, one resumed or admitted) the job as it is now."""
-        running = applied_job(self.config_map) if self.pods or self.phase == "Restarting" else None
-        if running is None:
+        running = running_group(self.config_map) if self.pods or self.phase == "Restarting" else None
+        if running is None or running.runs(self.job):
             return self.job
-        running.spec.workers, running.spec.ranks_per_pod = self.spec.workers, self.spec.ranks_per_pod
-        return running
+        applied = applied_job(self.config_map)  # read back only when the job's spec has drifted from the group's
+        applied.spec.workers, applied.spec.ranks_per_pod = self.spec.workers, self.spec.ranks_per_pod
+        return applied
 
     def _restart_when_ready(self) -> None:
         """The group is torn down after a failure or for a resize: start the next once every pod is gone and the
@@ -215,11 +215,10 @@ class _Reconciler(QueueRules):
 
     def _resize(self) -> str | None:
         """A running group's spec change: the new size to restart at, or None (other changes are refused)."""
-        running = applied_job(self.config_map)
+        running = running_group(self.config_map)
         if running is None:
             return None
-        changed = sorted(key for key in _group_spec(self.job) if _group_spec(self.job)[key] != _group_spec(running)
-                         .get(key)) + sorted(set(_group_spec(running)) - set(_group_spec(self.job)))
+        changed = [] if running.runs(self.job) else changed_fields(applied_job(self.config_map), self.job)
         if changed:
             self.conditions = with_condition(
                 self.conditions, "SpecChangeRefused", True, "RunningGroup",
@@ -227,10 +226,10 @@ class _Reconciler(QueueRules):
                 "was (suspend and resume it to apply the change)", self.now)
         else:
             self._clear("SpecChangeRefused", "SpecApplied", "the ranks run the job's spec")
-        if running.spec.workers != self.spec.workers:
-            return f"resizing from {running.spec.workers} to {self.spec.workers} ranks from the latest checkpoint"
-        if running.spec.ranks_per_pod != self.spec.ranks_per_pod:
-            return (f"regrouping the {self.spec.workers} ranks from {running.spec.ranks_per_pod} to "
+        if running.workers != self.spec.workers:
+            return f"resizing from {running.workers} to {self.spec.workers} ranks from the latest checkpoint"
+        if running.ranks_per_pod != self.spec.ranks_per_pod:
+            return (f"regrouping the {self.spec.workers} ranks from {running.ranks_per_pod} to "
                     f"{self.spec.ranks_per_pod} per pod from the latest checkpoint")
         return None
 
@@ -292,7 +291,7 @@ class _Reconciler(QueueRules):
         indices = {p.index for p in self.pods}
         missing = [index for index in range(self.spec.pods) if index not in indices]
         if missing:  # a group whose creation was interrupted (the operator restarted): finish it
-            running = applied_job(self.config_map) or self.job
+            running = self._next_group()
             self.result.create += [self._pod(running, index) for index in missing]
         if len(self.pods) == self.spec.pods and all(p.phase == "Succeeded" for p in self.pods):
             self._set_phase("Succeeded", "Succeeded", "every rank exited 0: training complete")
@@ -399,7 +398,3 @@ class _Reconciler(QueueRules):
         if left is not None and left > 0 and self.phase not in ("Succeeded", "Failed"):
             self.result.requeue_after = min(self.result.requeue_after or left, left)
         return self.result
-
-
-def _group_spec(job: ParallelTrainingJob) -> dict[str, Any]:
-    return {key: value for key, value in job.spec.to_dict().items() if key not in POLICY_FIELDS}

@@ -4,7 +4,8 @@
   hostnamed `<job>-worker-<index>` under a headless Service, so rank 0 (in pod 0) has a stable DNS name,
   MASTER_ADDR; a pod of one rank runs it (`tandem worker train`), a pod of several runs their launcher (`tandem
   worker launch`), with all their GPUs and a /dev/shm in memory for NCCL's shared-memory transport;
-- the headless Service; a ConfigMap holding the job as JSON, mounted read-only where TANDEM_SPEC points;
+- the headless Service; a ConfigMap holding the job as JSON, mounted read-only where TANDEM_SPEC points, annotated
+  with the hash of the group's spec and the group's size (a running group's drift is found from them, RunningGroup);
 - rank 0's ServiceAccount, Role (get and patch on this one job and its status, nothing else) and RoleBinding:
   rank 0 reports progress, metrics and checkpoints into the job's status itself.
 
@@ -13,6 +14,7 @@ Every object is owned by the job (ownerReferences), so deleting the job deletes 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -21,12 +23,14 @@ from tandem.contract import RESUME_LATEST, WorkerContract
 from tandem.crd import RESOURCES
 from tandem.operator.gangs import gang_member, pod_group
 from tandem.operator.pod_template import (
+    SPEC_HASH,
     SPEC_MOUNT,
     child_name,
     config_map_name,
     object_metadata,
     pod_spec,
     spec_file_config_map,
+    spec_hash,
 )
 
 JOB_PLURAL = RESOURCES["ParallelTrainingJob"].plural
@@ -46,6 +50,11 @@ WORKER_COMMAND = ["tandem", "worker", "train"]
 LAUNCH_COMMAND = ["tandem", "worker", "launch", "--termination-log", TERMINATION_LOG]
 TERMINATION_GRACE_SECONDS = 60
 """A rank's time to write its checkpoint after SIGTERM (deletion, suspend, resize) before it is killed."""
+WORKERS_ANNOTATION = "tandem.dev/workers"
+RANKS_PER_POD_ANNOTATION = "tandem.dev/ranks-per-pod"
+POLICY_FIELDS = {"workers", "ranksPerPod", "suspend", "backoffLimit", "activeDeadlineSeconds",
+                 "ttlSecondsAfterFinished", "heartbeatTimeoutSeconds"}
+"""Spec fields read live from the job; every other field is the group's, fixed while it runs."""
 
 
 def pod_name(job: str, index: int) -> str:
@@ -147,13 +156,63 @@ def headless_service(owner: dict[str, Any], job: ParallelTrainingJob) -> dict[st
 
 def spec_config_map(owner: dict[str, Any], job: ParallelTrainingJob) -> dict[str, Any]:
     """The job the ranks run, as JSON at TANDEM_SPEC: what a group was started with (a refused change of a
-    running job does not reach it)."""
+    running job does not reach it), annotated with what RunningGroup reads."""
     return spec_file_config_map(owner, "ParallelTrainingJob", job.spec.to_dict(), file=SPEC_FILE,
-                                labels=selector(job.metadata.name))
+                                labels=selector(job.metadata.name), annotations={
+                                    SPEC_HASH: group_spec_hash(job), WORKERS_ANNOTATION: str(job.spec.workers),
+                                    RANKS_PER_POD_ANNOTATION: str(job.spec.ranks_per_pod)})
+
+
+def group_spec(job: ParallelTrainingJob) -> dict[str, Any]:
+    """The spec a group is fixed to: every field but POLICY_FIELDS, less those at their defaults (so that an operator
+    whose API adds a field with a default finds no change in the groups an older one started)."""
+    spec = job.spec.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+    return {key: value for key, value in spec.items() if key not in POLICY_FIELDS}
+
+
+def group_spec_hash(job: ParallelTrainingJob) -> str:
+    return spec_hash(group_spec(job))
+
+
+def changed_fields(running: ParallelTrainingJob, job: ParallelTrainingJob) -> list[str]:
+    """The group's fields `job` sets otherwise than the `running` group."""
+    was, now = group_spec(running), group_spec(job)
+    return sorted(key for key in now if now[key] != was.get(key)) + sorted(set(was) - set(now))
+
+
+@dataclass(frozen=True)
+class RunningGroup:
+    """What a group runs, as its spec ConfigMap says."""
+
+    spec_hash: str
+    """`group_spec_hash` of the job it was started with."""
+    workers: int
+    ranks_per_pod: int
+
+    def runs(self, job: ParallelTrainingJob) -> bool:
+        """Whether the group runs `job`'s spec (its size aside): their hashes agree."""
+        return self.spec_hash == group_spec_hash(job)
+
+
+def running_group(config_map: dict[str, Any] | None) -> RunningGroup | None:
+    """The group the spec ConfigMap was written for, from its annotations. A ConfigMap without them (an operator
+    before spec hashes wrote it, or someone edited them) is read back whole instead, as that operator did on every
+    pass, until the next group replaces it: an upgraded operator finds the drift the older one would have, and
+    restarts no group for the missing annotations."""
+    if config_map is None or SPEC_FILE not in (config_map.get("data") or {}):
+        return None
+    annotations = (config_map.get("metadata") or {}).get("annotations") or {}
+    try:
+        return RunningGroup(annotations[SPEC_HASH], int(annotations[WORKERS_ANNOTATION]),
+                            int(annotations[RANKS_PER_POD_ANNOTATION]))
+    except (KeyError, ValueError):
+        job = applied_job(config_map)
+        return None if job is None else RunningGroup(group_spec_hash(job), job.spec.workers, job.spec.ranks_per_pod)
 
 
 def applied_job(config_map: dict[str, Any] | None) -> ParallelTrainingJob | None:
-    """The job a group runs, read back from its ConfigMap."""
+    """The job a group runs, read back from its ConfigMap (only where its spec must be known whole: the group is
+    rebuilt, or the fields that changed are named)."""
     if config_map is None or SPEC_FILE not in (config_map.get("data") or {}):
         return None
     return ParallelTrainingJob.model_validate_json(config_map["data"][SPEC_FILE])

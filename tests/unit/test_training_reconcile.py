@@ -11,6 +11,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from tandem.operator import training
 from tandem.operator.observed import read_resource
 from tandem.operator.training import Settings, reconcile
 from tandem.operator.training_objects import (
@@ -20,7 +21,9 @@ from tandem.operator.training_objects import (
     POD_INDEX_LABEL,
     RANK_LABEL,
     applied_job,
+    changed_fields,
     child_name,
+    running_group,
     spec_config_map,
     worker_pod,
 )
@@ -306,6 +309,101 @@ def test_reconcile(name, body, pods, changes, expected):
             env = {e["name"]: e.get("value") for e in created["spec"]["containers"][0]["env"]}
             assert env["TANDEM_RESUME_FROM"] == expected.get("resume", env["TANDEM_RESUME_FROM"])
             assert created["metadata"]["labels"][GROUP_LABEL] == expected.get("group", "0")
+
+
+def from_before_spec_hashes(config_map: dict[str, Any]) -> dict[str, Any]:
+    """The spec ConfigMap as an operator before spec hashes wrote it: no annotations."""
+    legacy = copy.deepcopy(config_map)
+    del legacy["metadata"]["annotations"]
+    return legacy
+
+
+def with_annotation(config_map: dict[str, Any], key: str, value: str) -> dict[str, Any]:
+    edited = copy.deepcopy(config_map)
+    edited["metadata"]["annotations"][key] = value
+    return edited
+
+
+def parsed(body: dict[str, Any]):
+    return read_resource(body).model
+
+
+# (name, the running group's ConfigMap, the job now, expected: whether the group runs the job's spec, the group's
+# size (workers, ranksPerPod), the fields named as changed)
+DRIFT = [
+    ("the same spec", applied(job()), job(), (True, (2, 1), [])),
+    ("the image changed", applied(job(), image="tandem-worker:1"), job(image="other:2"), (False, (2, 1), ["image"])),
+    ("the trainer and the shm size changed", applied(job()), job(shmSize="2Gi", trainer={
+        "model": "tandem.examples.digits:cnn", "data": "tandem.examples.digits:train_data"}),
+     (False, (2, 1), ["shmSize", "trainer"])),
+    ("a field set where it was left out", applied(job()), job(schedulerName="volcano"),
+     (False, (2, 1), ["schedulerName"])),
+    ("a field removed", applied(job(), schedulerName="volcano"), job(), (False, (2, 1), ["schedulerName"])),
+    ("policy fields read live changed: the group's spec is the same", applied(job()),
+     job(backoffLimit=7, suspend=True, heartbeatTimeoutSeconds=60, activeDeadlineSeconds=3600,
+         ttlSecondsAfterFinished=10), (True, (2, 1), [])),
+    ("workers and ranksPerPod changed: the size, not the spec", applied(job()), job(workers=4, ranksPerPod=2),
+     (True, (2, 1), [])),
+    ("a field set to its default where it was left out: no change", applied(job()),
+     job(shmSize="1Gi", trainingMode="allReduce", gpusPerWorker=0), (True, (2, 1), [])),
+    ("an older operator's ConfigMap (no annotations), the same spec: read back, no change",
+     from_before_spec_hashes(applied(job(workers=4))), job(workers=4), (True, (4, 1), [])),
+    ("an older operator's ConfigMap, the image changed", from_before_spec_hashes(applied(job(), image="a:1")),
+     job(image="b:2"), (False, (2, 1), ["image"])),
+    ("an older operator's ConfigMap, resized: its size read back", from_before_spec_hashes(applied(job())),
+     job(workers=3), (True, (2, 1), [])),
+    ("an annotation edited into nonsense: read back", with_annotation(applied(job()), "tandem.dev/workers", "two"),
+     job(), (True, (2, 1), [])),
+    ("a hash that is not the spec's: a change", with_annotation(applied(job()), "tandem.dev/spec-hash", "0" * 16),
+     job(), (False, (2, 1), [])),
+]
+
+
+@pytest.mark.parametrize(("name", "config_map", "body", "expected"), DRIFT, ids=[c[0] for c in DRIFT])
+def test_a_running_groups_drift_is_found_by_the_hash_of_its_spec(name, config_map, body, expected):
+    runs, size, changed = expected
+    group = running_group(config_map)
+    assert group.runs(parsed(body)) is runs
+    assert (group.workers, group.ranks_per_pod) == size
+    assert changed_fields(applied_job(config_map), parsed(body)) == changed
+
+
+def test_no_spec_config_map_or_one_without_the_spec_is_no_running_group():
+    emptied = copy.deepcopy(applied(job()))
+    emptied["data"] = {}
+    assert running_group(None) is None and running_group(emptied) is None
+
+
+def test_a_pass_over_an_unchanged_running_group_does_not_read_its_config_map_back(monkeypatch):
+    def read_back(config_map):
+        raise AssertionError("the ConfigMap was read back although the hashes agree")
+
+    monkeypatch.setattr(training, "applied_job", read_back)
+    plan = reconcile(read_resource(job(running(), backoffLimit=5)), BOTH_RUNNING, applied(job()), NOW, SETTINGS)
+    assert plan.status["phase"] == "Running" and plan.delete_pods == []
+
+
+# (name, the job now, the older operator's group (its spec changes), expected phase, pods deleted, refused fields)
+UPGRADES = [
+    ("unchanged: runs on", job(running()), {}, "Running", [], None),
+    ("a policy field changed: runs on", job(running(), backoffLimit=9), {}, "Running", [], None),
+    ("the image changed: refused, runs on", job(running(), image="b:2"), {"image": "a:1"}, "Running", [],
+     "spec.image cannot change"),
+    ("workers changed: resized, as before the upgrade", job(running(), workers=3), {"workers": 2}, "Restarting",
+     ["digits-worker-0", "digits-worker-1"], None),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "changes", "phase", "deleted", "refused"), UPGRADES,
+                         ids=[c[0] for c in UPGRADES])
+def test_a_group_an_older_operator_started_is_decided_as_that_operator_did(name, body, changes, phase, deleted,
+                                                                           refused):
+    plan = reconcile(read_resource(body), BOTH_RUNNING, from_before_spec_hashes(applied(body, **changes)), NOW,
+                     SETTINGS)
+    assert plan.status["phase"] == phase and plan.delete_pods == deleted and plan.status["restarts"] == 0
+    found = {c["type"]: c for c in plan.status["conditions"]}.get("SpecChangeRefused")
+    assert (found is not None and found["status"] == "True" and refused in found["message"]) if refused else \
+        found is None
 
 
 def test_the_status_names_the_master_and_selects_exactly_the_rank_pods():

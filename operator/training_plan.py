@@ -11,6 +11,8 @@ from tandem.operator import queueing
 
 @dataclass(frozen=True)
 class Settings:
+    """`tandem operator`'s options, which reach the handlers as kopf's `memo.settings` (main.py)."""
+
     worker_image: str = "tandem-worker:latest"
     restart_backoff_seconds: float = 10.0
     kueue: bool = False

@@ -15,18 +15,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from tandem.examples.digits import eval_data, mlp, train_data
-from tandem.worker.train.compression import (
-    ThresholdCompression,
-    adapt_threshold,
-    clip_residual_,
+from tandem.worker.train.compression import ThresholdCompression, threshold_hook
+from tandem.worker.train.compression.accumulation import clip_residual_, subtract_encoded_
+from tandem.worker.train.compression.encoding import (
     indices_to_sign_sums,
     pack_ternary,
     signs_to_indices,
-    subtract_encoded_,
     ternary_signs,
-    threshold_hook,
     unpack_ternary,
 )
+from tandem.worker.train.compression.threshold import adapt_threshold
 
 BATCH_PER_RANK = 32
 DIGITS_EPOCHS = 30

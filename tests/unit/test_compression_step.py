@@ -11,17 +11,10 @@ import pytest
 import torch
 
 from tandem.api import ParallelTrainingJobSpec
-from tandem.worker.train.compression import (
-    Settings,
-    ThresholdCompression,
-    accumulate,
-    calibration_value,
-    calibration_values,
-    payload_bytes,
-    sparsify,
-    uses_bitmap,
-    warmup_factor,
-)
+from tandem.worker.train.compression import Settings, ThresholdCompression
+from tandem.worker.train.compression.accumulation import accumulate, sparsify
+from tandem.worker.train.compression.encoding import payload_bytes, uses_bitmap
+from tandem.worker.train.compression.threshold import calibration_value, calibration_values, warmup_factor
 from tandem.worker.train.modes import compression_settings, without_momentum
 
 

@@ -4,7 +4,7 @@ what a checkpoint needs, the bytes exchanged, and the mode's own per-rank state.
 it runs.
 
 - allReduce: DistributedDataParallel's gradient all-reduce, every step.
-- sharedGradients: DDP with the threshold-encoding communication hook (compression.py): error-feedback residuals,
+- sharedGradients: DDP with the threshold-encoding communication hook (compression/): error-feedback residuals,
   momentum-correction velocities and an adaptive threshold per rank, checkpointed per rank (at another world size
   the residuals and velocities are reset and the threshold kept); under momentum correction the optimizer runs
   without momentum.

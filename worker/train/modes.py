@@ -35,7 +35,7 @@ def parameter_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-class DataParallel:
+class AllReduceMode:
     """allReduce: DDP averages the gradients of every step; replicas are identical after each step."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
@@ -85,7 +85,7 @@ class DataParallel:
         return []
 
 
-class SharedGradients(DataParallel):
+class SharedGradientsMode(AllReduceMode):
     """sharedGradients: DDP with the threshold-encoding hook; residuals, velocities and threshold are each rank's
     own (the threshold is the same on every rank)."""
 
@@ -167,7 +167,7 @@ def compression_settings(spec: ParallelTrainingJobSpec) -> dict[str, Any]:
     }
 
 
-class Averaging:
+class AveragingMode:
     """averaging: every rank steps on its own replica; every `frequency` steps the replicas are averaged."""
 
     def __init__(self, model: torch.nn.Module, spec: ParallelTrainingJobSpec, world_size: int):
@@ -245,13 +245,13 @@ class Averaging:
         return total.item() / self.world_size
 
 
-TrainingMode = DataParallel | SharedGradients | Averaging
+TrainingMode = AllReduceMode | SharedGradientsMode | AveragingMode
 
 
 def training_mode(spec: ParallelTrainingJobSpec, model: torch.nn.Module, device: torch.device,
                   world_size: int) -> TrainingMode:
     if spec.training_mode == "averaging":
-        return Averaging(model, spec, world_size)
+        return AveragingMode(model, spec, world_size)
     if spec.training_mode == "sharedGradients":
-        return SharedGradients(model, device, spec)
-    return DataParallel(model, device)
+        return SharedGradientsMode(model, device, spec)
+    return AllReduceMode(model, device)

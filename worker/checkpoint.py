@@ -89,6 +89,7 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 
 def latest(directory: Path) -> Path | None:
+    """The latest complete checkpoint in `directory` (the highest step), None when it holds none."""
     checkpoints = list_checkpoints(directory)
     return checkpoints[-1] if checkpoints else None
 

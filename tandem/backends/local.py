@@ -169,7 +169,7 @@ class LocalJob:
                                      "running it again resumes from the latest checkpoint"), INTERRUPTED_EXIT_CODE
             if self.past_deadline():
                 return self.deadline_exceeded(), 1
-            resume_from = self.latest_checkpoint()
+            resume_from = self.restart_checkpoint()
 
     def report_failure(self, display: Display, group: Launcher, ended: GroupExit) -> None:
         self.failed.append((group, ended))
@@ -183,12 +183,13 @@ class LocalJob:
         while time.monotonic() < until and not self.stop_requested and not self.past_deadline():
             time.sleep(min(POLL_SECONDS, max(0.0, until - time.monotonic())))
 
-    def latest_checkpoint(self) -> Path | None:
+    def restart_checkpoint(self) -> Path | None:
         """Where a restarted group resumes: the latest complete checkpoint; with `checkpoint.resume: false`, the
         latest this run wrote (the directory's older checkpoints were set aside at the start)."""
-        written = checkpoint.list_checkpoints(self.checkpoint_dir)
-        if not self.spec.checkpoint.resume:
-            written = [path for path in written if _identity(path) not in self.older_checkpoints]
+        if self.spec.checkpoint.resume:
+            return checkpoint.latest(self.checkpoint_dir)
+        written = [path for path in checkpoint.list_checkpoints(self.checkpoint_dir)
+                   if _identity(path) not in self.older_checkpoints]
         return written[-1] if written else None
 
     def show(self, display: Display, status: ParallelTrainingJobStatus) -> None:

@@ -123,8 +123,9 @@ def _checkpoint_location(path: Path, label: str, follow: bool, pinned: str | Non
     return ModelLocation(checkpoint=path, label=label)
 
 
-def current_checkpoint(location: ModelLocation) -> Path | None:
-    """The checkpoint file to serve now (the latest in a directory); None while a directory has none yet."""
+def checkpoint_to_serve(location: ModelLocation) -> Path | None:
+    """The checkpoint file `location` stands for now: its file, or the latest in its directory (None while the
+    directory has none yet)."""
     if location.directory is not None:
         return checkpoints.latest(location.directory)
     return location.checkpoint
@@ -154,7 +155,7 @@ def repository_checkpoint(requested: str, root: Path | None) -> Path:
     real_root = Path(os.path.realpath(root))
     path = _under_root(requested, root, real_root)
     if path.is_dir():
-        path = _under_root(str(latest_in(path)), root, real_root)
+        path = _under_root(str(latest_or_load_error(path)), root, real_root)
     return path
 
 
@@ -166,8 +167,8 @@ def _under_root(requested: str, root: Path, real_root: Path) -> Path:
     return real
 
 
-def latest_in(directory: Path) -> Path:
-    """The latest checkpoint in `directory` (a load request may name a directory); ModelLoadError if none."""
+def latest_or_load_error(directory: Path) -> Path:
+    """The latest checkpoint in `directory` where a load names a directory; ModelLoadError when it has none."""
     latest = checkpoints.latest(directory)
     if latest is None:
         raise ModelLoadError(f"{directory}: no checkpoint in this directory")
@@ -187,7 +188,7 @@ def load(location: ModelLocation, model: ModelSource, batch_limit: int,
             raise ModelLoadError(str(error)) from error
         shape, path = tuple(model.input_shape), None
     else:
-        path = checkpoint or current_checkpoint(location)
+        path = checkpoint or checkpoint_to_serve(location)
         if path is None:
             raise ModelLoadError(f"no checkpoint in {location.directory} yet")
         try:

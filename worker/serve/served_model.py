@@ -63,9 +63,9 @@ class ServedModel:
         loop = asyncio.get_running_loop()
         location = self.location
         if location.directory is not None and location.follow \
-                and model_loading.current_checkpoint(location) is None:
+                and model_loading.checkpoint_to_serve(location) is None:
             log.info("waiting for the first checkpoint in %s", location.directory)
-            while model_loading.current_checkpoint(location) is None:
+            while model_loading.checkpoint_to_serve(location) is None:
                 await asyncio.sleep(self.follow_interval)
         started = time.perf_counter()
         first = await loop.run_in_executor(None, self._best_checkpoint) if self.promotion is not None else None
@@ -86,7 +86,7 @@ class ServedModel:
         if self.inference is None or self.loaded is None:
             raise ModelLoadError("the server's first model is still loading")
         if checkpoint is not None and checkpoint.is_dir():
-            checkpoint = model_loading.latest_in(checkpoint)
+            checkpoint = model_loading.latest_or_load_error(checkpoint)
         loop = asyncio.get_running_loop()
         async with self._swap_lock:
             started = time.perf_counter()
@@ -146,7 +146,7 @@ class ServedModel:
         seen = self.loaded.checkpoint
         while True:
             await asyncio.sleep(self.follow_interval)
-            latest = model_loading.current_checkpoint(self.location)
+            latest = model_loading.checkpoint_to_serve(self.location)
             if latest is None or str(latest) == seen:
                 continue
             seen = str(latest)

@@ -83,8 +83,9 @@ def test_the_active_deadline_stops_the_ranks_with_a_checkpoint_and_fails_the_job
     assert latest is not None and status["checkpoint"]["latest"] == str(latest)
     assert 0 < checkpoint.load(latest)["manifest"]["step"] == status["progress"]["step"]
     # The deadline counts from the first group's start, after the launcher's own start-up (about 2 s here); the
-    # ranks agree on a step to stop at within about 2 s plus a step. Measured: about 12 s in all.
-    assert elapsed < deadline + 8, f"took {elapsed:.1f} s"
+    # ranks agree on a step to stop at within about 2 s plus a step. Measured: about 12 s in all, on a quiet machine.
+    # The bound only tells a stop from a job left to run its 500 epochs (hours), so that a loaded machine passes.
+    assert elapsed < deadline + 60, f"took {elapsed:.1f} s"
     assert leftover_processes("deadline") == []
 
 

@@ -35,10 +35,12 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +48,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import LoadResult, build_request, load, wait_for_port  # noqa: E402
+from serve_costs import COSTS_HEADER, Costs, ServeCosts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HIDDEN = 3072
@@ -70,10 +73,10 @@ class Server:
     """A server process in a process group of its own; stopping it stops the group (LitServe's workers are
     child processes that outlive their parent otherwise)."""
 
-    def __init__(self, command: list[str], port: int, ready_path: str):
+    def __init__(self, command: list[str], port: int, ready_path: str, environment: dict[str, str] | None = None):
         self.port = port
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        text=True, start_new_session=True)
+                                        text=True, start_new_session=True, env=environment)
         try:
             asyncio.run(wait_for_port(HOST, port, ready_path, timeout=120))
         except BaseException:
@@ -101,7 +104,10 @@ class Server:
         self.stop()
 
 
-def tandem_server(mode: str, workers: int, directory: Path) -> Server:
+def tandem_server(mode: str, workers: int, directory: Path, source: Path | None = None,
+                  grpc_port: int | None = None) -> Server:
+    """`tandem serve` with the pool below; from the code in `source` (a `checkout`) instead of this tree's when
+    given; with gRPC on `grpc_port` when given."""
     manifest = directory / f"pool-{mode}.yaml"
     manifest.write_text(json.dumps({
         "apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool", "metadata": {"name": "mlp"},
@@ -109,8 +115,24 @@ def tandem_server(mode: str, workers: int, directory: Path) -> Server:
                  "inferenceMode": mode, "workersPerReplica": workers, "batchLimit": BATCH_LIMIT, "queueLimit": 256,
                  "gpusPerReplica": 1 if DEVICE == "cuda" else 0}}))
     port = free_port()
-    return Server([sys.executable, "-m", "tandem.cli", "serve", str(manifest), "--port", str(port), "--no-grpc"], port,
-                  "/v2/health/ready")
+    grpc = ["--no-grpc"] if grpc_port is None else ["--grpc-port", str(grpc_port)]
+    environment = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
+    return Server([sys.executable, "-m", "tandem.cli", "serve", str(manifest), "--port", str(port), *grpc], port,
+                  "/v2/health/ready", environment)
+
+
+def checkout(ref: str, directory: Path) -> Path:
+    """The tandem package as it is at git `ref`, laid out to import from PYTHONPATH ahead of this tree's editable
+    install (tandem/worker and tandem/operator mapped as pyproject's package-dir maps them), for A/B runs."""
+    source = directory / "source"
+    source.mkdir()
+    archive = subprocess.run(["git", "archive", ref], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    package = directory / "importable"
+    shutil.copytree(source / "tandem", package / "tandem")
+    for name in ("worker", "operator"):
+        (package / "tandem" / name).symlink_to(source / name, target_is_directory=True)
+    return package
 
 
 def tandem_request(port: int) -> bytes:
@@ -153,7 +175,10 @@ def bench_ceiling(seconds: float, workers: int) -> float:
     return max(results)
 
 
-def _forward_rate(seconds: float, replicas: int, threads: int) -> float:
+FORWARD_SIZES = (8, 16, 24)  # beside BATCH_LIMIT: what a smaller batch costs per example
+
+
+def _forward_rate(seconds: float, replicas: int, threads: int, batch: int = BATCH_LIMIT) -> float:
     import threading
 
     import torch
@@ -164,15 +189,18 @@ def _forward_rate(seconds: float, replicas: int, threads: int) -> float:
     devices = [torch.device("cuda", i % torch.cuda.device_count()) if DEVICE == "cuda" else torch.device("cpu")
                for i in range(replicas)]
     models = [mlp(HIDDEN).eval().to(device) for device in devices]
-    example = torch.from_numpy(np.tile(EXAMPLE, (BATCH_LIMIT, 1)))
+    example = torch.from_numpy(np.tile(EXAMPLE, (batch, 1)))
     counts = [0] * replicas
+    cpu = [0] * replicas
     stop = threading.Event()
 
     def run(index: int) -> None:
+        started = time.thread_time_ns()
         with torch.no_grad():
             while not stop.is_set():  # as the server does: the batch to the device, the answer back to the host
                 models[index](example.to(devices[index])).cpu()
                 counts[index] += 1
+        cpu[index] = time.thread_time_ns() - started
 
     runners = [threading.Thread(target=run, args=(i,)) for i in range(replicas)]
     for runner in runners:
@@ -184,55 +212,112 @@ def _forward_rate(seconds: float, replicas: int, threads: int) -> float:
     stop.set()
     for runner in runners:
         runner.join()
-    rate = done * BATCH_LIMIT / elapsed
-    print(f"ceiling: raw forward in process, batch {BATCH_LIMIT}, {replicas} replica(s) x {threads} thread(s): "
-          f"{rate:.0f} examples/s", flush=True)
+    rate = done * batch / elapsed
+    print(f"{'ceiling' if batch == BATCH_LIMIT else 'forward'}: raw forward in process, batch {batch}, {replicas} "
+          f"replica(s) x {threads} thread(s): {rate:.0f} examples/s, {sum(cpu) / sum(counts) / batch / 1e3:.0f} us "
+          "of CPU per example", flush=True)
     return rate
 
 
 WRK_CONNECTIONS = (8, 64, SATURATED)
 
 
-def run_wrk(port: int, body: Path, connections: int, seconds: float) -> tuple[float, float, int]:
-    """wrk's req/s, p99 (ms) and failed responses (non-2xx, socket errors) over `seconds` after a 0.5 s warm-up."""
-    url = f"http://{HOST}:{port}/v2/models/mlp/infer"
+@dataclass
+class Point:
+    """One load point on one server: the load generator's req/s, p99 and failures, and where the CPU went."""
+
+    rate: float
+    p99_ms: float
+    failed: int
+    costs: Costs
+
+
+def run_wrk(server: Server, body: Path, connections: int, seconds: float, workers: int) -> Point:
+    """wrk's req/s, p99 (ms) and failed responses (non-2xx, socket errors) over `seconds` after a 1 s warm-up, and
+    the server's costs over the measured run."""
+    url = f"http://{HOST}:{server.port}/v2/models/mlp/infer"
     script = str(ROOT / "bench" / "wrk_infer.lua")
     base = ["wrk", "-t1", f"-c{connections}", "--latency", "-s", script]
     subprocess.run([*base, "-d1s", url, "--", str(body)], check=True, capture_output=True)  # warm-up
-    out = subprocess.run([*base, f"-d{max(1, round(seconds))}s", url, "--", str(body)], check=True,
-                         capture_output=True, text=True).stdout
+    with ServeCosts(server.process.pid, server.port, "mlp", BATCH_LIMIT, workers) as costs:
+        out = subprocess.run([*base, f"-d{max(1, round(seconds))}s", url, "--", str(body)], check=True,
+                             capture_output=True, text=True).stdout
     rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     value, unit = re.search(r"^\s+99%\s+([\d.]+)(us|ms|s)$", out, re.M).groups()
     p99_ms = float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
     failed = sum(int(n) for n in re.findall(r"Non-2xx or 3xx responses: (\d+)", out))
     failed += sum(int(n) for n in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
-    return rate, p99_ms, failed
+    return Point(rate, p99_ms, failed, costs.result)
 
 
-def bench_wrk(seconds: float, workers: int, directory: Path) -> None:
+def run_loadgen(server: Server, request: bytes, connections: int, seconds: float, workers: int) -> Point:
+    with ServeCosts(server.process.pid, server.port, "mlp", BATCH_LIMIT, workers, client="self") as costs:
+        result = drive(server.port, request, connections, seconds)
+    failed = sum(n for status, n in result.statuses.items() if status != 200)
+    return Point(result.rps, result.p99, failed, costs.result)
+
+
+def bench_wrk(seconds: float, workers: int, directory: Path, against: str | None, rounds: int) -> None:
+    """wrk and bench/loadgen.py at each point, `rounds` times; with `against` (a git ref), the server as it is at that
+    ref too, alternating with this tree's (the order flips each round), and the ratios printed."""
     if shutil.which("wrk") is None:
         print("wrk: skipped: wrk is not installed (Debian: apt-get install wrk)")
         return
     body = directory / "request.json"
     body.write_text(json.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
                                             "data": EXAMPLE.tolist()}]}))
-    rows = []
-    with tandem_server("batched", workers, directory) as server:
-        request = tandem_request(server.port)
-        drive(server.port, request, 8, 1.0, check_tandem)  # warm-up, with answers checked
-        for connections in WRK_CONNECTIONS:
-            rate, p99, failed = run_wrk(server.port, body, connections, seconds)
-            python = drive(server.port, request, connections, seconds)
-            rows.append((connections, rate, p99, failed, python))
-            print(f"wrk     c={connections:<3d} {rate:8.0f} req/s  p99 {p99:6.1f} ms  failed {failed}", flush=True)
-            print(f"loadgen c={connections:<3d} {python.line()}", flush=True)
+    variants: list[tuple[str, Path | None]] = [("this tree", None)]
+    if against:
+        variants.append((against, checkout(against, directory / "against")))
+    points: dict[tuple[str, str, int], list[Point]] = {}
+    for round_ in range(rounds):
+        for label, source in variants if round_ % 2 == 0 else variants[::-1]:
+            with tandem_server("batched", workers, directory, source) as server:
+                request = tandem_request(server.port)
+                drive(server.port, request, 8, 1.0, check_tandem)  # warm-up, with answers checked
+                for connections in WRK_CONNECTIONS:
+                    for client, run in (("wrk", run_wrk), ("loadgen", run_loadgen)):
+                        point = run(server, body if client == "wrk" else request, connections, seconds, workers)
+                        points.setdefault((label, client, connections), []).append(point)
+                        print(f"{label}: {client:7s} c={connections:<3d} {point.rate:8.0f} req/s  p99 "
+                              f"{point.p99_ms:6.1f} ms  failed {point.failed}\n    {point.costs.line()}", flush=True)
     ceiling = bench_ceiling(seconds, workers)
-    print("\n| connections | wrk req/s (p99 ms) | wrk / ceiling | loadgen req/s (p99 ms) | loadgen / ceiling |")
-    print("|---|---|---|---|---|")
-    for connections, rate, p99, failed, python in rows:
-        print(f"| {connections} | {rate:.0f} ({p99:.1f}){' failed ' + str(failed) if failed else ''} | "
-              f"**{rate / ceiling:.2f}** | {python.rps:.0f} ({python.p99:.1f}) | {python.rps / ceiling:.2f} |")
+    for size in FORWARD_SIZES:
+        _forward_rate(seconds / 2, workers, max(1, cores() // workers), size)
+    for label, _ in variants:
+        best = {key: max(found, key=lambda p: p.rate) for key, found in points.items() if key[0] == label}
+        print(f"\n{label} (best of {rounds} round(s)); the rows of bench/RESULTS.md's table:")
+        print("| connections | wrk req/s (p99 ms) | wrk / ceiling | loadgen req/s (p99 ms) | loadgen / ceiling |")
+        print("|---|---|---|---|---|")
+        for connections in WRK_CONNECTIONS:
+            wrk, python = best[label, "wrk", connections], best[label, "loadgen", connections]
+            print(f"| {connections} | {_rate_cell(wrk)} | **{wrk.rate / ceiling:.2f}** | {_rate_cell(python)} | "
+                  f"{python.rate / ceiling:.2f} |")
+        print(f"\n| client | connections | {COSTS_HEADER} |")
+        print("|---|---|" + "---|" * (COSTS_HEADER.count("|") + 1))
+        for client in ("wrk", "loadgen"):
+            for connections in WRK_CONNECTIONS:
+                print(f"| {client} | {connections} | {best[label, client, connections].costs.row()} |")
     print(f"ceiling (raw forward, batch {BATCH_LIMIT}, {workers} replicas): {ceiling:.0f} examples/s")
+    if against:
+        print(f"\nthis tree / {against}, medians over {rounds} round(s) (req/s: higher is better; CPU per request: "
+              "lower is better):")
+        for client in ("wrk", "loadgen"):
+            for connections in WRK_CONNECTIONS:
+                ours, theirs = points["this tree", client, connections], points[against, client, connections]
+                print(f"  {client:7s} c={connections:<3d} req/s {_median_ratio(ours, theirs, lambda p: p.rate):.2f}x, "
+                      f"p99 {_median_ratio(ours, theirs, lambda p: p.p99_ms):.2f}x, loop CPU "
+                      f"{_median_ratio(ours, theirs, lambda p: p.costs.loop_us):.2f}x, workers' CPU "
+                      f"{_median_ratio(ours, theirs, lambda p: sum(p.costs.workers_us)):.2f}x, mean batch "
+                      f"{_median_ratio(ours, theirs, lambda p: p.costs.mean_batch):.2f}x")
+
+
+def _rate_cell(point: Point) -> str:
+    return f"{point.rate:.0f} ({point.p99_ms:.1f}){' failed ' + str(point.failed) if point.failed else ''}"
+
+
+def _median_ratio(ours: list[Point], theirs: list[Point], value) -> float:
+    return statistics.median(value(a) / value(b) for a, b in zip(ours, theirs, strict=True))
 
 
 def litserve_server(workers: int, batch_timeout: float, fast_queue: bool) -> Server:
@@ -280,6 +365,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=cores(), help="model replicas (default: one per core)")
     parser.add_argument("--only", choices=("modes", "ceiling", "litserve", "wrk"), action="append")
     parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"the MLP's hidden units (default {HIDDEN})")
+    parser.add_argument("--against", metavar="GIT_REF",
+                        help="wrk: also serve the code as it is at this git ref, alternating with this tree's, and "
+                             "print this tree's figures over its")
+    parser.add_argument("--rounds", type=int, default=1, help="wrk: rounds over every point (best one tabled)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one replica per GPU in the server (gpusPerReplica 1) and in the ceiling")
     args = parser.parse_args()
@@ -301,7 +390,7 @@ def main() -> None:
         bench_litserve(args.seconds, args.workers, tandem)
     if "wrk" in parts:
         with tempfile.TemporaryDirectory() as tmp:
-            bench_wrk(args.seconds, args.workers, Path(tmp))
+            bench_wrk(args.seconds, args.workers, Path(tmp), args.against, args.rounds)
 
 if __name__ == "__main__":
     main()

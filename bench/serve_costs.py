@@ -1,0 +1,137 @@
+"""Where a served request's time goes, measured from outside the server while a load generator drives it: the CPU
+time each thread of the server process spends per answered request (its event loop thread, its inference workers,
+the rest), the load generator's own CPU per request, the batch sizes the server formed and how long requests
+waited in its queue (from its statistics endpoint, `GET /v2/models/{m}/stats`).
+
+    with ServeCosts(server_pid, port, "mlp") as costs:
+        ... drive the server ...
+    print(costs.result.line())          # after the block: the deltas over it
+
+Threads are told apart by what Linux reports (/proc/PID/task/TID/stat: utime + stime): the event loop runs on the
+process's main thread (TID == PID); the inference workers are the busiest other threads, `workers` of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import urllib.request
+from dataclasses import dataclass
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process `pid`, by thread id."""
+    seconds = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                text = stat.read()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        seconds[int(tid)] = (int(fields[11]) + int(fields[12])) / TICKS
+    return seconds
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's waited-for children (a load generator run with subprocess.run)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def model_stats(port: int, model: str) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{model}/stats", timeout=30) as answer:
+        return json.load(answer)["model_stats"][0]
+
+
+@dataclass
+class Costs:
+    """Per answered request over a measured span: microseconds of CPU and milliseconds of waiting."""
+
+    requests: int
+    loop_us: float
+    workers_us: list[float]
+    other_us: float
+    client_us: float
+    mean_batch: float
+    full_share: float
+    """The share of examples that ran in batches of batch_limit."""
+    queue_ms: float
+    """Mean time from submit to the start of the request's forward."""
+    forward_us_per_example: float
+    """Wall time of the forwards (infer only) per example."""
+    answered_ms: float
+    """Mean time from submit to the output being split off its batch (before the hand-off to the event loop)."""
+
+    def line(self) -> str:
+        workers = " + ".join(f"{w:.0f}" for w in self.workers_us)
+        return (f"CPU per request: loop {self.loop_us:.0f} us, workers {workers} = {sum(self.workers_us):.0f} us, "
+                f"other threads {self.other_us:.0f} us, client {self.client_us:.0f} us; batches: mean "
+                f"{self.mean_batch:.1f}, {self.full_share:.0%} of examples in full ones, forward "
+                f"{self.forward_us_per_example:.0f} us wall per example; queue wait {self.queue_ms:.2f} ms; "
+                f"submit to output {self.answered_ms:.2f} ms")
+
+    def row(self) -> str:
+        """The breakdown as a row of RESULTS.md's table (after the label columns)."""
+        return (f"{self.loop_us:.0f} | {sum(self.workers_us):.0f} | {self.other_us:.0f} | {self.client_us:.0f} | "
+                f"{self.mean_batch:.1f} ({self.full_share:.0%}) | {self.queue_ms:.1f} | {self.answered_ms:.1f}")
+
+
+COSTS_HEADER = ("loop CPU us/req | workers' CPU us/req | other threads | client CPU us/req | mean batch (share "
+                "of examples in full batches) | queue wait ms | submit to output ms")
+
+
+class ServeCosts:
+    """Measures the server `pid` (answering on `port`) over the `with` block; `client` says whose CPU the load
+    generator's is: "children" (a subprocess run to its end inside the block) or "self" (this process)."""
+
+    def __init__(self, pid: int, port: int, model: str, batch_limit: int, workers: int, client: str = "children"):
+        self.pid, self.port, self.model, self.batch_limit, self.workers = pid, port, model, batch_limit, workers
+        self.client = children_cpu if client == "children" else own_cpu
+        self.result: Costs | None = None
+
+    def __enter__(self) -> ServeCosts:
+        self._stats, self._threads, self._client = model_stats(self.port, self.model), thread_cpu(self.pid), \
+            self.client()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        client, threads, stats = self.client(), thread_cpu(self.pid), model_stats(self.port, self.model)
+        self.result = costs(self._stats, stats, self._threads, threads, self.pid, client - self._client,
+                            self.batch_limit, self.workers)
+
+
+def costs(stats_before: dict, stats_after: dict, threads_before: dict[int, float], threads_after: dict[int, float],
+          pid: int, client_seconds: float, batch_limit: int, workers: int) -> Costs:
+    def delta(key: str, field: str) -> int:
+        return stats_after["inference_stats"][key][field] - stats_before["inference_stats"][key][field]
+
+    requests = max(1, delta("success", "count"))
+    per_request = 1e6 / requests
+    used = {tid: seconds - threads_before.get(tid, 0.0) for tid, seconds in threads_after.items()}
+    loop = used.pop(pid, 0.0)
+    busiest = sorted(used.values(), reverse=True)
+    before = {entry["batch_size"]: entry["compute_infer"] for entry in stats_before["batch_stats"]}
+    forwards = examples = full = infer_ns = 0
+    for entry in stats_after["batch_stats"]:
+        size, infer = entry["batch_size"], entry["compute_infer"]
+        count = infer["count"] - before.get(size, {"count": 0})["count"]
+        forwards += count
+        examples += count * size
+        full += count * size if size == batch_limit else 0
+        infer_ns += infer["ns"] - before.get(size, {"ns": 0})["ns"]
+    return Costs(
+        requests=requests, loop_us=loop * per_request, workers_us=[s * per_request for s in busiest[:workers]],
+        other_us=sum(busiest[workers:]) * per_request, client_us=client_seconds * per_request,
+        mean_batch=examples / max(1, forwards), full_share=full / max(1, examples),
+        queue_ms=delta("queue", "ns") / max(1, delta("queue", "count")) / 1e6,
+        forward_us_per_example=infer_ns / max(1, examples) / 1e3,
+        answered_ms=delta("success", "ns") / requests / 1e6)

@@ -89,6 +89,7 @@ class ParallelInference:
         self._free: list[int] = []  # inplace mode: indices of idle replicas
         self._waiting = 0  # inplace mode: callers waiting for a replica
         self._swap_lock = threading.Lock()
+        self._torch_threads = torch.get_num_threads()
         self._replicas = self._build_replicas(model, batch_limit)
         self._generation = 0
         self._threads: list[threading.Thread] = []
@@ -250,6 +251,10 @@ class ParallelInference:
         return True
 
     def _work(self, index: int) -> None:
+        # The thread count torch.set_num_threads gave the creating thread is that thread's own (OpenMP's setting is
+        # per thread): without this, a worker's small matrix products ran on extra MKL threads too, more threads
+        # than cores beside the other replicas (measured in bench/RESULTS.md).
+        torch.set_num_threads(self._torch_threads)
         while True:
             batch, expired = self._take(index)
             if expired:

@@ -73,10 +73,11 @@ class Server:
     """A server process in a process group of its own; stopping it stops the group (LitServe's workers are
     child processes that outlive their parent otherwise)."""
 
-    def __init__(self, command: list[str], port: int, ready_path: str, environment: dict[str, str] | None = None):
+    def __init__(self, command: list[str], port: int, ready_path: str, source: Path | None = None):
         self.port = port
-        self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        text=True, start_new_session=True, env=environment)
+        environment = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
+        self.process = subprocess.Popen(command, cwd=source or ROOT, env=environment, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             asyncio.run(wait_for_port(HOST, port, ready_path, timeout=120))
         except BaseException:
@@ -116,16 +117,16 @@ def tandem_server(mode: str, workers: int, directory: Path, source: Path | None 
                  "gpusPerReplica": 1 if DEVICE == "cuda" else 0}}))
     port = free_port()
     grpc = ["--no-grpc"] if grpc_port is None else ["--grpc-port", str(grpc_port)]
-    environment = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
     return Server([sys.executable, "-m", "tandem.cli", "serve", str(manifest), "--port", str(port), *grpc], port,
-                  "/v2/health/ready", environment)
+                  "/v2/health/ready", source)
 
 
 def checkout(ref: str, directory: Path) -> Path:
-    """The tandem package as it is at git `ref`, laid out to import from PYTHONPATH ahead of this tree's editable
-    install (tandem/worker and tandem/operator mapped as pyproject's package-dir maps them), for A/B runs."""
+    """The tandem package as it is at git `ref`, laid out to import ahead of this tree's editable install (from the
+    working directory and PYTHONPATH: tandem/worker and tandem/operator mapped as pyproject's package-dir maps
+    them), for A/B runs."""
     source = directory / "source"
-    source.mkdir()
+    source.mkdir(parents=True)
     archive = subprocess.run(["git", "archive", ref], cwd=ROOT, check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
     package = directory / "importable"

@@ -7,7 +7,10 @@ Modes (DL4J's InferenceMode):
 
 - ``batched``: requests wait in one queue; a free worker takes the oldest one together with every queued
   request of the same per-example shape and dtype, up to ``batch_limit`` examples (optionally waiting up to
-  ``max_delay_us`` for the batch to fill), runs one forward on its replica and splits the output back.
+  ``max_delay_us`` for the batch to fill), runs one forward on its replica and splits the output back. Where
+  the replicas share one device (on CPU: the cores), a free worker takes less than a full batch only while no
+  other replica runs a forward; otherwise it waits until the queue holds a full batch, that forward ends, or the
+  oldest request has waited as long as the last forward took.
 - ``sequential``: the same queue and workers, one request per forward, first in first out.
 - ``inplace``: the caller's thread runs the forward on a free replica (no queue, no worker threads).
 
@@ -76,6 +79,7 @@ class ParallelInference:
         self.devices = [torch.device(d) for d in devices] if devices else default_devices(workers)
         if len(self.devices) != workers:
             raise ValueError(f"devices lists {len(self.devices)} devices for {workers} workers")
+        self._shared_device = workers > 1 and len(set(self.devices)) == 1
         self.stats = InferenceStats()
         self._example = None if example is None else torch.as_tensor(as_input(example))
         # Submitters append to the queue under _submit_lock (never contended by workers); workers take batches
@@ -84,6 +88,8 @@ class ParallelInference:
         self._cond = threading.Condition(threading.Lock())
         self._queue: deque[Ticket] = deque()
         self._idle_workers = 0
+        self._filling_workers = 0  # waiting for a fuller batch while another replica runs (_wait_for_fuller_batch)
+        self._forward_ns = 0  # how long the last forward took
         self._running = 0
         self._closed = False
         self._free: list[int] = []  # inplace mode: indices of idle replicas
@@ -236,9 +242,14 @@ class ParallelInference:
                     f"queue full: {self.queue_limit} requests already waiting (queue_limit={self.queue_limit}); "
                     "retry later")
             self._queue.append(request)
-        if self._idle_workers:  # read after the append; a worker counts itself before it looks at the queue
+        # Read after the append; a worker counts itself before it looks at the queue. A worker waiting for a fuller
+        # batch wakes when the queue holds batch_limit requests (at least as many examples) or a forward ends.
+        if self._idle_workers or (self._filling_workers and len(self._queue) >= self.batch_limit):
             with self._cond:
-                self._cond.notify()
+                if self._filling_workers:
+                    self._cond.notify_all()
+                else:
+                    self._cond.notify()
 
     def withdraw(self, request: Ticket) -> bool:
         """Take `request` out of the queue if it is still there (Ticket.cancel)."""
@@ -268,6 +279,8 @@ class ParallelInference:
                 finally:
                     with self._cond:
                         self._running -= len(batch)
+                        if self._filling_workers:
+                            self._cond.notify_all()
 
     def _take(self, index: int) -> tuple[list[Ticket] | None, list[Ticket]]:
         """The next batch for worker `index` (None: shut down and drained), and requests found expired."""
@@ -281,18 +294,37 @@ class ParallelInference:
                             return None, []
                         self._cond.wait()
                         continue
-                    if self.max_delay_s and self.mode == "batched" and not self._closed \
-                            and sum(r.rows for r in queue) < self.batch_limit:
-                        wait = queue[0].submitted / 1e9 + self.max_delay_s - time.perf_counter_ns() / 1e9
-                        if wait > 0:
-                            self._cond.wait(wait)
-                            continue
                     batched = self.mode == "batched"
+                    if batched and not self._closed and sum(r.rows for r in queue) < self.batch_limit:
+                        if self.max_delay_s:
+                            wait = queue[0].submitted / 1e9 + self.max_delay_s - time.perf_counter_ns() / 1e9
+                            if wait > 0:
+                                self._cond.wait(wait)
+                                continue
+                        if self._running and self._shared_device:
+                            wait = queue[0].submitted + self._forward_ns - time.perf_counter_ns()
+                            if wait > 0:
+                                self._wait_for_fuller_batch(wait / 1e9)
+                                continue
                     batch, expired = pop_batch(queue, self.batch_limit if batched else 1, batched, self.queue_limit)
                     self._running += len(batch)
                     return batch, expired
             finally:
                 self._idle_workers -= 1
+
+    def _wait_for_fuller_batch(self, timeout: float) -> None:
+        """Another replica runs a forward on the same device and the queue holds less than a full batch: wait (under
+        _cond) until it holds one, a forward ends, or `timeout` (the oldest request waits at most about one forward
+        longer: a slow or stuck forward never holds the other replicas back for longer). Two partial forwards side
+        by side on the same cores each cost more per example than one fuller forward after the other (measured in
+        bench/RESULTS.md)."""
+        self._idle_workers -= 1  # a submitter wakes this worker only for a full batch (_enqueue)
+        self._filling_workers += 1
+        try:
+            self._cond.wait(timeout)
+        finally:
+            self._filling_workers -= 1
+            self._idle_workers += 1
 
     def _expire(self, expired: list[Ticket]) -> None:
         self.stats.failed_unrun(expired, time.perf_counter_ns())
@@ -326,6 +358,7 @@ class ParallelInference:
             batch[0].finish(None, error if isinstance(error, ModelError) else _model_error(error))
             return
         end = time.perf_counter_ns()
+        self._forward_ns = end - start
         self.stats.batch(batch, rows, start, infer, output, end, (True,) * len(batch))
         for request, piece in zip(batch, pieces, strict=True):
             request.finish(piece, None)

@@ -321,6 +321,84 @@ def _median_ratio(ours: list[Point], theirs: list[Point], value) -> float:
     return statistics.median(value(a) / value(b) for a, b in zip(ours, theirs, strict=True))
 
 
+GRPC_CONNECTIONS = 8  # h2load's connections; the rest of each point's concurrency is streams on them
+
+
+def grpc_request_file(directory: Path) -> Path:
+    """The ModelInferRequest of one example (raw FP32 contents, as tritonclient.grpc sends it) as gRPC puts it on the
+    wire: a 0 byte (not compressed), its length (4 bytes, big-endian), the message."""
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name="mlp", raw_input_contents=[EXAMPLE.reshape(1, 64).tobytes()])
+    request.inputs.add(name="input", datatype="FP32", shape=[1, 64])
+    message = request.SerializeToString()
+    path = directory / "request.grpc"
+    path.write_bytes(b"\0" + len(message).to_bytes(4, "big") + message)
+    return path
+
+
+def check_grpc(port: int, request_file: Path) -> None:
+    """Send the bytes h2load will send through a gRPC client and check the answer (status OK, 10 outputs): h2load
+    itself only sees HTTP statuses, which are 200 even for a failed call (gRPC's status is in the trailers)."""
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    with grpc.insecure_channel(f"{HOST}:{port}") as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
+                                    response_deserializer=service_pb2.ModelInferResponse.FromString)
+        answer = infer(request_file.read_bytes()[5:], timeout=30)
+    if len(answer.raw_output_contents) != 1 or len(answer.raw_output_contents[0]) != 10 * 4:
+        raise AssertionError(f"unexpected gRPC answer: {answer}")
+
+
+def run_h2load(server: Server, grpc_port: int, request_file: Path, concurrency: int, seconds: float,
+               workers: int, directory: Path) -> Point:
+    """h2load's req/s and p99 (from its per-request log) over `seconds` after a 1 s warm-up. Failed calls are
+    counted by the server (its failure and success counters over the run), not by h2load (see check_grpc)."""
+    connections = min(concurrency, GRPC_CONNECTIONS)
+    log = directory / f"h2load-{concurrency}.log"
+    base = ["h2load", "-t1", f"-c{connections}", f"-m{concurrency // connections}", "-d", str(request_file),
+            "-H", "content-type: application/grpc", "-H", "te: trailers",
+            f"http://{HOST}:{grpc_port}/inference.GRPCInferenceService/ModelInfer"]
+    subprocess.run([*base, "-D", "1"], check=True, capture_output=True)  # warm-up
+    with ServeCosts(server.process.pid, server.port, "mlp", BATCH_LIMIT, workers) as costs:
+        out = subprocess.run([*base, "-D", str(max(1, round(seconds))), "--log-file", str(log)], check=True,
+                             capture_output=True, text=True).stdout
+    rate = float(re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out).group(1))
+    durations = sorted(int(line.split("\t")[2]) for line in log.read_text().splitlines() if line.strip())
+    p99_ms = durations[min(len(durations) - 1, int(0.99 * len(durations)))] / 1000 if durations else float("nan")
+    done = int(re.search(r"requests: \d+ total, \d+ started, (\d+) done", out).group(1))
+    failed = done - costs.result.requests if costs.result.requests < done else 0
+    return Point(rate, p99_ms, failed, costs.result)
+
+
+def bench_grpc(seconds: float, workers: int, directory: Path) -> None:
+    if shutil.which("h2load") is None:
+        print("grpc: skipped: h2load is not installed (Debian: apt-get install nghttp2-client)")
+        return
+    request_file = grpc_request_file(directory)
+    grpc_port = free_port()
+    rows = []
+    with tandem_server("batched", workers, directory, grpc_port=grpc_port) as server:
+        check_grpc(grpc_port, request_file)
+        for concurrency in WRK_CONNECTIONS:
+            point = run_h2load(server, grpc_port, request_file, concurrency, seconds, workers, directory)
+            rows.append((concurrency, point))
+            print(f"h2load  c={concurrency:<3d} {point.rate:8.0f} req/s  p99 {point.p99_ms:6.1f} ms  not answered OK "
+                  f"{point.failed}\n    {point.costs.line()}", flush=True)
+    ceiling = bench_ceiling(seconds, workers)
+    print(f"\ngRPC (h2load, {GRPC_CONNECTIONS} connections, streams on them for the rest); the rows of "
+          "bench/RESULTS.md's table:")
+    print("| concurrent calls | h2load req/s (p99 ms) | h2load / ceiling |")
+    print("|---|---|---|")
+    for concurrency, point in rows:
+        print(f"| {concurrency} | {_rate_cell(point)} | **{point.rate / ceiling:.2f}** |")
+    print(f"\n| concurrent calls | {COSTS_HEADER} |")
+    print("|---|" + "---|" * (COSTS_HEADER.count("|") + 1))
+    for concurrency, point in rows:
+        print(f"| {concurrency} | {point.costs.row()} |")
+
+
 def litserve_server(workers: int, batch_timeout: float, fast_queue: bool) -> Server:
     port = free_port()
     threads = max(1, cores() // workers)
@@ -364,7 +442,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per point (after 0.5 s warm-up)")
     parser.add_argument("--workers", type=int, default=cores(), help="model replicas (default: one per core)")
-    parser.add_argument("--only", choices=("modes", "ceiling", "litserve", "wrk"), action="append")
+    parser.add_argument("--only", choices=("modes", "ceiling", "litserve", "wrk", "grpc"), action="append")
     parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"the MLP's hidden units (default {HIDDEN})")
     parser.add_argument("--against", metavar="GIT_REF",
                         help="wrk: also serve the code as it is at this git ref, alternating with this tree's, and "
@@ -392,6 +470,9 @@ def main() -> None:
     if "wrk" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             bench_wrk(args.seconds, args.workers, Path(tmp), args.against, args.rounds)
+    if "grpc" in parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            bench_grpc(args.seconds, args.workers, Path(tmp))
 
 if __name__ == "__main__":
     main()

@@ -38,7 +38,15 @@ from typing import Any, Literal
 
 import torch
 
-from tandem.worker.serve.batching import Callback, Ticket, as_input, join_inputs, pop_batch, split_output
+from tandem.worker.serve.batching import (
+    Callback,
+    Ticket,
+    as_input,
+    fuller_batch_wait,
+    join_inputs,
+    pop_batch,
+    split_output,
+)
 from tandem.worker.serve.errors import InferenceError, InferenceTimeout, ModelError, QueueFullError, ShutDownError
 from tandem.worker.serve.replicas import build_replicas, default_devices, forward, warmup_sizes
 from tandem.worker.serve.stats import InferenceStats
@@ -242,9 +250,11 @@ class ParallelInference:
                     f"queue full: {self.queue_limit} requests already waiting (queue_limit={self.queue_limit}); "
                     "retry later")
             self._queue.append(request)
+            fills_a_batch = len(self._queue) == self.batch_limit
         # Read after the append; a worker counts itself before it looks at the queue. A worker waiting for a fuller
-        # batch wakes when the queue holds batch_limit requests (at least as many examples) or a forward ends.
-        if self._idle_workers or (self._filling_workers and len(self._queue) >= self.batch_limit):
+        # batch is woken once, by the request that brings the queue to batch_limit requests (at least as many
+        # examples), or by a forward's end.
+        if self._idle_workers or (fills_a_batch and self._filling_workers):
             with self._cond:
                 if self._filling_workers:
                     self._cond.notify_all()
@@ -295,17 +305,18 @@ class ParallelInference:
                         self._cond.wait()
                         continue
                     batched = self.mode == "batched"
-                    if batched and not self._closed and sum(r.rows for r in queue) < self.batch_limit:
+                    if batched and not self._closed and len(queue) < self.batch_limit \
+                            and (rows := sum(r.rows for r in queue)) < self.batch_limit:
                         if self.max_delay_s:
                             wait = queue[0].submitted / 1e9 + self.max_delay_s - time.perf_counter_ns() / 1e9
                             if wait > 0:
                                 self._cond.wait(wait)
                                 continue
-                        if self._running and self._shared_device:
-                            wait = queue[0].submitted + self._forward_ns - time.perf_counter_ns()
-                            if wait > 0:
-                                self._wait_for_fuller_batch(wait / 1e9)
-                                continue
+                        wait_ns = fuller_batch_wait(rows, self.batch_limit, self._running > 0, self._shared_device,
+                                                    time.perf_counter_ns() - queue[0].submitted, self._forward_ns)
+                        if wait_ns:
+                            self._wait_for_fuller_batch(wait_ns / 1e9)
+                            continue
                     batch, expired = pop_batch(queue, self.batch_limit if batched else 1, batched, self.queue_limit)
                     self._running += len(batch)
                     return batch, expired
@@ -313,11 +324,7 @@ class ParallelInference:
                 self._idle_workers -= 1
 
     def _wait_for_fuller_batch(self, timeout: float) -> None:
-        """Another replica runs a forward on the same device and the queue holds less than a full batch: wait (under
-        _cond) until it holds one, a forward ends, or `timeout` (the oldest request waits at most about one forward
-        longer: a slow or stuck forward never holds the other replicas back for longer). Two partial forwards side
-        by side on the same cores each cost more per example than one fuller forward after the other (measured in
-        bench/RESULTS.md)."""
+        """Wait (under _cond) until the queue holds a full batch, a forward ends, or `timeout` (fuller_batch_wait)."""
         self._idle_workers -= 1  # a submitter wakes this worker only for a full batch (_enqueue)
         self._filling_workers += 1
         try:

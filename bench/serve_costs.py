@@ -7,8 +7,10 @@ waited in its queue (from its statistics endpoint, `GET /v2/models/{m}/stats`).
         ... drive the server ...
     print(costs.result.line())          # after the block: the deltas over it
 
-Threads are told apart by what Linux reports (/proc/PID/task/TID/stat: utime + stime): the event loop runs on the
-process's main thread (TID == PID); the inference workers are the busiest other threads, `workers` of them.
+Threads are told apart by what Linux reports (/proc/PID/task/TID/schedstat: time on a CPU, time runnable but
+waiting for one): the event loop runs on the process's main thread (TID == PID); the inference workers are the
+busiest other threads, `workers` of them. A worker's wall time that is neither is time it was blocked: waiting for
+the GIL or a lock, or for work.
 """
 
 from __future__ import annotations
@@ -16,24 +18,22 @@ from __future__ import annotations
 import json
 import os
 import resource
+import time
 import urllib.request
 from dataclasses import dataclass
 
-TICKS = os.sysconf("SC_CLK_TCK")
 
-
-def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of process `pid`, by thread id."""
-    seconds = {}
+def thread_times(pid: int) -> dict[int, tuple[float, float]]:
+    """Seconds on a CPU and seconds runnable but waiting for one, of each thread of process `pid`, by thread id."""
+    times = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-                text = stat.read()
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as schedstat:
+                running, waiting = schedstat.read().split()[:2]
         except FileNotFoundError:  # the thread ended meanwhile
             continue
-        fields = text[text.rindex(")") + 2:].split()
-        seconds[int(tid)] = (int(fields[11]) + int(fields[12])) / TICKS
-    return seconds
+        times[int(tid)] = (int(running) / 1e9, int(waiting) / 1e9)
+    return times
 
 
 def children_cpu() -> float:
@@ -59,6 +59,10 @@ class Costs:
     requests: int
     loop_us: float
     workers_us: list[float]
+    workers_blocked_us: float
+    """The workers' wall time neither on a CPU nor waiting for one (the GIL, locks, no work), summed."""
+    workers_runnable_us: float
+    """The workers' time runnable but waiting for a CPU (other threads and processes on the cores), summed."""
     other_us: float
     client_us: float
     mean_batch: float
@@ -74,19 +78,22 @@ class Costs:
     def line(self) -> str:
         workers = " + ".join(f"{w:.0f}" for w in self.workers_us)
         return (f"CPU per request: loop {self.loop_us:.0f} us, workers {workers} = {sum(self.workers_us):.0f} us, "
-                f"other threads {self.other_us:.0f} us, client {self.client_us:.0f} us; batches: mean "
+                f"other threads {self.other_us:.0f} us, client {self.client_us:.0f} us; workers blocked "
+                f"{self.workers_blocked_us:.0f} us, waiting for a CPU {self.workers_runnable_us:.0f} us; batches: mean "
                 f"{self.mean_batch:.1f}, {self.full_share:.0%} of examples in full ones, forward "
                 f"{self.forward_us_per_example:.0f} us wall per example; queue wait {self.queue_ms:.2f} ms; "
                 f"submit to output {self.answered_ms:.2f} ms")
 
     def row(self) -> str:
         """The breakdown as a row of RESULTS.md's table (after the label columns)."""
-        return (f"{self.loop_us:.0f} | {sum(self.workers_us):.0f} | {self.other_us:.0f} | {self.client_us:.0f} | "
+        return (f"{self.loop_us:.0f} | {sum(self.workers_us):.0f} | {self.workers_blocked_us:.0f} | "
+                f"{self.workers_runnable_us:.0f} | {self.other_us:.0f} | {self.client_us:.0f} | "
                 f"{self.mean_batch:.1f} ({self.full_share:.0%}) | {self.queue_ms:.1f} | {self.answered_ms:.1f}")
 
 
-COSTS_HEADER = ("loop CPU us/req | workers' CPU us/req | other threads | client CPU us/req | mean batch (share "
-                "of examples in full batches) | queue wait ms | submit to output ms")
+COSTS_HEADER = ("loop CPU us/req | workers' CPU us/req | workers blocked us/req | workers waiting for a CPU us/req | "
+                "other threads' CPU | client CPU us/req | mean batch (share of examples in full batches) | "
+                "queue wait ms | submit to output ms")
 
 
 class ServeCosts:
@@ -99,26 +106,32 @@ class ServeCosts:
         self.result: Costs | None = None
 
     def __enter__(self) -> ServeCosts:
-        self._stats, self._threads, self._client = model_stats(self.port, self.model), thread_cpu(self.pid), \
+        self._stats, self._threads, self._client = model_stats(self.port, self.model), thread_times(self.pid), \
             self.client()
+        self._started = time.perf_counter()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        client, threads, stats = self.client(), thread_cpu(self.pid), model_stats(self.port, self.model)
+        wall = time.perf_counter() - self._started
+        client, threads, stats = self.client(), thread_times(self.pid), model_stats(self.port, self.model)
         self.result = costs(self._stats, stats, self._threads, threads, self.pid, client - self._client,
-                            self.batch_limit, self.workers)
+                            self.batch_limit, self.workers, wall)
 
 
-def costs(stats_before: dict, stats_after: dict, threads_before: dict[int, float], threads_after: dict[int, float],
-          pid: int, client_seconds: float, batch_limit: int, workers: int) -> Costs:
+def costs(stats_before: dict, stats_after: dict, threads_before: dict[int, tuple[float, float]],
+          threads_after: dict[int, tuple[float, float]], pid: int, client_seconds: float, batch_limit: int,
+          workers: int, wall: float) -> Costs:
     def delta(key: str, field: str) -> int:
         return stats_after["inference_stats"][key][field] - stats_before["inference_stats"][key][field]
 
     requests = max(1, delta("success", "count"))
     per_request = 1e6 / requests
-    used = {tid: seconds - threads_before.get(tid, 0.0) for tid, seconds in threads_after.items()}
-    loop = used.pop(pid, 0.0)
-    busiest = sorted(used.values(), reverse=True)
+    used = {tid: (running - threads_before.get(tid, (0.0, 0.0))[0], waiting - threads_before.get(tid, (0.0, 0.0))[1])
+            for tid, (running, waiting) in threads_after.items()}
+    loop = used.pop(pid, (0.0, 0.0))[0]
+    ranked = sorted(used.values(), reverse=True)
+    busiest = [running for running, _ in ranked]
+    runnable = sum(waiting for _, waiting in ranked[:workers])
     before = {entry["batch_size"]: entry["compute_infer"] for entry in stats_before["batch_stats"]}
     forwards = examples = full = infer_ns = 0
     for entry in stats_after["batch_stats"]:
@@ -130,6 +143,8 @@ def costs(stats_before: dict, stats_after: dict, threads_before: dict[int, float
         infer_ns += infer["ns"] - before.get(size, {"ns": 0})["ns"]
     return Costs(
         requests=requests, loop_us=loop * per_request, workers_us=[s * per_request for s in busiest[:workers]],
+        workers_blocked_us=(wall * workers - sum(busiest[:workers]) - runnable) * per_request,
+        workers_runnable_us=runnable * per_request,
         other_us=sum(busiest[workers:]) * per_request, client_us=client_seconds * per_request,
         mean_batch=examples / max(1, forwards), full_share=full / max(1, examples),
         queue_ms=delta("queue", "ns") / max(1, delta("queue", "count")) / 1e6,

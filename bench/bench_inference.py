@@ -214,9 +214,10 @@ def _forward_rate(seconds: float, replicas: int, threads: int, batch: int = BATC
     for runner in runners:
         runner.join()
     rate = done * batch / elapsed
+    # A replica's own thread's CPU: all of its forward's with one torch thread (with more, torch's others work too).
+    cpu_per_example = f", {sum(cpu) / sum(counts) / batch / 1e3:.0f} us of CPU per example" if threads == 1 else ""
     print(f"{'ceiling' if batch == BATCH_LIMIT else 'forward'}: raw forward in process, batch {batch}, {replicas} "
-          f"replica(s) x {threads} thread(s): {rate:.0f} examples/s, {sum(cpu) / sum(counts) / batch / 1e3:.0f} us "
-          "of CPU per example", flush=True)
+          f"replica(s) x {threads} thread(s): {rate:.0f} examples/s{cpu_per_example}", flush=True)
     return rate
 
 

@@ -230,8 +230,19 @@ class Point:
 
     rate: float
     p99_ms: float
+    mean_ms: float
     failed: int
     costs: Costs
+
+    @property
+    def past_output_ms(self) -> float:
+        """The client's mean latency beyond the server's submit-to-output time: parsing and decoding before the
+        submit, the hand-off to the event loop, encoding and writing the answer, both kernels' TCP and the client."""
+        return self.mean_ms - self.costs.answered_ms
+
+
+PAST_OUTPUT_HEADER = "client's mean latency past submit-to-output ms"
+UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
 
 
 def run_wrk(server: Server, body: Path, connections: int, seconds: float, workers: int) -> Point:
@@ -246,17 +257,19 @@ def run_wrk(server: Server, body: Path, connections: int, seconds: float, worker
                              capture_output=True, text=True).stdout
     rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     value, unit = re.search(r"^\s+99%\s+([\d.]+)(us|ms|s)$", out, re.M).groups()
-    p99_ms = float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+    p99_ms = float(value) * UNIT_MS[unit]
+    value, unit = re.search(r"^\s+Latency\s+([\d.]+)(us|ms|s)", out, re.M).groups()
+    mean_ms = float(value) * UNIT_MS[unit]
     failed = sum(int(n) for n in re.findall(r"Non-2xx or 3xx responses: (\d+)", out))
     failed += sum(int(n) for n in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
-    return Point(rate, p99_ms, failed, costs.result)
+    return Point(rate, p99_ms, mean_ms, failed, costs.result)
 
 
 def run_loadgen(server: Server, request: bytes, connections: int, seconds: float, workers: int) -> Point:
     with ServeCosts(server.process.pid, server.port, "mlp", BATCH_LIMIT, workers, client="self") as costs:
         result = drive(server.port, request, connections, seconds)
     failed = sum(n for status, n in result.statuses.items() if status != 200)
-    return Point(result.rps, result.p99, failed, costs.result)
+    return Point(result.rps, result.p99, statistics.fmean(result.latencies_ms), failed, costs.result)
 
 
 def bench_wrk(seconds: float, workers: int, directory: Path, against: str | None, rounds: int) -> None:
@@ -295,11 +308,12 @@ def bench_wrk(seconds: float, workers: int, directory: Path, against: str | None
             wrk, python = best[label, "wrk", connections], best[label, "loadgen", connections]
             print(f"| {connections} | {_rate_cell(wrk)} | **{wrk.rate / ceiling:.2f}** | {_rate_cell(python)} | "
                   f"{python.rate / ceiling:.2f} |")
-        print(f"\n| client | connections | {COSTS_HEADER} |")
-        print("|---|---|" + "---|" * (COSTS_HEADER.count("|") + 1))
+        print(f"\n| client | connections | {COSTS_HEADER} | {PAST_OUTPUT_HEADER} |")
+        print("|---|---|" + "---|" * (COSTS_HEADER.count("|") + 2))
         for client in ("wrk", "loadgen"):
             for connections in WRK_CONNECTIONS:
-                print(f"| {client} | {connections} | {best[label, client, connections].costs.row()} |")
+                point = best[label, client, connections]
+                print(f"| {client} | {connections} | {point.costs.row()} | {point.past_output_ms:.1f} |")
     print(f"ceiling (raw forward, batch {BATCH_LIMIT}, {workers} replicas): {ceiling:.0f} examples/s")
     if against:
         print(f"\nthis tree / {against}, medians over {rounds} round(s) (req/s: higher is better; CPU per request: "
@@ -367,10 +381,11 @@ def run_h2load(server: Server, grpc_port: int, request_file: Path, concurrency: 
                              capture_output=True, text=True).stdout
     rate = float(re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out).group(1))
     durations = sorted(int(line.split("\t")[2]) for line in log.read_text().splitlines() if line.strip())
-    p99_ms = durations[min(len(durations) - 1, int(0.99 * len(durations)))] / 1000 if durations else float("nan")
+    p99_ms = durations[min(len(durations) - 1, int(0.99 * len(durations)))] / 1000
+    mean_ms = statistics.fmean(durations) / 1000
     done = int(re.search(r"requests: \d+ total, \d+ started, (\d+) done", out).group(1))
     failed = done - costs.result.requests if costs.result.requests < done else 0
-    return Point(rate, p99_ms, failed, costs.result)
+    return Point(rate, p99_ms, mean_ms, failed, costs.result)
 
 
 def bench_grpc(seconds: float, workers: int, directory: Path) -> None:
@@ -394,10 +409,10 @@ def bench_grpc(seconds: float, workers: int, directory: Path) -> None:
     print("|---|---|---|")
     for concurrency, point in rows:
         print(f"| {concurrency} | {_rate_cell(point)} | **{point.rate / ceiling:.2f}** |")
-    print(f"\n| concurrent calls | {COSTS_HEADER} |")
-    print("|---|" + "---|" * (COSTS_HEADER.count("|") + 1))
+    print(f"\n| concurrent calls | {COSTS_HEADER} | {PAST_OUTPUT_HEADER} |")
+    print("|---|" + "---|" * (COSTS_HEADER.count("|") + 2))
     for concurrency, point in rows:
-        print(f"| {concurrency} | {point.costs.row()} |")
+        print(f"| {concurrency} | {point.costs.row()} | {point.past_output_ms:.1f} |")
 
 
 def litserve_server(workers: int, batch_timeout: float, fast_queue: bool) -> Server:

@@ -14,12 +14,19 @@ loop, keep-alive connections) drives them all from this process, on the same cor
 4. wrk: the batched server driven by a load generator that is not Python (wrk, C, one thread, keep-alive, the
    request from bench/wrk_infer.lua) at 8, 64 and 256 connections, beside bench/loadgen.py at the same points,
    and the raw forward's ceiling measured in the same run. Ratio printed: wrk's req/s / the ceiling (issue 20's
-   targets: >= 0.7 at 64, >= 0.8 at 256), with p99. wrk comes from the Debian archive (`apt-get install wrk`);
-   the part is skipped, saying so, where it is missing.
+   targets: >= 0.7 at 64, >= 0.8 at 256), with p99, and where each request's time goes (bench/serve_costs.py: CPU
+   per request of the event loop, the workers and the load generator, batch sizes, queue wait). wrk comes from the
+   Debian archive (`apt-get install wrk`); the part is skipped, saying so, where it is missing. With --against REF
+   the server as it is at git REF runs too, alternating with this tree's, and this tree's figures over REF's are
+   printed.
+5. grpc: the same over gRPC, driven by h2load (C; Debian's nghttp2-client) posting a pre-serialised
+   ModelInferRequest at 8, 64 and 256 concurrent calls; skipped, saying so, where h2load is missing.
 
-    .venv/bin/python bench/bench_inference.py                 # all three, about 2 minutes on 2 cores
+    .venv/bin/python bench/bench_inference.py                 # parts 1-3, about 2 minutes on 2 cores
     .venv/bin/python bench/bench_inference.py --only modes --seconds 5
     .venv/bin/python bench/bench_inference.py --only wrk        # wrk and loadgen side by side, and the ceiling
+    .venv/bin/python bench/bench_inference.py --only wrk --rounds 3 --against main   # A/B against main
+    .venv/bin/python bench/bench_inference.py --only grpc       # h2load over gRPC
 
 Needs the `bench` extra for part 3 (pip install -e '.[bench]').
 """

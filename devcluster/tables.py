@@ -3,11 +3,11 @@ get sends it, then v1beta1, then plain `application/json`) is answered with a me
 answers it; kubectl then prints its columns as they come.
 
 - custom resources: NAME, then the CRD's `additionalPrinterColumns` (only `Age` where it declares none), evaluated as
-  the apiextensions server does: the JSONPath's first result; none is a null cell (kubectl prints `<none>`); a
+  the apiextensions server does: the JSONPath's first result; none is a null cell (kubectl prints it blank); a
   `string` column prints the value (maps and lists as JSON), `integer` and `number` give JSON numbers (a float in an
   integer column is truncated; kubectl prints numbers as Go's %v: full precision), `boolean` a bool, `date` an age
-  (`45s`, `2m5s`, `3h`: Kubernetes' HumanDuration); a value of the wrong type a null cell; `priority` > 0 columns
-  kubectl shows only with `-o wide`;
+  (`45s`, `2m5s`, `3h`: Kubernetes' HumanDuration); a value of the wrong type a null cell; every column is sent,
+  with its `priority`: kubectl shows those above 0 only with `-o wide`;
 - pods: the built-in columns NAME READY STATUS RESTARTS AGE, with `-o wide` IP NODE NOMINATED NODE READINESS GATES,
   STATUS as kubectl's pod printer reasons it (a waiting or terminated container's reason, `Terminating`,
   `Init:...` is not emulated: there are no init containers here);
@@ -27,6 +27,8 @@ import re
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
+
+from tandem.columns import human_duration
 
 from .catalog import Kind
 
@@ -189,31 +191,3 @@ def parse_time(value: Any) -> datetime | None:
     except ValueError:
         return None
     return when if when.tzinfo else when.replace(tzinfo=UTC)
-
-
-def human_duration(seconds: float) -> str:
-    """Kubernetes' duration.HumanDuration: how kubectl and the API server print an age."""
-    if int(seconds) < -1:
-        return "<invalid>"
-    if seconds < 0:
-        return "0s"
-    if seconds < 120:
-        return f"{int(seconds)}s"
-    minutes, hours = int(seconds // 60), int(seconds // 3600)
-    if minutes < 10:
-        rest = int(seconds) % 60
-        return f"{minutes}m{rest}s" if rest else f"{minutes}m"
-    if minutes < 180:
-        return f"{minutes}m"
-    if hours < 8:
-        return f"{hours}h{minutes % 60}m" if minutes % 60 else f"{hours}h"
-    if hours < 48:
-        return f"{hours}h"
-    if hours < 24 * 8:
-        return f"{hours // 24}d{hours % 24}h" if hours % 24 else f"{hours // 24}d"
-    if hours < 24 * 365 * 2:
-        return f"{hours // 24}d"
-    if hours < 24 * 365 * 8:
-        days = (hours // 24) % 365
-        return f"{hours // 24 // 365}y{days}d" if days else f"{hours // 24 // 365}y"
-    return f"{hours // 24 // 365}y"

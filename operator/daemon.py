@@ -39,6 +39,7 @@ from kubernetes.client.exceptions import ApiException
 from tandem.operator import metrics
 from tandem.operator.api_policy import Backoff, Refused, Stale, Unavailable
 from tandem.operator.observed import with_refusal
+from tandem.operator.training_plan import ETA_REMOVED
 
 log = logging.getLogger("tandem.operator")
 
@@ -139,8 +140,8 @@ async def publish(cluster: Any, state: Reconciliation, body: dict[str, Any], sta
                   events: list[tuple[str, str, str]]) -> dict[str, Any]:
     """Patch the operator's status fields that differ from `body`'s (so its own writes do not wake it in a loop),
     with the APIRequestRefused condition as the last refusal says; post the decision's Events; return what was
-    patched. Only the operator's fields are ever sent."""
-    foreign = set(status) - OPERATOR_FIELDS
+    patched. Only the operator's fields are ever sent, and ETA_REMOVED."""
+    foreign = {key for key, value in status.items() if key not in OPERATOR_FIELDS and ETA_REMOVED.get(key) != value}
     if foreign:
         raise ValueError(f"the operator never writes status fields {sorted(foreign)}: they are rank 0's")
     status = dict(status)
@@ -153,7 +154,7 @@ async def publish(cluster: Any, state: Reconciliation, body: dict[str, Any], sta
     changed = {key: value for key, value in status.items() if current.get(key) != value}
     if changed:
         await cluster.patch_status(state.plural, state.name, state.namespace, changed)
-    state.written = status
+    state.written = {key: value for key, value in status.items() if key in OPERATOR_FIELDS}
     for kind, reason, message in events:
         kopf.event(body, type=kind, reason=reason, message=message)
     return changed

@@ -14,6 +14,7 @@ from typing import Any
 
 from tandem.api import InferencePool
 from tandem.api.inference import BatchingSettings
+from tandem.columns import file_name, four_figures
 from tandem.contract import SERVED_METRIC_PARAMETER, checkpoint_step
 
 REFUSED_PUSH_SECONDS = 30.0
@@ -94,9 +95,12 @@ def model_status(pool: InferencePool, served: list[Served]) -> tuple[dict[str, A
     same = [s for s in served if s.checkpoint == checkpoint]
     model = {"source": same[0].source, "loadedAt": max(s.loaded_at for s in same)}
     if checkpoint is not None:
-        model["checkpoint"] = checkpoint
+        model["checkpoint"], model["checkpointFile"] = checkpoint, file_name(checkpoint)
     if same[0].metrics:
         model["metrics"] = dict(same[0].metrics)
+    source = pool.spec.model.from_training_job
+    if source is not None and source.promote is not None and source.promote.metric in same[0].metrics:
+        model["gateMetric"] = f"{source.promote.metric}={four_figures(same[0].metrics[source.promote.metric])}"
     differ = None
     if len(counts) > 1:
         differ = "replicas serve different checkpoints: " + "; ".join(

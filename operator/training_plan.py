@@ -8,6 +8,10 @@ from typing import Any
 
 from tandem.operator import queueing
 
+ETA_REMOVED = {"progress": {"etaSeconds": None, "etaText": None}}
+"""The one patch of rank 0's status fields the operator sends (training.py): its ETA removed once the job is not
+Running."""
+
 
 @dataclass(frozen=True)
 class Settings:

@@ -38,14 +38,16 @@ def render() -> str:
     ]
     for kind, info in RESOURCES.items():
         schema = structural_schema(info.model)
-        columns = ", ".join(column["name"] for column in info.printer_columns)
+        columns = ", ".join(column["name"] for column in info.printer_columns if not column.get("priority"))
+        wide = ", ".join(column["name"] for column in info.printer_columns if column.get("priority"))
         lines += [
             f"## {kind}",
             "",
             _text(schema.get("description", "")),
             "",
             f"Plural `{info.plural}`, short names {', '.join(f'`{name}`' for name in info.short_names)}; "
-            f"`kubectl get` shows {columns}. `kubectl scale` sets `{info.replicas_path.lstrip('.')}`.",
+            f"`kubectl get` shows {columns}" + (f"; `-o wide` adds {wide}" if wide else "") +
+            f". `kubectl scale` sets `{info.replicas_path.lstrip('.')}`.",
             "",
         ]
         for part in ("spec", "status"):

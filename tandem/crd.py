@@ -28,7 +28,7 @@ class ResourceInfo:
     short_names: list[str]
     replicas_path: str
     status_replicas_path: str
-    printer_columns: list[dict[str, str]]
+    printer_columns: list[dict[str, Any]]
 
 
 RESOURCES = {
@@ -40,18 +40,28 @@ RESOURCES = {
         short_names=["ptj", "trainingjob", "trainingjobs"],
         replicas_path=".spec.workers",
         status_replicas_path=".status.workers.total",
+        # Rank 0 writes the texts beside its numbers (tandem/columns.py): an API server prints a `number` column at
+        # full precision. Default columns fit about 110 characters; -o wide adds what only some jobs or some
+        # readers need: the Kueue queue (empty without Kueue) and the checkpoint's full path.
         printer_columns=[
             {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
             {"name": "Ready", "type": "string", "jsonPath": ".status.workers.summary",
              "description": "ready/total workers"},
             {"name": "Step", "type": "string", "jsonPath": ".status.progress.summary",
              "description": "step/total steps"},
-            {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
+            {"name": "Loss", "type": "string", "jsonPath": ".status.progress.lossText",
+             "description": "the running loss to four significant figures (status.progress.loss: full precision)"},
+            {"name": "Samples/s", "type": "string", "jsonPath": ".status.progress.samplesPerSecondText",
+             "description": "examples per second over all ranks"},
+            {"name": "ETA", "type": "string", "jsonPath": ".status.progress.etaText",
+             "description": "time left at the measured rate, while Running"},
             {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
-            {"name": "Checkpoint", "type": "string", "jsonPath": ".status.checkpoint.latest",
-             "description": "latest checkpoint complete on disk"},
-            {"name": "Queue", "type": "string", "jsonPath": ".status.queue.name",
+            {"name": "Checkpoint", "type": "string", "jsonPath": ".status.checkpoint.latestFile",
+             "description": "the file of the latest checkpoint complete on disk"},
+            {"name": "Queue", "type": "string", "jsonPath": ".status.queue.name", "priority": 1,
              "description": "the Kueue LocalQueue (kueue.x-k8s.io/queue-name)"},
+            {"name": "Checkpoint Path", "type": "string", "jsonPath": ".status.checkpoint.latest", "priority": 1,
+             "description": "the latest checkpoint's full path"},
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],
     ),
@@ -70,9 +80,14 @@ RESOURCES = {
              "description": "ready/desired replicas"},
             {"name": "Mode", "type": "string", "jsonPath": ".spec.inferenceMode"},
             {"name": "Model", "type": "string", "jsonPath": ".status.model.source"},
-            {"name": "Checkpoint", "type": "string", "jsonPath": ".status.model.checkpoint",
-             "description": "the checkpoint the ready replicas serve"},
-            {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
+            {"name": "Checkpoint", "type": "string", "jsonPath": ".status.model.checkpointFile",
+             "description": "the file of the checkpoint the ready replicas serve"},
+            {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1,
+             "description": "the Open Inference Protocol (v2) base URL inside the cluster"},
+            {"name": "Checkpoint Path", "type": "string", "jsonPath": ".status.model.checkpoint", "priority": 1,
+             "description": "the served checkpoint's full path"},
+            {"name": "Metric", "type": "string", "jsonPath": ".status.model.gateMetric", "priority": 1,
+             "description": "with a promotion gate: its metric of the served checkpoint"},
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],
     ),

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StringConstraints, model_validator
 
 from tandem.api.common import API_VERSION, ApiModel, CallableRef, Condition, ObjectMeta, PodSettings, ResourceName
+from tandem.columns import file_name
 
 InferenceMode = Literal["batched", "sequential", "inplace"]
 PoolPhase = Literal["Pending", "Loading", "Ready", "Degraded", "Failed"]
@@ -205,9 +206,19 @@ class ModelStatus(ApiModel):
     source: str | None = None
     """What is loaded: `checkpoint`, `callable` or `fromTrainingJob/<name>`."""
     checkpoint: str | None = None
+    checkpoint_file: str | None = None
+    """The file name of `checkpoint` (`step-00000230.pt`): kubectl's CHECKPOINT column."""
     loaded_at: datetime | None = None
     metrics: dict[str, float] = Field(default_factory=dict)
     """The metrics its job recorded for the served checkpoint (empty for one written without evalData)."""
+    gate_metric: str | None = None
+    """With fromTrainingJob.promote: the gate's metric of the served checkpoint to four significant figures
+    (`accuracy=0.9722`), written by the operator: kubectl's `-o wide` METRIC column."""
+
+    @model_validator(mode="after")
+    def _file(self) -> ModelStatus:
+        self.checkpoint_file = file_name(self.checkpoint)
+        return self
 
 
 class SkippedCandidate(ApiModel):

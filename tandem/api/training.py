@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, Field, StringConstraints, field_validator, model_validator
+from pydantic import AfterValidator, Field, StringConstraints, field_serializer, field_validator, model_validator
 
 from tandem.api.common import (
     API_VERSION,
@@ -20,6 +21,7 @@ from tandem.api.common import (
     SubdomainName,
     valid_quantity,
 )
+from tandem.columns import eta_text, file_name, four_figures, rate_text
 
 TrainingMode = Literal["allReduce", "sharedGradients", "averaging", "custom"]
 TrainingPhase = Literal["Queued", "Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
@@ -342,8 +344,21 @@ class ProgressStatus(ApiModel):
     step: Annotated[int, Field(ge=0)] = 0
     total_steps: Annotated[int, Field(ge=0)] = 0
     loss: float | None = None
+    """The running loss over this group's steps, at full precision; on the wire only while finite (JSON has no NaN:
+    `lossText` says `NaN` or `Inf`)."""
+    loss_text: str | None = None
+    """`loss` to four significant figures (`0.06094`, `2.000`, `1.234e-05`), or `NaN`, `Inf`, `-Inf`: kubectl's
+    LOSS column."""
     samples_per_second: float | None = None
+    """Examples per second over all ranks since this group started (DL4J's PerformanceListener's samples/sec)."""
+    samples_per_second_text: str | None = None
+    """`samplesPerSecond` rounded (`1523`, `45.2`, `0.452`): kubectl's SAMPLES/S column."""
     eta_seconds: float | None = None
+    """Time left at the measured rate (the remaining steps over the steps per second so far). Only while the job is
+    Running: once it is not, the operator removes it (rank 0 may be gone), and `tandem run`'s status has none."""
+    eta_text: str | None = None
+    """`etaSeconds` as kubectl prints an age (`45s`, `2m5s`, `65m`, `3h5m`): kubectl's ETA column; removed with
+    `etaSeconds`."""
     last_heartbeat: datetime | None = None
     summary: str = ""
     """`step/totalSteps`, for kubectl's column."""
@@ -351,7 +366,15 @@ class ProgressStatus(ApiModel):
     @model_validator(mode="after")
     def _summary(self) -> ProgressStatus:
         self.summary = f"{self.step}/{self.total_steps}"
+        if self.loss is not None:  # else keep the text: a loss that was not finite is off the wire, its text is not
+            self.loss_text = four_figures(self.loss)
+        self.samples_per_second_text = rate_text(self.samples_per_second)
+        self.eta_text = eta_text(self.eta_seconds)
         return self
+
+    @field_serializer("loss", when_used="json")
+    def _finite_loss(self, loss: float | None) -> float | None:
+        return loss if loss is not None and math.isfinite(loss) else None
 
 
 class CommunicationStatus(ApiModel):
@@ -381,9 +404,16 @@ class CheckpointRecord(ApiModel):
 class CheckpointStatus(ApiModel):
     latest: str | None = None
     """Path of the latest checkpoint complete on disk (written only after it is)."""
+    latest_file: str | None = None
+    """The file name of `latest` (`step-00000230.pt`): kubectl's CHECKPOINT column."""
     step: Annotated[int, Field(ge=0)] | None = None
     time: datetime | None = None
     history: list[CheckpointRecord] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _file(self) -> CheckpointStatus:
+        self.latest_file = file_name(self.latest)
+        return self
 
 
 class QueueStatus(ApiModel):
@@ -436,6 +466,12 @@ class ParallelTrainingJobStatus(ApiModel):
     observed_generation: int | None = None
     selector: str | None = None
     """Label selector of the worker pods (the scale subresource's labelSelectorPath)."""
+
+    @model_validator(mode="after")
+    def _eta_only_while_running(self) -> ParallelTrainingJobStatus:
+        if self.phase != "Running":
+            self.progress.eta_seconds = self.progress.eta_text = None
+        return self
 
 
 class ParallelTrainingJob(ApiModel):

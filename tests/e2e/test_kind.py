@@ -50,6 +50,8 @@ import pytest
 import yaml
 from kubectl_tables import table
 
+from tandem.columns import four_figures
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tandem"
 TAG = "e2e"
@@ -363,9 +365,10 @@ def train(cluster: Cluster) -> dict[str, Any]:
     assert row["NAME"] == JOB and row["PHASE"] == "Succeeded", row
     assert row["READY"] == f"0/{body['spec']['workers']}", row  # every rank has exited
     assert row["STEP"] == f"{progress['step']}/{progress['totalSteps']}", row
-    assert float(row["LOSS"]) == pytest.approx(progress["loss"], rel=1e-3), row
+    assert row["LOSS"] == four_figures(progress["loss"]), row  # four significant figures; the status keeps all
+    assert (row["SAMPLES/S"], row["ETA"]) == (progress["samplesPerSecondText"], ""), row  # no ETA once finished
     assert int(row["RESTARTS"]) == status["restarts"], row
-    assert row["CHECKPOINT"] == latest, row
+    assert row["CHECKPOINT"] == Path(latest).name, row
     return body
 
 
@@ -390,12 +393,14 @@ def wait_for_phase(cluster: Cluster, plural: str, name: str, phase: str, *, time
     return wait_for(f"{plural}/{name} to be {phase}", reached, timeout=timeout)
 
 
-def printed_row(cluster: Cluster, resource: str, plural: str) -> dict[str, str]:
-    """`kubectl get RESOURCE`'s one row, by column; the header must be the CRD's printer columns in order."""
+def printed_row(cluster: Cluster, resource: str, plural: str, wide: bool = False) -> dict[str, str]:
+    """`kubectl get RESOURCE`'s one row, by column (`-o wide` with `wide`); the header must be the CRD's printer
+    columns in order, those of priority 1 only in the wide one."""
     crd = yaml.safe_load((ROOT / "crds" / f"tandem.dev_{plural}.yaml").read_text())
     (version,) = crd["spec"]["versions"]
-    expected = ["NAME", *(column["name"].upper() for column in version["additionalPrinterColumns"])]
-    printed = cluster.kubectl("get", resource, "-n", NAMESPACE).stdout
+    expected = ["NAME", *(column["name"].upper() for column in version["additionalPrinterColumns"]
+                          if wide or not column.get("priority"))]
+    printed = cluster.kubectl("get", resource, "-n", NAMESPACE, *(["-o", "wide"] if wide else [])).stdout
     print(printed)
     (row,) = table(printed)  # a null cell (QUEUE without Kueue) is printed as nothing
     assert list(row) == expected, printed
@@ -414,8 +419,9 @@ def serve(cluster: Cluster, job: dict[str, Any]) -> None:
 
     row = printed_row(cluster, "tip", "inferencepools")
     assert (row["PHASE"], row["READY"], row["MODE"]) == ("Ready", "1/1", "batched"), row
-    assert (row["MODEL"], row["CHECKPOINT"], row["ENDPOINT"]) == (
-        status["model"]["source"], status["model"]["checkpoint"], status["endpoint"]), row
+    assert (row["MODEL"], row["CHECKPOINT"]) == (status["model"]["source"], served), row
+    wide = printed_row(cluster, "tip", "inferencepools", wide=True)
+    assert (wide["ENDPOINT"], wide["CHECKPOINT PATH"]) == (status["endpoint"], status["model"]["checkpoint"]), wide
 
     with port_forward(cluster, f"svc/{POOL}", 8000) as port:
         classify_held_out_digits(port)

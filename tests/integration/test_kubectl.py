@@ -7,9 +7,10 @@ serving it.
 Skipped, with the reason, where `kubectl` is not on PATH or older than 1.27 (`OLDEST`; Debian bookworm's
 kubernetes-client is 1.20, so `make setup` installs nothing: kubectl's own release, or a distribution's recent one).
 
-Where the README's samples differ from what kubectl prints, the comparison says so column by column (`KNOWN`): the
-LOSS column prints rank 0's loss with full float precision (the CRD's `number` column; the README shows four
-decimals); the pool's CHECKPOINT is the path the server reports, which the test kubelet maps to a local directory.
+The README's samples are compared with what kubectl prints column by column: equal, but for the numbers a run
+measures (LOSS, SAMPLES/S, ETA while running) and ages, which must have the format kubectl prints them in (LOSS four
+significant figures, rank 0's `status.progress.lossText`; SAMPLES/S; ETA and AGE as Kubernetes' ages); `-o wide`
+adds the columns of priority 1 (QUEUE, the full paths, the pool's ENDPOINT and gate METRIC).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from kubectl_tables import table
 from operator_runs import NS, READY, STARTUP, custom_job, events, job_pods, server_pods, start_operator
 
 from devcluster import Cluster
+from tandem.api import ParallelTrainingJobStatus
+from tandem.columns import four_figures
 
 # kubectl 1.27 and later validate `apply` on the server through the OpenAPI v3 documents; older ones (Debian
 # bookworm's kubernetes-client is 1.20) only against /openapi/v2 in protobuf, which devcluster does not serve.
@@ -53,8 +56,12 @@ pytestmark = pytest.mark.skipif(bool(MISSING := kubectl_missing()), reason=MISSI
 README = (ROOT / "README.md").read_text()
 QUICK_START = README.split("\n## Quick start on a cluster", 1)[1].split("\n## ", 1)[0]
 TRAIN, POOL = ROOT / "examples" / "digits-train.yaml", ROOT / "examples" / "digits-pool.yaml"
-FLOAT = re.compile(r"\d+\.\d+(e-\d+)?")
 AGE = re.compile(r"\d+[smhdy](\d+[smh])?")
+FOUR_FIGURES = r"-?(\d\.\d{3}(e[+-]\d+)?|0\.0*[1-9]\d{3}|[1-9]\d\.\d{2}|[1-9]\d{2}\.\d|[1-9]\d{3})|NaN|-?Inf"
+"""A loss as kubectl's LOSS column prints it (tandem/columns.py): four significant figures."""
+RATE = r"\d+(\.\d+)?"
+MEASURED = {"LOSS": FOUR_FIGURES, "SAMPLES/S": RATE}
+"""What a run measures: compared with the README's sample by format."""
 
 
 def is_age(text: str) -> bool:
@@ -98,7 +105,7 @@ def differences(sample: dict[str, str], printed: dict[str, str], known: dict[str
         if column == "AGE":
             ok = is_age(value) and is_age(sample[column])
         elif column in known:
-            ok = re.fullmatch(known[column], value)
+            ok = re.fullmatch(known[column], value) and re.fullmatch(known[column], sample[column])
         else:
             ok = value == sample[column]
         if not ok:
@@ -128,28 +135,31 @@ def test_discovery_names_every_resource_once_without_warnings(cluster):
 
 
 def test_get_prints_the_crds_columns_as_the_api_server_fills_them(cluster):
+    """The README's sample of a running job, from the status rank 0 would write for it: the loss to four figures
+    while `status.progress.loss` keeps every digit, samples/s, the ETA, the checkpoint's file; `-o wide` adds the
+    queue and the checkpoint's path."""
     kubectl(cluster, "apply", "-f", str(TRAIN))
     empty = table(kubectl(cluster, "get", "ptj").stdout)
-    assert empty == [{"NAME": "digits-train", "PHASE": "", "READY": "", "STEP": "", "LOSS": "", "RESTARTS": "",
-                      "CHECKPOINT": "", "QUEUE": "", "AGE": empty[0]["AGE"]}]  # no status yet: null cells
+    assert empty == [{"NAME": "digits-train", "PHASE": "", "READY": "", "STEP": "", "LOSS": "", "SAMPLES/S": "",
+                      "ETA": "", "RESTARTS": "", "CHECKPOINT": "", "AGE": empty[0]["AGE"]}]  # no status: null cells
     sample = readme_samples()[0]
-    loss = 0.18741234567
+    step, total = (int(n) for n in sample["STEP"].split("/"))
+    loss, path = 0.18741234567, f"/var/lib/tandem/checkpoints/runs/digits-train/checkpoints/{sample['CHECKPOINT']}"
+    written = ParallelTrainingJobStatus.model_validate({
+        "phase": sample["PHASE"], "restarts": int(sample["RESTARTS"]), "workers": {"ready": 2, "total": 2},
+        "progress": {"step": step, "totalSteps": total, "loss": loss, "samplesPerSecond": 1818.4,
+                     "etaSeconds": 6.7}, "checkpoint": {"latest": path}}).to_dict()
     status, _ = cluster.request("PATCH", f"/apis/tandem.dev/v1alpha1/namespaces/{NS}/paralleltrainingjobs/digits-train"
-                                "/status", {"status": {
-                                    "phase": sample["PHASE"], "restarts": int(sample["RESTARTS"]),
-                                    "workers": {"summary": sample["READY"]},
-                                    "progress": {"summary": sample["STEP"], "loss": loss},
-                                    "checkpoint": {"latest": sample["CHECKPOINT"]}}},
-                                "application/merge-patch+json")
+                                "/status", {"status": written}, "application/merge-patch+json")
     assert status == 200
     for resource in ("trainingjobs", "ptj", "paralleltrainingjobs.tandem.dev"):
         (row,) = table(kubectl(cluster, "get", resource).stdout)
-        assert row["LOSS"] == str(loss)  # a `number` column: printed as it is stored (the README rounds it)
-        assert differences(sample, row, {"LOSS": FLOAT.pattern}) == [], row
+        assert differences(sample, row, {}) == [], row  # every column as the README shows it, LOSS `0.1874` too
     (wide,) = table(kubectl(cluster, "get", "ptj", "-o", "wide").stdout)
-    assert list(wide) == list(sample)  # no column of priority > 0
+    assert list(wide) == [*list(sample)[:-1], "QUEUE", "CHECKPOINT PATH", "AGE"]  # the columns of priority 1
+    assert (wide["QUEUE"], wide["CHECKPOINT PATH"]) == ("", path)
     assert kubectl(cluster, "get", "ptj", "digits-train", "-o", "jsonpath={.status.progress.loss}").stdout == \
-        str(loss)
+        str(loss)  # the status keeps every digit
 
 
 def test_get_watch_prints_a_row_for_each_change(cluster):
@@ -249,8 +259,8 @@ def test_the_quick_start_runs_with_kubectl(operated):
         printed = kubectl(cluster, "get", resource).stdout
         print(printed)  # what the README's samples are compared with
         (row,) = table(printed)
-        assert row["LOSS"] == str(final["progress"]["loss"])
-        assert differences(succeeded, row, {"LOSS": FLOAT.pattern}) == [], row
+        assert row["LOSS"] == four_figures(final["progress"]["loss"])
+        assert differences(succeeded, row, MEASURED) == [], row  # the ETA blank: the job is not running
 
     described = kubectl(cluster, "describe", "ptj", "digits-train").stdout
     print(described)
@@ -270,8 +280,11 @@ def test_the_quick_start_runs_with_kubectl(operated):
     printed = kubectl(cluster, "get", "tip").stdout
     print(printed)
     (row,) = table(printed)
-    checkpoint = "/runs/digits-train/checkpoints/step-00000230.pt"
-    assert differences(pool_sample, row, {"CHECKPOINT": rf".*{re.escape(checkpoint)}"}) == [], row
+    assert differences(pool_sample, row, {}) == [], row
+    (wide,) = table(kubectl(cluster, "get", "tip", "-o", "wide").stdout)
+    assert list(wide) == [*list(pool_sample)[:-1], "ENDPOINT", "CHECKPOINT PATH", "METRIC", "AGE"]
+    assert (wide["ENDPOINT"], wide["METRIC"]) == (status(cluster, "tip", "digits")["endpoint"], "")  # no gate
+    assert wide["CHECKPOINT PATH"].endswith("/runs/digits-train/checkpoints/step-00000230.pt"), wide
 
     assert kubectl(cluster, "patch", "tip", "digits", "--type", "merge", "-p",
                    '{"spec": {"replicas": 1, "autoscaling": null}}').stdout == \
@@ -292,7 +305,8 @@ def test_the_quick_start_runs_with_kubectl(operated):
 
 def test_scale_and_suspend_with_kubectl(operated):
     """`kubectl scale ptj/NAME --replicas N` restarts the group at the new size; `kubectl patch` with `suspend:
-    true` stops the ranks, and `kubectl get ptj` shows each."""
+    true` stops the ranks, and `kubectl get ptj` shows each: the ETA rank 0 wrote while it ran is blank once
+    Suspended (the operator removes it)."""
     cluster = operated
     kubectl(cluster, "apply", "-f", "-", input=json.dumps(custom_job("sleepy")))
     wait_phase(cluster, "ptj", "sleepy", "Running", STARTUP)
@@ -300,15 +314,21 @@ def test_scale_and_suspend_with_kubectl(operated):
         "paralleltrainingjob.tandem.dev/sleepy scaled\n"
     cluster.wait_for(lambda: status(cluster, "ptj", "sleepy").get("phase") == "Running"
                      and status(cluster, "ptj", "sleepy")["workers"]["summary"] == "3/3", STARTUP, "three ranks")
+    eta = {"progress": {"etaSeconds": 40.0, "etaText": "40s"}}  # as rank 0 writes it (a custom command does not)
+    assert cluster.request("PATCH", f"/apis/tandem.dev/v1alpha1/namespaces/{NS}/paralleltrainingjobs/sleepy/status",
+                           {"status": eta}, "application/merge-patch+json")[0] == 200
     (row,) = table(kubectl(cluster, "get", "ptj", "sleepy").stdout)
-    assert (row["PHASE"], row["READY"]) == ("Running", "3/3"), row
+    assert (row["PHASE"], row["READY"], row["ETA"]) == ("Running", "3/3", "40s"), row
     assert kubectl(cluster, "patch", "ptj", "sleepy", "--type", "merge", "-p", '{"spec": {"suspend": true}}').stdout \
         == "paralleltrainingjob.tandem.dev/sleepy patched\n"
     wait_phase(cluster, "ptj", "sleepy", "Suspended", STARTUP)
     cluster.wait_for(lambda: not [p for p in job_pods(cluster, "sleepy") if p["status"].get("phase") == "Running"],
                      STARTUP, "the ranks to stop")
+    cluster.wait_for(lambda: table(kubectl(cluster, "get", "ptj", "sleepy").stdout)[0]["ETA"] == "", STARTUP,
+                     "the ETA to be removed")
     (row,) = table(kubectl(cluster, "get", "ptj", "sleepy").stdout)
     assert row["PHASE"] == "Suspended", row
+    assert "etaSeconds" not in status(cluster, "ptj", "sleepy")["progress"]
     described = kubectl(cluster, "describe", "ptj", "sleepy").stdout
     assert "Suspend:" in described and "Suspended" in described
     kubectl(cluster, "delete", "ptj", "sleepy")
@@ -327,5 +347,5 @@ def test_readme_samples_are_laid_out_as_kubectl_prints_them():
         assert is_age(row["AGE"]), block
     running, succeeded, pool = readme_samples()
     assert (running["PHASE"], succeeded["PHASE"], pool["PHASE"]) == ("Running", "Succeeded", "Ready")
-    assert len(running) == 9 and len(pool) == 8 and running["QUEUE"] == ""
+    assert len(running) == 10 and len(pool) == 7 and succeeded["ETA"] == ""
 

@@ -87,7 +87,8 @@ def _sample_job() -> dict:
         "status": {
             "phase": "Running",
             "workers": {"ready": 1, "total": 2},
-            "progress": {"epoch": 3, "step": 120, "totalSteps": 450, "loss": 0.31},
+            "progress": {"epoch": 3, "step": 120, "totalSteps": 450, "loss": 0.3108642, "samplesPerSecond": 1840.7,
+                         "etaSeconds": 755.2},
             "restarts": 1,
             "checkpoint": {"latest": "/ckpt/step-00000100.pt", "step": 100, "time": "2026-11-29T10:05:00Z"},
             "queue": {"name": "team-a", "workload": "digits-train", "admitted": True, "reason": "Admitted"},
@@ -103,7 +104,8 @@ def _sample_pool() -> dict:
         **pool,
         "status": {
             "phase": "Ready", "replicas": 2, "readyReplicas": 1, "endpoint": "http://digits.default.svc:8000",
-            "model": {"source": "fromTrainingJob/digits-train", "checkpoint": "/ckpt/step-00000100.pt"},
+            "model": {"source": "fromTrainingJob/digits-train", "checkpoint": "/ckpt/step-00000100.pt",
+                      "metrics": {"accuracy": 0.9722222}, "gateMetric": "accuracy=0.9722"},
         },
     }).status.to_dict()
     return pool
@@ -113,15 +115,16 @@ def test_printer_columns_resolve_against_a_sample_status():
     job = _sample_job()
     columns = {c["name"]: _jsonpath(job, c["jsonPath"]) for c in RESOURCES["ParallelTrainingJob"].printer_columns}
     assert columns == {
-        "Phase": "Running", "Ready": "1/2", "Step": "120/450", "Loss": 0.31, "Restarts": 1,
-        "Checkpoint": "/ckpt/step-00000100.pt", "Queue": "team-a", "Age": "2026-11-29T10:00:00Z",
+        "Phase": "Running", "Ready": "1/2", "Step": "120/450", "Loss": "0.3109", "Samples/s": "1841", "ETA": "12m",
+        "Restarts": 1, "Checkpoint": "step-00000100.pt", "Queue": "team-a",
+        "Checkpoint Path": "/ckpt/step-00000100.pt", "Age": "2026-11-29T10:00:00Z",
     }
     pool = _sample_pool()
     columns = {c["name"]: _jsonpath(pool, c["jsonPath"]) for c in RESOURCES["InferencePool"].printer_columns}
     assert columns == {
         "Phase": "Ready", "Ready": "1/2", "Mode": "batched", "Model": "fromTrainingJob/digits-train",
-        "Checkpoint": "/ckpt/step-00000100.pt", "Endpoint": "http://digits.default.svc:8000",
-        "Age": "2026-11-29T10:00:00Z",
+        "Checkpoint": "step-00000100.pt", "Endpoint": "http://digits.default.svc:8000",
+        "Checkpoint Path": "/ckpt/step-00000100.pt", "Metric": "accuracy=0.9722", "Age": "2026-11-29T10:00:00Z",
     }
 
 

@@ -19,6 +19,7 @@ from prometheus_client import REGISTRY
 from tandem.operator import api_policy, daemon
 from tandem.operator.api_policy import Backoff, Refused, Stale, Unavailable, call, classify
 from tandem.operator.observed import REFUSED, with_refusal
+from tandem.operator.training_plan import ETA_REMOVED
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 
@@ -219,6 +220,17 @@ def test_publish_refuses_rank_zeros_fields(field):
     with pytest.raises(ValueError, match="rank 0's"):
         asyncio.run(daemon.publish(Recorder(), daemon.Reconciliation("paralleltrainingjobs", "default", "j"), body,
                                    {"phase": "Running", field: {}}, []))
+
+
+def test_publish_sends_the_removal_of_rank_zeros_eta_and_keeps_it_out_of_the_operators_written_fields():
+    body = {"metadata": {"name": "j", "namespace": "default"},
+            "status": {"phase": "Running", "progress": {"step": 10, "etaSeconds": 4.0, "etaText": "4s"}}}
+    cluster, state = Recorder(), daemon.Reconciliation("paralleltrainingjobs", "default", "j")
+    asyncio.run(daemon.publish(cluster, state, body, {"phase": "Failed", **ETA_REMOVED}, []))
+    assert cluster.patches == [{"phase": "Failed", "progress": {"etaSeconds": None, "etaText": None}}]
+    assert state.written == {"phase": "Failed"}  # laid over the body it reads: rank 0's progress stays whole
+    with pytest.raises(ValueError, match="rank 0's"):  # any other write of progress is refused
+        asyncio.run(daemon.publish(cluster, state, body, {"phase": "Failed", "progress": {"etaSeconds": None}}, []))
 
 
 def test_a_refused_call_becomes_a_condition_at_the_next_publish_and_is_cleared_after_a_clean_pass(monkeypatch):

@@ -1,5 +1,6 @@
 """devcluster's pure parts that kubectl reads (tests/integration/test_kubectl.py runs kubectl itself): the Table
-cells and ages of tables.py, the discovery entries of discovery.py, the undeclared fields of openapi.py."""
+cells of tables.py (its ages are tandem/columns.py's human_duration, tested in test_columns.py), the discovery
+entries of discovery.py, the undeclared fields of openapi.py."""
 
 from __future__ import annotations
 
@@ -11,16 +12,6 @@ from devcluster import discovery, openapi, tables
 from devcluster.catalog import Catalog
 
 NOW = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
-
-
-@pytest.mark.parametrize(("seconds", "printed"), [
-    (-5, "<invalid>"), (-0.5, "0s"), (0, "0s"), (45, "45s"), (119, "119s"), (120, "2m"), (125, "2m5s"),
-    (599, "9m59s"), (600, "10m"), (3 * 3600 - 1, "179m"), (3 * 3600, "3h"), (3 * 3600 + 60, "3h1m"),
-    (8 * 3600, "8h"), (48 * 3600, "2d"), (49 * 3600, "2d1h"), (8 * 86400, "8d"), (2 * 365 * 86400, "2y"),
-    (2 * 365 * 86400 + 86400, "2y1d"), (9 * 365 * 86400, "9y"),
-])
-def test_ages_as_kubernetes_prints_them(seconds, printed):
-    assert tables.human_duration(seconds) == printed
 
 
 @pytest.mark.parametrize(("accept", "version"), [
@@ -95,12 +86,15 @@ def test_pod_columns_as_kubectls_pod_printer(pod, ready, status, restarts):
 def test_a_table_of_a_custom_resource_and_its_row_objects():
     catalog = Catalog()
     columns = ({"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+               {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1},
                {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp", "priority": 0})
     kind = catalog.lookup("pods").__class__(group="x.dev", version="v1", plural="things", kind="Thing",
                                             namespaced=True, schema={"type": "object"}, printer_columns=columns)
     table = tables.table(kind, [JOB], now=NOW, resource_version="9")
-    assert [c["name"] for c in table["columnDefinitions"]] == ["Name", "Phase", "Age"]
-    assert table["rows"] == [{"cells": ["j", "Running", "45s"], "object": {
+    # every column, each with its priority: kubectl leaves those above 0 out unless `-o wide`
+    assert [(c["name"], c["priority"]) for c in table["columnDefinitions"]] == [
+        ("Name", 0), ("Phase", 0), ("Restarts", 1), ("Age", 0)]
+    assert table["rows"] == [{"cells": ["j", "Running", 2, "45s"], "object": {
         "kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": JOB["metadata"]}}]
     assert tables.table(kind, [JOB], now=NOW, include="Object")["rows"][0]["object"] == JOB
     assert "object" not in tables.table(kind, [JOB], now=NOW, include="None")["rows"][0]

@@ -4,6 +4,7 @@ table-driven cases, one per rule; every object passes kubernetes-validate --stri
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -113,7 +114,14 @@ CASES = [
      {"apply": [], "phase": "Loading", "condition": ("Available", "False", "0/2")}),
     ("all ready: Ready, with the model the servers report", STEADY, "all-2", [], TWO_SERVING, job(),
      {"apply": [], "phase": "Ready", "condition": ("Available", "True", "2/2"),
-      "model": {"source": "fromTrainingJob/train", "checkpoint": f"{MODEL_MOUNT}/digits/step-00000200.pt"}}),
+      "model": {"source": "fromTrainingJob/train", "checkpoint": f"{MODEL_MOUNT}/digits/step-00000200.pt",
+                "checkpointFile": "step-00000200.pt", "gateMetric": None}}),
+    ("gated and ready: the gate's metric of the served checkpoint, to four figures",
+     pool({"observedGeneration": 1, "phase": "Ready"}, model={"fromTrainingJob": {
+         "name": "train", "follow": True, "promote": {"metric": "accuracy"}}, "inputShape": [64]}), "all-2", [],
+     [replace(s, metrics={"accuracy": 0.9722222, "evalLoss": 0.1}) for s in TWO_SERVING], job(),
+     {"phase": "Ready", "model": {"gateMetric": "accuracy=0.9722", "metrics": {"accuracy": 0.9722222,
+                                                                               "evalLoss": 0.1}}}),
     ("one of two ready: Degraded", STEADY, "all-1", [], TWO_SERVING[:1], job(),
      {"phase": "Degraded", "event": "Degraded"}),
     ("replicas mid-swap serve different checkpoints: a condition says so", STEADY, "all-2", [],
@@ -172,7 +180,7 @@ def test_reconcile_pool(name, body, children, pods, reports, source, expected):
         [found] = [c for c in status["conditions"] if c["type"] == kind]
         assert found["status"] == value and text in found["message"], found
     if "model" in expected:
-        assert {k: status["model"][k] for k in expected["model"]} == expected["model"]
+        assert {k: status["model"].get(k) for k in expected["model"]} == expected["model"]
     if "replicas" in expected:
         [created] = [o for o in plan.apply if o["kind"] == "Deployment"]
         assert created["spec"]["replicas"] == expected["replicas"]

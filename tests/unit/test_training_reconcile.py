@@ -406,6 +406,35 @@ def test_a_group_an_older_operator_started_is_decided_as_that_operator_did(name,
         found is None
 
 
+def with_eta(status: dict[str, Any]) -> dict[str, Any]:
+    """`status` with rank 0's ETA, as it wrote it while the group ran."""
+    return {**status, "progress": {**status.get("progress", {}), "etaSeconds": 125.0, "etaText": "2m5s"}}
+
+
+# (name, job, pods, whether the operator removes rank 0's ETA)
+ETA_CASES = [
+    ("running: rank 0's ETA stays", job(with_eta(running())), BOTH_RUNNING, False),
+    ("succeeded: removed", job(with_eta(running())), [pod(0, "Succeeded", exit_code=0),
+                                                      pod(1, "Succeeded", exit_code=0)], True),
+    ("a rank failed, restarting: removed (rank 0 may be gone)", job(with_eta(running())),
+     [pod(0), pod(1, "Failed", exit_code=1)], True),
+    ("suspended: removed", job(with_eta(running()), suspend=True), BOTH_RUNNING, True),
+    ("past the deadline, failed: removed", job(with_eta(running(started=120)), activeDeadlineSeconds=100),
+     BOTH_RUNNING, True),
+    ("failed earlier and rank 0 wrote its ETA since: removed again", job(with_eta(running(phase="Failed",
+                                                                                          completionTime=ago(5)))),
+     [], True),
+    ("succeeded, the ETA already removed: nothing to remove", job(running(phase="Succeeded", completionTime=ago(5))),
+     [], False),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "pods", "removed"), ETA_CASES, ids=[c[0] for c in ETA_CASES])
+def test_the_operator_removes_rank_0s_eta_once_the_job_is_not_running(name, body, pods, removed):
+    status = reconcile(body, pods, applied(body), NOW, SETTINGS).status
+    assert status.get("progress") == ({"etaSeconds": None, "etaText": None} if removed else None)
+
+
 def test_the_status_names_the_master_and_selects_exactly_the_rank_pods():
     status = reconcile(read_resource(job(running())), BOTH_RUNNING, applied(job()), NOW, SETTINGS).status
     assert status["master"] == {"pod": "digits-worker-0", "address": "digits-worker-0.digits-workers", "port": 29500}

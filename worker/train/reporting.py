@@ -59,7 +59,8 @@ def read_status_file(path: Path) -> ParallelTrainingJobStatus | None:
 
 
 class ConsoleSink:
-    """Epoch, step/total, loss, samples/s and ETA: a live bar on a terminal, one log line per update otherwise."""
+    """Epoch, step/total, loss, samples/s and ETA (as kubectl's columns print them): a live bar on a terminal, one log
+    line per update otherwise."""
 
     def __init__(self, title: str, stream=None):
         self.title = title
@@ -70,13 +71,11 @@ class ConsoleSink:
 
     def publish(self, status: ParallelTrainingJobStatus) -> None:
         progress = status.progress
-        loss = f"{progress.loss:.4f}" if progress.loss is not None else "-"
-        speed = f"{progress.samples_per_second:.0f}" if progress.samples_per_second else "-"
+        loss, speed = progress.loss_text or "-", progress.samples_per_second_text or "-"
         if not self.live:
-            eta = f"{progress.eta_seconds:.0f}s" if progress.eta_seconds is not None else "-"
             self.console.print(
                 f"{self.title}: {status.phase} epoch {progress.epoch} step {progress.step}/{progress.total_steps} "
-                f"loss {loss} samples/s {speed} eta {eta}",
+                f"loss {loss} samples/s {speed} eta {progress.eta_text or '-'}",
                 highlight=False, soft_wrap=True,
             )
             return
@@ -182,8 +181,6 @@ class Reporter:
         self.status.phase = phase
         self.status.message = message
         self.status.completion_time = now()
-        if phase == "Succeeded":
-            self.status.progress.eta_seconds = 0.0
         self.publish()
         for sink in self.sinks:
             sink.close()

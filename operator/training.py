@@ -3,10 +3,8 @@
 
 The operator writes phase, conditions, workers, master, restarts, startTime, completionTime, message,
 observedGeneration, selector and queue; rank 0 writes progress, metrics, communication, checkpoint and
-preemptionCost. Neither writes the other's fields (a merge patch of its own), but for one removal: once the phase
-is not Running, the operator removes rank 0's ETA (`progress.etaSeconds`, `progress.etaText`), which rank 0 cannot
-do once it is gone (its merge patches never remove a field), so that kubectl's ETA column is blank rather than
-stale. The rules, in the order they apply:
+preemptionCost. Neither writes the other's fields (a merge patch of its own), but for rank 0's ETA, which the
+operator removes once the job is not Running (training_plan.eta_removal). The rules, in the order they apply:
 
 1. A manifest the API models reject gets an InvalidSpec condition naming each field; nothing else happens.
 2. Succeeded or Failed is final: rank pods still running are deleted (their GPUs released; finished pods stay for
@@ -53,7 +51,7 @@ from tandem.operator.training_objects import (
     selector_string,
     worker_pod,
 )
-from tandem.operator.training_plan import ETA_REMOVED, Plan, Queueing, Settings
+from tandem.operator.training_plan import Plan, Queueing, Settings, eta_removal
 from tandem.operator.training_queue import QueueRules
 from tandem.restart_policy import after_failure, backoff_seconds, deadline_exceeded, heartbeat_expired, seconds_left
 
@@ -391,9 +389,8 @@ class _Reconciler(QueueRules):
             "observedGeneration": self.body.get("metadata", {}).get("generation"),
             "selector": selector_string(name),
             **{key: self.status[key] for key in ("startTime", "completionTime") if self.status.get(key)},
+            **eta_removal(self.phase, self.status),
         }
-        if self.phase != "Running" and ETA_REMOVED["progress"].keys() & (self.status.get("progress") or {}).keys():
-            self.result.status.update(ETA_REMOVED)
         if self.queue_status is not None:
             self.result.status["queue"] = self.queue_status
             if self.admitted and self.result.workload_status is None:

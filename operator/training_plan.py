@@ -9,8 +9,15 @@ from typing import Any
 from tandem.operator import queueing
 
 ETA_REMOVED = {"progress": {"etaSeconds": None, "etaText": None}}
-"""The one patch of rank 0's status fields the operator sends (training.py): its ETA removed once the job is not
-Running."""
+"""The one patch of rank 0's status fields the operator sends (eta_removal)."""
+
+
+def eta_removal(phase: str, status: dict[str, Any]) -> dict[str, Any]:
+    """ETA_REMOVED while the job is not Running and its status still holds rank 0's ETA; else nothing. Rank 0 cannot
+    remove it once it is gone, and its merge patches never remove a field: without this, kubectl's ETA column would
+    go on showing the last estimate of a job that failed, restarts or is suspended."""
+    held = (status.get("progress") or {}).keys() & ETA_REMOVED["progress"].keys()
+    return ETA_REMOVED if phase != "Running" and held else {}
 
 
 @dataclass(frozen=True)

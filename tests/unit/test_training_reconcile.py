@@ -431,7 +431,7 @@ ETA_CASES = [
 
 @pytest.mark.parametrize(("name", "body", "pods", "removed"), ETA_CASES, ids=[c[0] for c in ETA_CASES])
 def test_the_operator_removes_rank_0s_eta_once_the_job_is_not_running(name, body, pods, removed):
-    status = reconcile(body, pods, applied(body), NOW, SETTINGS).status
+    status = reconcile(read_resource(body), pods, applied(body), NOW, SETTINGS).status
     assert status.get("progress") == ({"etaSeconds": None, "etaText": None} if removed else None)
 
 

@@ -117,6 +117,10 @@ class Emulator(kmock.KubernetesEmulator):
     def history(self, resource: str | Kind, namespace: str | None, name: str) -> list[dict[str, Any] | None]:
         return self.store.history(self.writer.key(self.catalog.lookup(resource), namespace, name))
 
+    def watches(self, resource: str | Kind) -> int:
+        """How many watches of `resource` are open now."""
+        return self.store.watches(self.catalog.lookup(resource).resource)
+
     async def __aexit__(self, *exc_info: Any) -> None:
         self.store.close()
         await super().__aexit__(*exc_info)

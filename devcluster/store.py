@@ -137,6 +137,10 @@ class Store:
             backlog = [event for event in self._logs[resource] if since is not None and event.revision > since]
             return current, backlog, queue
 
+    def watches(self, resource: kmock.resource) -> int:
+        with self.mutex:
+            return len(self._watchers[resource])
+
     def unsubscribe(self, resource: kmock.resource, queue: asyncio.Queue[Event | None]) -> None:
         with self.mutex:
             self._watchers[resource].discard(queue)

@@ -171,6 +171,9 @@ def test_get_watch_prints_a_row_for_each_change(cluster):
         threading.Thread(target=lambda: [lines.put(line) for line in watch.stdout], daemon=True).start()
         try:
             header, first = lines.get(timeout=30), lines.get(timeout=30)
+            # kubectl GETs the object, prints it, then watches from resourceVersion 0 and does not print that watch's
+            # first event (the state it printed): a change made before its watch is open would never be printed.
+            cluster.wait_for(lambda: cluster.emulator.watches("paralleltrainingjobs") == 1, 30, "kubectl's watch")
             cluster.request("PATCH", f"/apis/tandem.dev/v1alpha1/namespaces/{NS}/paralleltrainingjobs/digits-train"
                             "/status", {"status": {"phase": "Running", "workers": {"summary": "2/2"}}},
                             "application/merge-patch+json")

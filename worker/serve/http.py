@@ -149,7 +149,7 @@ class _Connection(asyncio.Protocol):
         self._header_count = 0
         self._body: list[bytes] = []
         self._body_size = 0
-        self._limit = 0
+        self._limit = 0  # the body size limit, read once per message when its headers are complete
         self._refused = False  # the current message was answered early (body too large): drop the rest
         self._dropped = 0
         self._failed = False
@@ -194,15 +194,6 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks -------------------------------------------------------------------------------
 
-    def on_message_begin(self) -> None:
-        self._url = b""
-        self._headers = {}
-        self._header_count = 0
-        self._body = []
-        self._body_size = 0
-        self._limit = self.server.max_body()
-        self._refused = False
-
     def on_url(self, url: bytes) -> None:
         self._url += url
 
@@ -214,7 +205,7 @@ class _Connection(asyncio.Protocol):
         if self._header_count > MAX_HEADER_COUNT:
             return self._refuse(431, f"more than {MAX_HEADER_COUNT} headers")
         length = self._headers.get("content-length")
-        limit = self._limit
+        limit = self._limit = self.server.max_body()
         if length is not None and length.isdigit() and int(length) > limit:
             return self._refuse(413, f"request body too large: {length} bytes; the limit is {limit} bytes")
         if self._headers.get("expect", "").lower() == "100-continue" and self.transport is not None:
@@ -238,20 +229,29 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        headers = self._headers
+        # The next message starts empty (state reset here rather than in an on_message_begin callback: one call
+        # from the parser fewer per request; a message refused or failed ends the connection instead).
         self._body = []
-        encoding = self._headers.get("content-encoding")
+        self._headers = {}
+        self._header_count = 0
+        self._body_size = 0
+        encoding = headers.get("content-encoding")
         if encoding and encoding != "identity":
             try:
                 body = _decompress(body, encoding, self._limit)
             except ValueError as error:
                 return self._fail(400 if "too large" not in str(error) else 413, str(error))
-        url = self._url
+        url, self._url = self._url, b""
         if b"?" in url or b"%" in url or b"#" in url or not url.startswith(b"/"):
             path = unquote(httptools.parse_url(url).path.decode("latin-1")) if url else "/"
         else:
             path = url.decode("latin-1")
-        request = Request(self.parser.get_method().decode("latin-1"), path, self._headers, body,
+        request = Request(self.parser.get_method().decode("latin-1"), path, headers, body,
                           self.parser.should_keep_alive(), self)
+        if self.current is None and not self.waiting and not self._dispatching:
+            self._dispatch(request)  # nothing ahead of it (the usual case): no queueing
+            return None
         self.waiting.append(request)
         if len(self.waiting) >= MAX_PIPELINED:
             self._pause_reading()

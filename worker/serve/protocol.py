@@ -159,8 +159,11 @@ def check_tensor(datatype: Any, shape: Any, signature: Signature, where: str) ->
     spec = signature.input
     if datatype != spec.datatype:
         raise ProtocolError(f"{where}: datatype {datatype!r} does not match the model's {spec.datatype}")
-    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+    if type(shape) is not list:
         raise ProtocolError(f"{where}: shape must be a list of non-negative integers; got {shape!r}")
+    for dimension in shape:  # a loop, not all() over a generator: this runs on the event loop for every request
+        if type(dimension) is not int or dimension < 0:
+            raise ProtocolError(f"{where}: shape must be a list of non-negative integers; got {shape!r}")
     if len(shape) != len(spec.shape) + 1 or tuple(shape[1:]) != spec.shape:
         wanted = [-1, *spec.shape]
         raise ProtocolError(f"{where}: shape {shape} does not match the model's {wanted} "
@@ -216,7 +219,7 @@ def listed_tensor(data: Any, shape: list[int], count: int, datatype: str, torch_
             raise ProtocolError(f"{where}: {datatype} data out of range ({info.min}..{info.max}): found {low}..{high}")
     if numpy_dtype is None:  # BF16: no numpy type; go through float32
         return torch.from_numpy(array.astype(np.float32)).to(torch_dtype).reshape(shape)
-    return np.ascontiguousarray(array, dtype=numpy_dtype).reshape(shape)
+    return array.astype(numpy_dtype, copy=False).reshape(shape)  # np.asarray made it: already contiguous
 
 
 def _binary_output(request: dict[str, Any], parameters: dict[str, Any], signature: Signature) -> bool:

@@ -273,9 +273,9 @@ def tensor_bytes(output: np.ndarray | torch.Tensor) -> bytes:
 
 
 def _flat_array(output: np.ndarray | torch.Tensor) -> np.ndarray:
-    if isinstance(output, torch.Tensor):
+    if type(output) is not np.ndarray:  # a BF16 tensor (numpy has no such type)
         output = output.float().numpy()
-    return np.ascontiguousarray(output).reshape(-1)
+    return output.ravel()  # row-major and contiguous (copied only where it is not), as orjson needs
 
 
 def dumps(value: Any) -> bytes:

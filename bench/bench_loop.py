@@ -9,7 +9,7 @@ uvloop's socket code (about a quarter of the loop's time under wrk, bench/RESULT
 Why: on a machine shared with other work, req/s and even CPU per request under wrk move by more than a change to the
 loop's code does (other processes' load slows the same instructions down). With --against REF the server as it is at
 git REF runs at the same moment in a second process, so both see the same load; the lowest rounds of each are
-compared.
+compared (an A/A run, `--against HEAD`, gives 0.97-1.03).
 
     .venv/bin/python bench/bench_loop.py                              # this tree: CPU per request at 256 connections
     .venv/bin/python bench/bench_loop.py --against main --repeats 3   # both at once, 3 times: this tree / main
@@ -165,9 +165,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as directory:
         other = checkout(args.against, Path(directory)) if args.against else None
         ratios = []
-        for _ in range(args.repeats if other else 1):
-            ours = measure(None, args)
-            theirs = measure(other, args) if other else None
+        for repeat in range(args.repeats if other else 1):
+            if repeat % 2:  # which process starts first alternates: an A/A run (--against HEAD) showed a bias of ~2%
+                theirs = measure(other, args)
+                ours = measure(None, args)
+            else:
+                ours = measure(None, args)
+                theirs = measure(other, args) if other else None
             mine = lowest(ours, 3)
             line = f"this tree: event loop CPU per request {statistics.median(mine):.1f} us (lowest rounds {mine})"
             if theirs is not None:

@@ -47,7 +47,6 @@ from tandem.worker.serve.tasks import cancel_and_wait
 log = logging.getLogger("tandem.serve")
 
 MAX_BODY = 1 << 20  # until a model is loaded; then room for a full batch as JSON (_body_limit)
-YOUNG_COLLECTION_THRESHOLD = 10_000  # gc.set_threshold for tandem serve (_collect_young_objects_less_often)
 
 
 class InferenceServer:
@@ -167,7 +166,6 @@ class InferenceServer:
         loop = asyncio.get_running_loop()
         self._owns_process = True
         self._share_cores()
-        _collect_young_objects_less_often()
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
@@ -215,15 +213,6 @@ def _freeze_heap() -> None:
     just a server (tandem serve)."""
     gc.collect()
     gc.freeze()
-
-
-def _collect_young_objects_less_often() -> None:
-    """Run the cyclic garbage collector's youngest generation about 14 times less often than Python's default
-    (every 700 net allocations): each inference request allocates its decoded JSON, its Request, Pending and Ticket,
-    and with a few hundred in flight the default ran a young collection every ~150 requests, about 2 us of the event
-    loop's CPU per request (measured in bench/RESULTS.md). Cycles are still collected, with at most this many young
-    objects waiting. Only for a process that is just a server (tandem serve)."""
-    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def _log_crash(request: Request, error: BaseException) -> None:

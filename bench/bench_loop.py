@@ -9,7 +9,8 @@ uvloop's socket code (about a quarter of the loop's time under wrk, bench/RESULT
 Why: on a machine shared with other work, req/s and even CPU per request under wrk move by more than a change to the
 loop's code does (other processes' load slows the same instructions down). With --against REF the server as it is at
 git REF runs at the same moment in a second process, so both see the same load; the lowest rounds of each are
-compared (an A/A run, `--against HEAD`, gives 0.97-1.03).
+compared. Its resolution is a few percent: an A/A run (`--against HEAD`, 4 pairs) gave 0.90-0.98, median 0.96 (this
+tree's process, imported from the working tree, ran a little faster than the checkout's).
 
     .venv/bin/python bench/bench_loop.py                              # this tree: CPU per request at 256 connections
     .venv/bin/python bench/bench_loop.py --against main --repeats 3   # both at once, 3 times: this tree / main

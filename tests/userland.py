@@ -87,6 +87,12 @@ def dropout_mlp(hidden: int = 32, p: float = 0.3, step_seconds: float = 0.0) -> 
     return DropoutMLP(hidden, p, step_seconds)
 
 
+def dropout_mlp_paused_until_resumed(hidden: int = 32, p: float = 0.3, step_seconds: float = 0.0) -> nn.Module:
+    """dropout_mlp whose pause applies only in a job's first group of ranks (TANDEM_RESUME_FROM empty): long enough
+    to be stopped midway, and a resumed run that does not wait."""
+    return DropoutMLP(hidden, p, 0.0 if os.environ.get("TANDEM_RESUME_FROM") else step_seconds)
+
+
 def regression_data(size: int = 512) -> TensorDataset:
     """64 features in [0, 1); a float target, their mean: a regression that a linear layer fits exactly."""
     x = torch.rand(size, 64, generator=torch.Generator().manual_seed(0))

@@ -27,58 +27,72 @@ MODES = {
 }
 
 
-def assert_same_weights(tmp_path: Path, straight: str, resumed: str) -> None:
-    a, b = final_weights(tmp_path, straight), final_weights(tmp_path, resumed)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run of each case, run once for the tests that stop and resume the same job: returns the
+    directory it ran in (its job is named "straight") and its final status."""
+    runs: dict[str, tuple[Path, dict]] = {}
+
+    def run(case: str, trainer: dict, spec: dict) -> tuple[Path, dict]:
+        if case not in runs:
+            directory = tmp_path_factory.mktemp(f"straight-{case}")
+            result = tandem_run(manifest(directory, "straight", trainer={**trainer, "maxSteps": TOTAL}, **spec))
+            assert result.returncode == 0, result.stderr
+            runs[case] = directory, final_status(result)
+        return runs[case]
+
+    return run
+
+
+def assert_same_weights(straight_dir: Path, tmp_path: Path) -> None:
+    a, b = final_weights(straight_dir, "straight"), final_weights(tmp_path, "halves")
     assert a.keys() == b.keys()
     differing = [name for name in a if not torch.equal(a[name], b[name])]
     assert not differing, f"weights differ after resume: {differing}"
 
 
-def run_in_two_halves(tmp_path: Path, name: str, trainer: dict, spec: dict) -> dict:
-    result = tandem_run(manifest(tmp_path, name, trainer={**trainer, "maxSteps": FIRST}, **spec))
+def run_in_two_halves(tmp_path: Path, trainer: dict, spec: dict) -> dict:
+    result = tandem_run(manifest(tmp_path, "halves", trainer={**trainer, "maxSteps": FIRST}, **spec))
     assert result.returncode == 0, result.stderr
-    assert checkpoint.load(checkpoint.latest(tmp_path / name / "checkpoints"))["manifest"]["step"] == FIRST
-    result = tandem_run(manifest(tmp_path, name, trainer={**trainer, "maxSteps": TOTAL}, **spec))
-    assert result.returncode == 0, result.stderr
-    return final_status(result)
-
-
-def run_straight(tmp_path: Path, name: str, trainer: dict, spec: dict) -> dict:
-    result = tandem_run(manifest(tmp_path, name, trainer={"maxSteps": TOTAL, **trainer}, **spec))
+    assert checkpoint.load(checkpoint.latest(tmp_path / "halves" / "checkpoints"))["manifest"]["step"] == FIRST
+    result = tandem_run(manifest(tmp_path, "halves", trainer={**trainer, "maxSteps": TOTAL}, **spec))
     assert result.returncode == 0, result.stderr
     return final_status(result)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_max_steps_stop_resumes_exactly(tmp_path, mode):
-    straight = run_straight(tmp_path, "straight", DROPOUT, MODES[mode])
-    resumed = run_in_two_halves(tmp_path, "halves", DROPOUT, MODES[mode])
-    assert resumed["progress"]["step"] == straight["progress"]["step"] == TOTAL
-    assert_same_weights(tmp_path, "straight", "halves")
+def test_a_max_steps_stop_resumes_exactly(tmp_path, straight, mode):
+    straight_dir, reference = straight(mode, DROPOUT, MODES[mode])
+    resumed = run_in_two_halves(tmp_path, DROPOUT, MODES[mode])
+    assert resumed["progress"]["step"] == reference["progress"]["step"] == TOTAL
+    assert_same_weights(straight_dir, tmp_path)
 
 
 @pytest.mark.parametrize(("case", "trainer"), [
     ("accumulation", {"gradientAccumulationSteps": 2}),
     ("fp16", {"mixedPrecision": "fp16"}),
 ])
-def test_accumulation_and_fp16_resume_exactly(tmp_path, case, trainer):
-    straight = run_straight(tmp_path, "straight", {**DROPOUT, **trainer}, {})
-    resumed = run_in_two_halves(tmp_path, "halves", {**DROPOUT, **trainer}, {})
-    assert resumed["progress"]["step"] == straight["progress"]["step"] == TOTAL, case
-    assert_same_weights(tmp_path, "straight", "halves")
+def test_accumulation_and_fp16_resume_exactly(tmp_path, straight, case, trainer):
+    straight_dir, reference = straight(case, {**DROPOUT, **trainer}, {})
+    resumed = run_in_two_halves(tmp_path, {**DROPOUT, **trainer}, {})
+    assert resumed["progress"]["step"] == reference["progress"]["step"] == TOTAL, case
+    assert_same_weights(straight_dir, tmp_path)
 
 
-SLOW_TOTAL = 300
-SLOW = {**DROPOUT, "modelArgs": {**DROPOUT["modelArgs"], "step_seconds": 0.01}, "maxSteps": SLOW_TOTAL}
+# The same job as the straight run's but for a pause in each training forward before the resume (the pause draws
+# no random numbers: the weights are the same), so that the stop falls mid-run: the ranks agree on a stop within
+# about 2 s of training, 62 steps take over 6 s. The resumed run does not pause.
+PAUSED = {**DROPOUT, "model": "userland:dropout_mlp_paused_until_resumed",
+          "modelArgs": {**DROPOUT["modelArgs"], "step_seconds": 0.1}, "maxSteps": TOTAL}
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_sigterm_stop_resumes_exactly(tmp_path, mode):
-    straight = run_straight(tmp_path, "straight", SLOW, MODES[mode])
-    stopped = run_until_signal(manifest(tmp_path, "halves", trainer=SLOW, **MODES[mode]), signal.SIGTERM)
+def test_a_sigterm_stop_resumes_exactly(tmp_path, straight, mode):
+    straight_dir, reference = straight(mode, DROPOUT, MODES[mode])
+    stopped = run_until_signal(manifest(tmp_path, "halves", trainer=PAUSED, **MODES[mode]), signal.SIGTERM)
     assert stopped["phase"] == "Suspended"
-    assert 0 < stopped["progress"]["step"] < SLOW_TOTAL, "the stop must fall before the end to test a resume"
-    resumed = tandem_run(manifest(tmp_path, "halves", trainer=SLOW, **MODES[mode]))
+    assert 0 < stopped["progress"]["step"] < TOTAL, "the stop must fall before the end to test a resume"
+    resumed = tandem_run(manifest(tmp_path, "halves", trainer=PAUSED, **MODES[mode]))
     assert resumed.returncode == 0, resumed.stderr
-    assert final_status(resumed)["progress"]["step"] == straight["progress"]["step"] == SLOW_TOTAL
-    assert_same_weights(tmp_path, "straight", "halves")
+    assert final_status(resumed)["progress"]["step"] == reference["progress"]["step"] == TOTAL
+    assert_same_weights(straight_dir, tmp_path)

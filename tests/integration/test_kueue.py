@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 import yaml
-from jobs import TESTS, final_weights, manifest, tandem_run
+from jobs import TESTS, final_weights, manifest, start_tandem_run
 from operator_runs import GROUP, JOBS, NS, STARTUP, VERSION, claim, custom_job, events, start_operator
 from operator_runs import job_pods as pods
 
@@ -26,8 +26,10 @@ from tandem.worker import checkpoint
 
 FLAVOR_LABEL = {"tandem.dev/node-pool": "cpu"}
 # The dropout MLP draws random numbers every step, so an inexact resume shows in the weights; 0.04 s a step keeps
-# the job running long enough to be preempted mid-run (a checkpoint every 40 steps, about 1.6 s).
-TRAINER = {"model": "userland:dropout_mlp", "modelArgs": {"hidden": 32, "p": 0.3, "step_seconds": 0.04},
+# the job running long enough to be preempted mid-run (a checkpoint every 40 steps, about 1.6 s). The pause draws no
+# random numbers: the uninterrupted run it is compared with goes without it.
+DROPOUT = {"hidden": 32, "p": 0.3}
+TRAINER = {"model": "userland:dropout_mlp", "modelArgs": {**DROPOUT, "step_seconds": 0.04},
            "evalData": None, "deterministic": True, "epochs": 100, "maxSteps": 160,
            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}}
 EVERY = 40
@@ -74,10 +76,9 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_bit_identica
     """Two jobs on a quota that fits one: the first runs, the second waits Queued with no pods. A third of higher
     priority preempts the first: its ranks checkpoint at the step they agree on and stop, its quota goes back, and
     the third runs. Admitted again, the first resumes from that checkpoint and ends with the weights of an
-    uninterrupted run (`tandem run` of the same job); nothing counts as a failure."""
-    reference = manifest(tmp_path, "reference", trainer=TRAINER)
-    first = yaml.safe_load(reference.read_text())
-    first["metadata"]["name"] = "first"
+    uninterrupted run (`tandem run` of the same job, started once the first is preempted and run meanwhile);
+    nothing counts as a failure."""
+    first = yaml.safe_load(manifest(tmp_path, "first", trainer=TRAINER).read_text())
     first["spec"]["checkpoint"] = {"directory": "first", "persistentVolumeClaim": "first-checkpoints",
                                    "everySteps": EVERY}
     claim(cluster, "first-checkpoints")
@@ -102,22 +103,26 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_bit_identica
                             "the first job to be preempted and its ranks gone")
     stopped_at = preempted["checkpoint"]["step"]
     assert stopped_at == preempted["progress"]["step"] < TRAINER["maxSteps"], "a checkpoint at the agreed step"
-    wait_status(cluster, "urgent", lambda s: s.get("phase") == "Succeeded", "the urgent job to run and finish")
+    reference, reference_stderr = start_tandem_run(
+        manifest(tmp_path, "reference", trainer={**TRAINER, "modelArgs": DROPOUT}))
+    with reference:  # waited for, whatever happens meanwhile
+        wait_status(cluster, "urgent", lambda s: s.get("phase") == "Succeeded", "the urgent job to run and finish")
 
-    final = wait_status(cluster, "first", lambda s: s.get("phase") == "Succeeded", "the first job to resume and end",
-                        timeout=240)
-    assert final["restarts"] == 0, "a preemption is not a failure"
-    assert final["queue"]["evictions"] == 1
-    assert final["progress"]["step"] == TRAINER["maxSteps"]
-    assert {"Requeued", "Admitted"} <= set(events(cluster, "first"))
-    resumed_env = {e["name"]: e.get("value") for e in pods(cluster, "first")[0]["spec"]["containers"][0]["env"]}
-    assert resumed_env["TANDEM_RESUME_FROM"].endswith(checkpoint_name(stopped_at))
-    cluster.wait_for(lambda: any(c["type"] == "Finished" and c["status"] == "True" for c in (
-        workload_of(cluster, "first").get("status") or {}).get("conditions", [])), 10, "the Workload marked Finished")
-    wait_status(cluster, "second", lambda s: s.get("phase") == "Succeeded", "the second job, admitted last")
+        final = wait_status(cluster, "first", lambda s: s.get("phase") == "Succeeded",
+                            "the first job to resume and end", timeout=240)
+        assert final["restarts"] == 0, "a preemption is not a failure"
+        assert final["queue"]["evictions"] == 1
+        assert final["progress"]["step"] == TRAINER["maxSteps"]
+        assert {"Requeued", "Admitted"} <= set(events(cluster, "first"))
+        resumed_env = {e["name"]: e.get("value") for e in pods(cluster, "first")[0]["spec"]["containers"][0]["env"]}
+        assert resumed_env["TANDEM_RESUME_FROM"].endswith(checkpoint_name(stopped_at))
+        cluster.wait_for(lambda: any(c["type"] == "Finished" and c["status"] == "True" for c in (
+            workload_of(cluster, "first").get("status") or {}).get("conditions", [])), 10,
+            "the Workload marked Finished")
+        wait_status(cluster, "second", lambda s: s.get("phase") == "Succeeded", "the second job, admitted last")
 
-    straight = tandem_run(reference)
-    assert straight.returncode == 0, straight.stderr
+        reference.communicate(timeout=300)
+        assert reference.returncode == 0, reference_stderr.read_text()
     on_cluster = checkpoint.load(checkpoint.latest(cluster.kubelet.claim_dir(NS, "first-checkpoints") / "first"))
     expected = final_weights(tmp_path, "reference")
     assert on_cluster["model"].keys() == expected.keys()

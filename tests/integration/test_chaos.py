@@ -210,7 +210,8 @@ def run_scenarios(cluster: Cluster, fault: str) -> Client:
         wait(cluster, lambda: status(cluster, POOLS, "digits").get("phase") == "Ready"
              and status(cluster, POOLS, "digits").get("model", {}).get("checkpoint", "").endswith("step-00000230.pt"),
              READY, "the pool to serve the last checkpoint")
-        time.sleep(0.5)
+        wait(cluster, lambda: client.checkpoints and client.checkpoints[-1].endswith("step-00000230.pt"), 30,
+             "the client to be answered by the last checkpoint")
     finally:
         client.stop.set()
         client.join(60)

@@ -9,10 +9,10 @@ LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus TORCHELASTIC_USE_AG
 initialises the process group itself (with ``group_timeout``, so a collective that never completes fails
 instead of hanging) and destroys it afterwards; pass ``init_group=False`` to test code that does its own.
 
-The ranks are forked from multiprocessing's fork server, which imports this module (and so torch) once for the
-session: a spawned rank would import torch again, about 2 s a rank on two busy cores. Each rank starts from the
-server's fresh imports, never from the test process's state, and gets the caller's environment and working
-directory as a spawned one would. `fn` must be importable by the ranks (a module-level function of a test
+The ranks are forked from multiprocessing's fork server, which imports torch once for the session: a spawned rank
+would import torch again, about 2 s a rank on two busy cores. Each rank starts from the server's fresh imports,
+never from the test process's state, and gets the caller's environment and working directory as a spawned one
+would. `fn` must be importable by the ranks (a module-level function of a test
 module), and its arguments and return values picklable. The first rank that raises, or dies, fails the whole run
 with that rank's traceback; the other ranks are then stopped. Every rank runs with torch.set_num_threads(1).
 """
@@ -37,7 +37,9 @@ from tandem.worker.train.process_group import shutdown_process_group
 LOOPBACK = "127.0.0.1"
 _POLL_SECONDS = 0.2
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload([__name__])
+# What this module imports, by names the fork server finds (Python 3.11's does not take the caller's sys.path, which
+# holds tests/; an import it cannot do is skipped silently, and every rank would then import torch itself).
+_CONTEXT.set_forkserver_preload(["torch.distributed", "tandem.worker.train.process_group"])
 _STOP_GRACE_SECONDS = 5.0
 
 

@@ -81,34 +81,53 @@ def test_batches_hold_at_most_batch_limit_examples(gate):
     torch.testing.assert_close(torch.cat(outputs), model.inner(x))
 
 
-def test_beside_a_running_forward_a_free_worker_waits_for_a_full_batch(gate):
+def test_beside_a_busy_forward_a_free_worker_waits_for_a_full_batch(gate):
     model, gate = gate
-    x = _inputs(5)
+    x = _inputs(7)
     with ParallelInference(model, workers=2, batch_limit=4) as inference, ThreadPoolExecutor(5) as pool:
         inference._forward_ns = 10**15  # as if the last forward had taken days: only a full batch ends the wait
         gate.close()
-        futures = [pool.submit(inference.output, x[:1])]
-        gate.wait_entered(1)  # one worker's forward is held; the other is free
-        futures += [pool.submit(inference.output, x[i:i + 1]) for i in range(1, 5)]
+        futures = [pool.submit(inference.output, x[:3])]
+        gate.wait_entered(1)  # one worker's forward of 3 examples is held; the other is free
+        futures += [pool.submit(inference.output, x[i:i + 1]) for i in range(3, 7)]
         gate.wait_entered(2)
         gate.open.set()
         outputs = [f.result(60) for f in futures]
-    assert gate.batches == [1, 4]  # not a forward of the first request or two to arrive beside the held one
+    assert gate.batches == [3, 4]  # not a forward of the first request or two to arrive beside the held one
     torch.testing.assert_close(torch.cat(outputs), model.inner(x))
 
 
-@pytest.mark.parametrize(("queued_rows", "others_running", "shared_device", "waited_ns", "expected_ns"), [
-    (3, True, True, 0, 1000),           # another forward on the same cores and a partial batch: wait
-    (3, True, True, 400, 600),          # ... until the oldest has waited as long as the last forward took
-    (3, True, True, 1500, 0),           # ... and no longer
-    (4, True, True, 0, 0),              # a full batch goes at once
-    (9, True, True, 0, 0),
-    (3, False, True, 0, 0),             # nothing else runs: the partial batch goes at once
-    (3, True, False, 0, 0),             # the other forward runs on another device
+def test_under_light_load_a_free_worker_runs_a_partial_batch_beside_a_running_forward(gate):
+    """Queued and running together less than a full batch: the free worker's core would idle while it waited."""
+    model, gate = gate
+    x = _inputs(2)
+    with ParallelInference(model, workers=2, batch_limit=4) as inference, ThreadPoolExecutor(2) as pool:
+        inference._forward_ns = 10**15
+        gate.close()
+        futures = [pool.submit(inference.output, x[:1])]
+        gate.wait_entered(1)
+        futures.append(pool.submit(inference.output, x[1:]))
+        gate.wait_entered(2)  # the second forward starts while the first is held
+        gate.open.set()
+        outputs = [f.result(60) for f in futures]
+    assert gate.batches == [1, 1]
+    torch.testing.assert_close(torch.cat(outputs), model.inner(x))
+
+
+@pytest.mark.parametrize(("queued_rows", "running_rows", "shared_device", "waited_ns", "expected_ns"), [
+    (3, 1, True, 0, 1000),              # another forward on the same cores and a partial batch: wait
+    (3, 1, True, 400, 600),             # ... until the oldest has waited as long as the last forward took
+    (3, 1, True, 1500, 0),              # ... and no longer
+    (1, 3, True, 0, 1000),              # queued and running make a full batch: wait
+    (2, 1, True, 0, 0),                 # light load (less than a full batch in all): the partial batch goes at once
+    (4, 2, True, 0, 0),                 # a full batch goes at once
+    (9, 2, True, 0, 0),
+    (3, 0, True, 0, 0),                 # nothing else runs: the partial batch goes at once
+    (3, 1, False, 0, 0),                # the other forward runs on another device
 ])
-def test_when_a_free_worker_waits_for_a_fuller_batch(queued_rows, others_running, shared_device, waited_ns,
+def test_when_a_free_worker_waits_for_a_fuller_batch(queued_rows, running_rows, shared_device, waited_ns,
                                                      expected_ns):
-    assert fuller_batch_wait(queued_rows, 4, others_running, shared_device, waited_ns, 1000) == expected_ns
+    assert fuller_batch_wait(queued_rows, 4, running_rows, shared_device, waited_ns, 1000) == expected_ns
 
 
 # Requests queued behind request 1 (held at the gate), in this order: (request id, input shape with the examples

@@ -105,14 +105,18 @@ def pop_batch(queue: deque[Ticket], limit: int, batched: bool, scan_limit: int) 
     return batch, expired
 
 
-def fuller_batch_wait(queued_rows: int, batch_limit: int, others_running: bool, shared_device: bool, waited_ns: int,
+def fuller_batch_wait(queued_rows: int, batch_limit: int, running_rows: int, shared_device: bool, waited_ns: int,
                       last_forward_ns: int) -> int:
     """How long (ns) a free worker waits for a fuller batch before it takes what is queued (0: take it now): while
-    another replica runs a forward on the same device and the queue holds less than a full batch, until the oldest
-    request has waited as long as the last forward took. Two partial forwards side by side on the same cores each
-    cost more per example than one fuller forward after the other (measured in bench/RESULTS.md); the bound keeps a
-    slow or stuck forward from holding the other replicas back for longer."""
-    if queued_rows >= batch_limit or not others_running or not shared_device:
+    another replica runs a forward on the same device, the queue holds less than a full batch, and the examples
+    queued and running together make at least a full batch (the cores are busy: a full batch will form), until the
+    oldest request has waited as long as the last forward took. Two partial forwards side by side on the same
+    cores each cost more per example than one fuller forward after the other (measured in bench/RESULTS.md); under
+    light load (queued and running less than a full batch) the partial forwards run side by side, each on a core
+    that would otherwise idle. The bound keeps a slow or stuck forward from holding the other replicas back for
+    longer."""
+    if queued_rows >= batch_limit or not running_rows or not shared_device or \
+            queued_rows + running_rows < batch_limit:
         return 0
     return max(0, last_forward_ns - waited_ns)
 

@@ -99,6 +99,7 @@ class ParallelInference:
         self._filling_workers = 0  # waiting for a fuller batch while another replica runs (_wait_for_fuller_batch)
         self._forward_ns = 0  # how long the last forward took
         self._running = 0
+        self._running_rows = 0  # examples in the forwards running (batched mode)
         self._closed = False
         self._free: list[int] = []  # inplace mode: indices of idle replicas
         self._waiting = 0  # inplace mode: callers waiting for a replica
@@ -289,6 +290,7 @@ class ParallelInference:
                 finally:
                     with self._cond:
                         self._running -= len(batch)
+                        self._running_rows -= sum(r.rows for r in batch)
                         if self._filling_workers:
                             self._cond.notify_all()
 
@@ -312,13 +314,14 @@ class ParallelInference:
                             if wait > 0:
                                 self._cond.wait(wait)
                                 continue
-                        wait_ns = fuller_batch_wait(rows, self.batch_limit, self._running > 0, self._shared_device,
+                        wait_ns = fuller_batch_wait(rows, self.batch_limit, self._running_rows, self._shared_device,
                                                     time.perf_counter_ns() - queue[0].submitted, self._forward_ns)
                         if wait_ns:
                             self._wait_for_fuller_batch(wait_ns / 1e9)
                             continue
                     batch, expired = pop_batch(queue, self.batch_limit if batched else 1, batched, self.queue_limit)
                     self._running += len(batch)
+                    self._running_rows += sum(r.rows for r in batch)
                     return batch, expired
             finally:
                 self._idle_workers -= 1

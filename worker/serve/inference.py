@@ -8,9 +8,9 @@ Modes (DL4J's InferenceMode):
 - ``batched``: requests wait in one queue; a free worker takes the oldest one together with every queued
   request of the same per-example shape and dtype, up to ``batch_limit`` examples (optionally waiting up to
   ``max_delay_us`` for the batch to fill), runs one forward on its replica and splits the output back. Where
-  the replicas share one device (on CPU: the cores), a free worker takes less than a full batch only while no
-  other replica runs a forward; otherwise it waits until the queue holds a full batch, that forward ends, or the
-  oldest request has waited as long as the last forward took.
+  the replicas share one device (on CPU: the cores) and the examples queued and running make at least a full
+  batch, a free worker beside a running forward waits until the queue holds a full batch, that forward ends, or
+  the oldest request has waited as long as the last forward took; under lighter load it takes what is queued.
 - ``sequential``: the same queue and workers, one request per forward, first in first out.
 - ``inplace``: the caller's thread runs the forward on a free replica (no queue, no worker threads).
 

@@ -23,8 +23,8 @@ either); ``shutdown`` finishes what is queued and stops the workers.
 
 This module is the engine: the queue, the worker threads, the modes, swapping and shutting down. Beside it:
 batching.py (a request's Ticket, taking a batch, joining inputs and splitting outputs), replicas.py (copies of
-the model, warm-up, a checked forward), errors.py (the InferenceErrors, importable from here too) and stats.py
-(``stats``: requests, examples, forwards and their times).
+the model, warm-up, a checked forward, a batch run and answered), errors.py (the InferenceErrors, importable from
+here too) and stats.py (``stats``: requests, examples, forwards and their times).
 """
 
 from __future__ import annotations
@@ -38,17 +38,9 @@ from typing import Any, Literal
 
 import torch
 
-from tandem.worker.serve.batching import (
-    Callback,
-    Ticket,
-    as_input,
-    fuller_batch_wait,
-    join_inputs,
-    pop_batch,
-    split_output,
-)
+from tandem.worker.serve.batching import Callback, Ticket, as_input, fuller_batch_wait, pop_batch
 from tandem.worker.serve.errors import InferenceError, InferenceTimeout, ModelError, QueueFullError, ShutDownError
-from tandem.worker.serve.replicas import build_replicas, default_devices, forward, warmup_sizes
+from tandem.worker.serve.replicas import build_replicas, default_devices, run_batch, warmup_sizes
 from tandem.worker.serve.stats import InferenceStats
 
 Mode = Literal["batched", "sequential", "inplace"]
@@ -341,37 +333,11 @@ class ParallelInference:
         for request in expired:
             waited = (time.perf_counter_ns() - request.submitted) / 1e6
             request.finish(None, InferenceTimeout(f"timed out after waiting {waited:.0f} ms in the queue"))
+
     def _run(self, replica: torch.nn.Module, device: torch.device, batch: list[Ticket]) -> None:
-        """One forward for `batch`; a failing batch of several requests is retried one request at a time so
-        that only the request that breaks the model fails."""
-        start = time.perf_counter_ns()
-        rows = sum(r.rows for r in batch) if len(batch) > 1 else batch[0].rows
-        try:
-            x, as_numpy = join_inputs(batch)
-            if device.type != "cpu":
-                x = x.to(device, non_blocking=True)
-            infer = time.perf_counter_ns()
-            out = forward(replica, x, rows)
-            output = time.perf_counter_ns()
-            if out.device.type != "cpu":
-                out = out.cpu()
-            if as_numpy and out.dtype != torch.bfloat16:  # numpy has no bfloat16: those stay tensors
-                out = out.numpy()
-            pieces = split_output(out, batch)
-        except Exception as error:
-            if len(batch) > 1:
-                for request in batch:
-                    self._run(replica, device, [request])
-                return
-            end = time.perf_counter_ns()
-            self.stats.batch(batch, rows, start, end, end, end, (False,))
-            batch[0].finish(None, error if isinstance(error, ModelError) else _model_error(error))
-            return
-        end = time.perf_counter_ns()
-        self._forward_ns = end - start
-        self.stats.batch(batch, rows, start, infer, output, end, (True,) * len(batch))
-        for request, piece in zip(batch, pieces, strict=True):
-            request.finish(piece, None)
+        forward_ns = run_batch(replica, device, batch, self.stats)
+        if forward_ns is not None:
+            self._forward_ns = forward_ns
 
     # -- inplace mode -----------------------------------------------------------------------------------------
 
@@ -424,8 +390,3 @@ def _check_limits(**limits: int) -> None:
         if not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}; got {value!r}")
 
-
-def _model_error(error: Exception) -> ModelError:
-    wrapped = ModelError(f"the model's forward failed: {type(error).__name__}: {error}")
-    wrapped.__cause__ = error
-    return wrapped

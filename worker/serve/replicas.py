@@ -1,17 +1,19 @@
 """ParallelInference's model replicas: a deep copy of the model per worker on its device, warmed up at every batch
 size in use, and one forward on a replica, checked for what ParallelInference serves (one tensor with a row per
-example)."""
+example); `run_batch` runs a batch of requests through one and answers them."""
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from tandem.worker.serve.batching import Ticket, join_inputs, split_output
 from tandem.worker.serve.errors import ModelError
-from tandem.worker.serve.stats import batch_sizes
+from tandem.worker.serve.stats import InferenceStats, batch_sizes
 
 
 def default_devices(workers: int) -> list[torch.device]:
@@ -66,3 +68,43 @@ def check_output(out: Any, rows: int) -> None:
     if out.dim() == 0 or out.shape[0] != rows:
         raise ModelError(f"the model returned shape {tuple(out.shape)} for a batch of {rows}; the output needs one "
                          "row per example")
+
+
+def run_batch(replica: torch.nn.Module, device: torch.device, batch: list[Ticket], stats: InferenceStats) -> int | None:
+    """One forward for `batch` on `replica`, each request answered with its rows of the output; a failing batch of
+    several requests is retried one request at a time so that only the request that breaks the model fails. The
+    forward's time in ns (joining and splitting included), or None where it failed."""
+    start = time.perf_counter_ns()
+    rows = sum(r.rows for r in batch) if len(batch) > 1 else batch[0].rows
+    try:
+        x, as_numpy = join_inputs(batch)
+        if device.type != "cpu":
+            x = x.to(device, non_blocking=True)
+        infer = time.perf_counter_ns()
+        out = forward(replica, x, rows)
+        output = time.perf_counter_ns()
+        if out.device.type != "cpu":
+            out = out.cpu()
+        if as_numpy and out.dtype != torch.bfloat16:  # numpy has no bfloat16: those stay tensors
+            out = out.numpy()
+        pieces = split_output(out, batch)
+    except Exception as error:
+        if len(batch) > 1:
+            for request in batch:
+                run_batch(replica, device, [request], stats)
+            return None
+        end = time.perf_counter_ns()
+        stats.batch(batch, rows, start, end, end, end, (False,))
+        batch[0].finish(None, error if isinstance(error, ModelError) else _model_error(error))
+        return None
+    end = time.perf_counter_ns()
+    stats.batch(batch, rows, start, infer, output, end, (True,) * len(batch))
+    for request, piece in zip(batch, pieces, strict=True):
+        request.finish(piece, None)
+    return end - start
+
+
+def _model_error(error: Exception) -> ModelError:
+    wrapped = ModelError(f"the model's forward failed: {type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped

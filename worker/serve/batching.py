@@ -61,7 +61,7 @@ def as_input(x: Any) -> torch.Tensor | np.ndarray:
     """A tensor, or a numpy array kept as one: numpy inputs are batched and turned into tensors on the worker
     thread (torch calls release the GIL, which on the caller's thread, an event loop say, costs a thread switch)
     and their outputs come back as numpy arrays."""
-    if type(x) is not np.ndarray and not isinstance(x, torch.Tensor | np.ndarray):  # the servers' case first
+    if not isinstance(x, torch.Tensor | np.ndarray):
         x = torch.as_tensor(x)
     if x.ndim == 0 or x.shape[0] == 0:
         raise ValueError(f"input needs a batch dimension with at least one example; got shape {tuple(x.shape)}")

@@ -249,9 +249,6 @@ class _Connection(asyncio.Protocol):
             path = url.decode("latin-1")
         request = Request(self.parser.get_method().decode("latin-1"), path, headers, body,
                           self.parser.should_keep_alive(), self)
-        if self.current is None and not self.waiting and not self._dispatching and not self.closed:
-            self._dispatch(request)  # nothing ahead of it (the usual case): no queueing
-            return None
         self.waiting.append(request)
         if len(self.waiting) >= MAX_PIPELINED:
             self._pause_reading()

@@ -92,7 +92,9 @@ class Routes:
         self.metrics_protected = server.spec.auth is not None and server.spec.auth.metrics == "protected"
         self.registry = registry_for(self._metrics_state)
         self._infer_paths = {  # the hot path, matched before any pattern
-            f"/v2/models/{self.name}/infer", f"/v2/models/{self.name}/versions/{self.version}/infer"}
+            f"/v2/models/{self.name}/infer": (self.name, None),
+            f"/v2/models/{self.name}/versions/{self.version}/infer": (self.name, self.version),
+        }
         self._fixed = {  # fixed paths; /v2/models/... and /v2/repository/models/... are matched by pattern
             "/v2/health/live": ("GET", self._live),
             "/v2/health/ready": ("GET", self._ready),
@@ -111,8 +113,9 @@ class Routes:
             if not token.allows(authorization):
                 request.respond(*_error(401, refusal(authorization), CHALLENGE))
                 return None
-        if method == "POST" and path in self._infer_paths:
-            return self._infer(request)
+        fast = self._infer_paths.get(path)
+        if fast is not None and method == "POST":
+            return self._infer(request, *fast)
         try:
             match = _MODEL_PATH.match(path)
             if match is not None:
@@ -315,15 +318,13 @@ class Routes:
 
     # -- inference --------------------------------------------------------------------------------------
 
-    def _infer(self, request: Request, name: str | None = None, version: str | None = None) -> None:
-        """Validate and submit an inference request (to model `name` and `version`; None: the path named the served
-        model's, the hot path); `answer` writes its answer when the output comes back (on the event loop), when it
-        times out, or never if the client goes away."""
+    def _infer(self, request: Request, name: str, version: str | None) -> None:
+        """Validate and submit an inference request; `answer` writes its answer when the output comes back (on
+        the event loop), when it times out, or never if the client goes away."""
         outcomes, server = self.outcomes, self.server
         try:
-            if name is not None:
-                self.check_model(name, version)
-            signature = self.loaded().signature
+            self.check_model(name, version)
+            signature = self.signature()
             inference = server.model.inference
             if server.draining or inference is None:
                 why = "shutting down" if server.draining else "loading its model"

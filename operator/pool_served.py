@@ -56,7 +56,7 @@ def batching_pushes(batching: BatchingSettings, served: list[Served],
 
 
 def refused_settings(batching: BatchingSettings, served: list[Served], refusals: dict[str, Refusal],
-             now: datetime) -> dict[str, str]:
+                     now: datetime) -> dict[str, str]:
     """The ready servers that refused the pool's batching settings within REFUSED_PUSH_SECONDS, with their answer."""
     wanted = batching.to_dict()
     pods = {s.pod for s in served}
@@ -65,7 +65,7 @@ def refused_settings(batching: BatchingSettings, served: list[Served], refusals:
 
 
 def batching_status(batching: BatchingSettings, served: list[Served], refused: dict[str, str],
-                     live: bool) -> tuple[dict[str, Any] | None, str | None]:
+                    live: bool) -> tuple[dict[str, Any] | None, str | None]:
     """What the ready servers run (the settings most of them report), and a message while some run other settings
     than the pool's (naming those that refused them, with their answer)."""
     reported = [s for s in served if s.batching is not None]

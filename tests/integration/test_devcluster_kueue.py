@@ -134,6 +134,12 @@ def events_of(cluster: Cluster, *names: str) -> list[tuple[str, str]]:
     return [(event, key.split("/")[1]) for _, event, key in list(cluster.kueue.history) if key in wanted]
 
 
+def admission_recorded(cluster: Cluster, name: str) -> bool:
+    """Admitted as the API holds it and in the controller's history, which it writes once the API has answered its
+    write: a moment after another reader can see the admission."""
+    return admitted(cluster, name) and ("admitted", name) in events_of(cluster, name)
+
+
 def settled(cluster: Cluster, *names: str, quiet: float = 0.4) -> None:
     """No more writes to these Workloads for `quiet` seconds: no write loop."""
     versions = None
@@ -370,7 +376,7 @@ def test_preemption_waits_for_the_owner_to_release_the_victims_quota(cluster):
     assert not admitted(cluster, "pre-small") and not admitted(cluster, "pre-high")
     assert condition(cluster, "pre-low1", "Evicted") is None
     clear_reservation(cluster, "pre-low2")
-    cluster.wait_for(lambda: admitted(cluster, "pre-high"), what="the preemptor admitted")
+    cluster.wait_for(lambda: admission_recorded(cluster, "pre-high"), what="the preemptor admitted")
     assert events_of(cluster, "pre-low1", "pre-low2", "pre-high", "pre-small") == [
         ("admitted", "pre-low1"), ("admitted", "pre-low2"), ("preempted", "pre-low2"), ("released", "pre-low2"),
         ("admitted", "pre-high")]
@@ -557,7 +563,7 @@ def test_the_controller_recovers_from_failed_writes(cluster):
         cluster.wait_for(lambda: (condition(cluster, "faulty-1", "Evicted") or {}).get("status") == "True",
                          timeout=20)
         clear_reservation(cluster, "faulty-1")
-        cluster.wait_for(lambda: admitted(cluster, "faulty-high"), timeout=20)
+        cluster.wait_for(lambda: admission_recorded(cluster, "faulty-high"), timeout=20)
     assert any(key[0] == "kueue" for key in cluster.emulator.injected)
     assert [e for e, _ in events_of(cluster, "faulty-0", "faulty-1", "faulty-2", "faulty-high")] == [
         "admitted", "admitted", "preempted", "released", "admitted"]

@@ -174,11 +174,14 @@ def bench_modes(seconds: float, workers: int, directory: Path) -> dict[tuple[str
 
 
 def bench_ceiling(seconds: float, workers: int) -> float:
-    """Examples/s of model(x) on batches of BATCH_LIMIT in this process, nothing else running: with `workers`
-    replicas on threads of their own (cores // workers torch threads, as `tandem serve` sets them), and with
-    one replica using every core. The better of the two is the ceiling."""
-    results = [_forward_rate(seconds, workers, max(1, cores() // workers))]
+    """Examples/s of model(x) on batches of BATCH_LIMIT in this process, nothing else running: `workers` threads
+    (cores // workers torch threads each, as `tandem serve` sets them) sharing one copy of the model as the server's
+    workers do, the same threads with a copy each (as the server ran before), and one replica using every core. The
+    best of the three is the ceiling."""
+    threads = max(1, cores() // workers)
+    results = [_forward_rate(seconds, workers, threads, shared=True)]
     if workers != 1:
+        results.append(_forward_rate(seconds, workers, threads))
         results.append(_forward_rate(seconds, 1, cores()))
     return max(results)
 
@@ -186,7 +189,8 @@ def bench_ceiling(seconds: float, workers: int) -> float:
 FORWARD_SIZES = (8, 16, 24)  # beside BATCH_LIMIT: what a smaller batch costs per example
 
 
-def _forward_rate(seconds: float, replicas: int, threads: int, batch: int = BATCH_LIMIT) -> float:
+def _forward_rate(seconds: float, replicas: int, threads: int, batch: int = BATCH_LIMIT,
+                  shared: bool = False) -> float:
     import threading
 
     import torch
@@ -196,7 +200,9 @@ def _forward_rate(seconds: float, replicas: int, threads: int, batch: int = BATC
     torch.set_num_threads(threads)
     devices = [torch.device("cuda", i % torch.cuda.device_count()) if DEVICE == "cuda" else torch.device("cpu")
                for i in range(replicas)]
-    models = [mlp(HIDDEN).eval().to(device) for device in devices]
+    shared = shared and len(set(devices)) == 1  # as the server: one copy per device
+    models = [mlp(HIDDEN).eval().to(devices[0])] * replicas if shared else \
+        [mlp(HIDDEN).eval().to(device) for device in devices]
     example = torch.from_numpy(np.tile(EXAMPLE, (batch, 1)))
     counts = [0] * replicas
     cpu = [0] * replicas
@@ -223,8 +229,9 @@ def _forward_rate(seconds: float, replicas: int, threads: int, batch: int = BATC
     rate = done * batch / elapsed
     # A replica's own thread's CPU: all of its forward's with one torch thread (with more, torch's others work too).
     cpu_per_example = f", {sum(cpu) / sum(counts) / batch / 1e3:.0f} us of CPU per example" if threads == 1 else ""
+    sharing = " sharing one model" if shared and replicas > 1 else ""
     print(f"{'ceiling' if batch == BATCH_LIMIT else 'forward'}: raw forward in process, batch {batch}, {replicas} "
-          f"replica(s) x {threads} thread(s): {rate:.0f} examples/s{cpu_per_example}", flush=True)
+          f"replica(s) x {threads} thread(s){sharing}: {rate:.0f} examples/s{cpu_per_example}", flush=True)
     return rate
 
 
@@ -305,7 +312,7 @@ def bench_wrk(seconds: float, workers: int, directory: Path, against: str | None
                               f"{point.p99_ms:6.1f} ms  failed {point.failed}\n    {point.costs.line()}", flush=True)
     ceiling = bench_ceiling(seconds, workers)
     for size in FORWARD_SIZES:
-        _forward_rate(seconds / 2, workers, max(1, cores() // workers), size)
+        _forward_rate(seconds / 2, workers, max(1, cores() // workers), size, shared=True)
     for label, _ in variants:
         best = {key: max(found, key=lambda p: p.rate) for key, found in points.items() if key[0] == label}
         print(f"\n{label} (best of {rounds} round(s)); the rows of bench/RESULTS.md's table:")

@@ -177,7 +177,7 @@ class InferencePoolSpec(BatchingSettings, PodSettings):
     replicas: Annotated[int, Field(ge=0)] = 1
     """Server pods."""
     workers_per_replica: Annotated[int, Field(ge=1)] = 1
-    """Model replicas in each pod (one per GPU; on CPU, threads with their own replica)."""
+    """Model replicas in each pod: worker threads, one per GPU; on CPU, threads sharing one copy of the model."""
     gpus_per_replica: Annotated[int, Field(ge=0)] = 0
     model: ModelSource
     inference_mode: InferenceMode = "batched"

@@ -14,7 +14,7 @@ from inference_models import GATES, POISON, Forward, at_most, gated_mlp, recorde
 from tandem import ParallelInference
 from tandem.worker.serve.batching import fuller_batch_wait
 from tandem.worker.serve.inference import InferenceTimeout, ModelError, QueueFullError, ShutDownError
-from tandem.worker.serve.replicas import warmup_sizes
+from tandem.worker.serve.replicas import build_replicas, warmup_sizes
 
 torch.set_num_threads(1)
 MODES = ("batched", "sequential", "inplace")
@@ -370,14 +370,30 @@ def test_a_new_model_that_fails_warm_up_leaves_the_old_one_serving():
         torch.testing.assert_close(inference.output(x), old(x))
 
 
-def test_warm_up_runs_every_batch_size_in_use_on_every_replica(gate):
+def test_warm_up_runs_every_batch_size_in_use_on_the_model_the_workers_share(gate):
     model, gate = gate
     gate.close()
     gate.open.set()
     with ParallelInference(model, workers=2, batch_limit=12, example=_inputs(1)):
         pass
-    assert sorted(gate.batches) == sorted([1, 2, 4, 8, 12] * 2)
+    assert sorted(gate.batches) == [1, 2, 4, 8, 12]  # two workers on the CPU: one copy, warmed up once
     assert warmup_sizes("sequential", 32, 3) == [1, 3]
+
+
+@pytest.mark.parametrize(("devices", "copies"), [
+    (["cpu"], [0]),
+    (["cpu", "cpu", "cpu"], [0, 0, 0]),
+    (["cpu", "meta", "cpu", "meta"], [0, 1, 0, 1]),
+])
+def test_workers_on_one_device_share_one_frozen_copy_of_the_model(devices, copies):
+    model = seeded_mlp().train()
+    replicas = build_replicas(model, [torch.device(d) for d in devices], None, [])
+    distinct = list({id(replica): replica for replica in replicas}.values())
+    assert [distinct.index(replica) for replica in replicas] == copies
+    for replica, device in zip(replicas, devices, strict=True):
+        assert replica is not model and not replica.training
+        assert all(p.device.type == device and not p.requires_grad for p in replica.parameters())
+    assert model.training and all(p.requires_grad for p in model.parameters())  # the caller's model is left alone
 
 
 def test_a_lowered_batch_limit_applies_to_the_requests_already_queued(gate):
@@ -415,7 +431,7 @@ def test_a_raised_batch_limit_is_warmed_up_at_its_new_sizes_before_it_is_used(ga
     with ParallelInference(model, workers=2, batch_limit=4, example=_inputs(1)) as inference:
         gate.batches.clear()
         inference.update(batch_limit=12)
-        assert sorted(gate.batches) == sorted([1, 2, 4, 8, 12] * 2), "new replicas, warmed at every size in use"
+        assert sorted(gate.batches) == [1, 2, 4, 8, 12], "a new shared copy, warmed at every size in use"
         gate.batches.clear()
         inference.update(batch_limit=2, max_delay_us=10)
         assert gate.batches == [], "every size of a lower limit is warm already"

@@ -14,11 +14,11 @@ Modes (DL4J's InferenceMode):
 - ``sequential``: the same queue and workers, one request per forward, first in first out.
 - ``inplace``: the caller's thread runs the forward on a free replica (no queue, no worker threads).
 
-Each worker is one thread with its own replica (a deep copy of the model: on GPUs one per device, on CPU N
-copies); torch releases the GIL during a forward, so replicas run in parallel. There is no thread per request
-and no copy of the model per request. A full queue is rejected at once with QueueFullError; a request may
-carry a timeout; ``update_model`` switches every replica atomically (requests already running finish on the
-old model, none fails); ``update`` changes batch_limit, queue_limit and max_delay_us while serving (none fails
+Each worker is one thread; the workers on one device share one frozen copy of the model (one per GPU, one on the CPU
+however many workers run there): torch releases the GIL during a forward, so they run in parallel. There is no
+thread per request and no copy of the model per request. A full queue is rejected at once with QueueFullError; a
+request may carry a timeout; ``update_model`` switches every replica atomically (requests already running finish on
+the old model, none fails); ``update`` changes batch_limit, queue_limit and max_delay_us while serving (none fails
 either); ``shutdown`` finishes what is queued and stops the workers.
 
 This module is the engine: the queue, the worker threads, the modes, swapping and shutting down. Beside it:

@@ -1,6 +1,6 @@
-"""ParallelInference's model replicas: a deep copy of the model per worker on its device, warmed up at every batch
-size in use, and one forward on a replica, checked for what ParallelInference serves (one tensor with a row per
-example); `run_batch` runs a batch of requests through one and answers them."""
+"""ParallelInference's model replicas: a deep copy of the model per device, shared by the workers on it, warmed up
+at every batch size in use, and one forward on a replica, checked for what ParallelInference serves (one tensor with
+a row per example); `run_batch` runs a batch of requests through one and answers them."""
 
 from __future__ import annotations
 
@@ -34,22 +34,25 @@ def warmup_sizes(mode: str, batch_limit: int, example_rows: int = 1) -> list[int
 
 def build_replicas(model: torch.nn.Module, devices: Sequence[torch.device], example: torch.Tensor | None,
                    sizes: Sequence[int]) -> list[torch.nn.Module]:
-    """A frozen eval-mode copy of `model` per device; with an `example` (a batch), each is run at every batch
-    size in `sizes` first, so that a model that fails, and the first slow forwards, happen here."""
+    """The replica of each of `devices`: a frozen eval-mode copy of `model` per distinct device, shared by the workers
+    on that device (they run it concurrently, as torch allows for inference without gradients). On the CPU the
+    workers then read one set of weights, not one each: less memory, and the copies no longer compete for the
+    caches (measured in bench/RESULTS.md). With an `example` (a batch), each copy is run at every batch size in
+    `sizes` first, so that a model that fails, and the first slow forwards, happen here."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    replicas = []
+    copies: dict[torch.device, torch.nn.Module] = {}
     for device in devices:
-        replica = copy.deepcopy(model).to(device).eval()
-        replica.requires_grad_(False)
-        replicas.append(replica)
+        if device not in copies:
+            replica = copies[device] = copy.deepcopy(model).to(device).eval()
+            replica.requires_grad_(False)
     if example is not None:
         one = example[:1]
         for size in sizes:
             batch = one.expand(size, *one.shape[1:]).contiguous()
-            for replica, device in zip(replicas, devices, strict=True):
+            for device, replica in copies.items():
                 forward(replica, batch.to(device), size)
-    return replicas
+    return [copies[device] for device in devices]
 
 
 def forward(replica: torch.nn.Module, x: torch.Tensor, rows: int) -> torch.Tensor:

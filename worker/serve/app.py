@@ -8,7 +8,8 @@ stop, the `tandem serve` process); each piece owns its state:
 
     http.py          the HTTP/1.1 layer: an asyncio protocol over httptools, on uvloop
     routes.py        what each endpoint answers (the wire shapes: protocol.py, and triton.py for Triton's)
-    grpc_service.py  the same answers over gRPC (inference.GRPCInferenceService; its wire: grpc_protocol.py)
+    grpc_service.py  the same answers over gRPC (inference.GRPCInferenceService; its wire: grpc_protocol.py,
+                     carried by grpc_server.py: gRPC over HTTP/2 as an asyncio protocol)
     auth.py          the pool's bearer token, which both ask for (health and readiness excepted)
     pending.py       inference requests between submit and answer, and the sweep of their deadlines
     served_model.py  the model served: its first load, hot swaps, following a training job's checkpoints
@@ -36,7 +37,8 @@ from tandem.worker.cores import share_cores
 from tandem.worker.serve import model_loading
 from tandem.worker.serve.auth import AuthTokenError, BearerToken
 from tandem.worker.serve.background import BackgroundServer
-from tandem.worker.serve.grpc_service import GrpcCall, GrpcServer, GrpcService
+from tandem.worker.serve.grpc_server import GrpcServer
+from tandem.worker.serve.grpc_service import MAX_MESSAGE_BYTES, GrpcCall, GrpcService
 from tandem.worker.serve.http import HttpServer, Request
 from tandem.worker.serve.model_loading import LoadedModel
 from tandem.worker.serve.pending import PendingRequests
@@ -94,7 +96,7 @@ class InferenceServer:
         self._http = HttpServer(self.routes.handle, lambda: self.max_body, on_error=_log_crash)
         self.port = await self._http.start(host, port)
         if grpc_port is not None:
-            self._grpc = GrpcServer(GrpcService(self, self.token))
+            self._grpc = GrpcServer(GrpcService(self, self.token).methods(), MAX_MESSAGE_BYTES)
             self.grpc_port = await self._grpc.start(host, grpc_port)
         self.loading = asyncio.create_task(self._load())
         return self.port

@@ -1,5 +1,5 @@
 """The Open Inference Protocol's gRPC service (`inference.GRPCInferenceService`, as Triton and KServe serve it) beside
-HTTP, on the same event loop: grpc.aio with the stubs tritonclient ships.
+HTTP, on the same event loop: grpc_server.py's HTTP/2 protocol with the messages tritonclient ships.
 
 It is another face of the same server: the same ParallelInference and served model (hot swaps included), the same
 pending requests and deadlines, the same answers as routes.py gives over HTTP (metadata, configuration, statistics,
@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2
 
 from tandem.worker.serve import triton
 from tandem.worker.serve.auth import BearerToken, refusal, rpc_needs_token
@@ -30,6 +30,7 @@ from tandem.worker.serve.grpc_protocol import (
     parameters_dict,
     status_code,
 )
+from tandem.worker.serve.grpc_server import CallContext, GrpcError, Methods
 from tandem.worker.serve.protocol import ProtocolError
 from tandem.worker.serve.routes import error_status
 
@@ -63,40 +64,41 @@ def _rpc(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]
     needs_token = rpc_needs_token(method.__name__)
 
     @functools.wraps(method)
-    async def rpc(self: GrpcService, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def rpc(self: GrpcService, request: Any, context: CallContext) -> Any:
         token = self.token
         if needs_token and token is not None:
-            authorization = _metadata(context, "authorization")
+            authorization = context.metadata("authorization")
             if not token.allows(authorization):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal(authorization))
+                raise GrpcError(grpc.StatusCode.UNAUTHENTICATED, refusal(authorization))
         try:
             return await method(self, request, context)
         except ProtocolError as error:
-            await context.abort(status_code(error.status), str(error))
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise GrpcError(status_code(error.status), str(error)) from None
+        except (asyncio.CancelledError, GrpcError):
             raise
         except Exception as error:
             log.error("unexpected error serving gRPC %s", method.__name__, exc_info=error)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+            raise GrpcError(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}") from None
 
+    rpc.is_rpc = True
     return rpc
 
 
-def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
-    for name, value in context.invocation_metadata() or ():
-        if name == key:
-            return value
-    return None
-
-
-class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):
+class GrpcService:
     """inference.GRPCInferenceService for one InferenceServer. ModelStreamInfer, the shared-memory, trace and
-    logging extensions answer UNIMPLEMENTED (the generated base class's answer)."""
+    logging extensions answer UNIMPLEMENTED (as methods the server does not know)."""
 
     def __init__(self, server: InferenceServer, token: BearerToken | None):
         self.server = server
         self.routes = server.routes
         self.token = token
+
+    def methods(self) -> Methods:
+        """Each RPC by its path, with its request's message type (the proto's `<Method>Request`)."""
+        service = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+        return {f"/{service.full_name}/{name}": (getattr(service_pb2, service.methods_by_name[name].input_type.name),
+                                                 getattr(self, name))
+                for name in dir(type(self)) if getattr(getattr(type(self), name), "is_rpc", False)}
 
     # -- health and metadata --------------------------------------------------------------------------------
 
@@ -199,29 +201,3 @@ class GrpcService(service_pb2_grpc.GRPCInferenceServiceServicer):
             raise ProtocolError(str(error), error_status(error))
         outcomes["success"] += 1
         return encode_infer_response(output, decoded, routes.name, routes.version, signature)
-
-
-class GrpcServer:
-    """grpc.aio's server for a GrpcService, on the running event loop."""
-
-    def __init__(self, service: GrpcService):
-        self.service = service
-        self._server: grpc.aio.Server | None = None
-
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0: any free port); the port."""
-        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.service, self._server)
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        bound = self._server.add_insecure_port(address)
-        if bound == 0:
-            raise OSError(f"cannot listen for gRPC on {address}")
-        await self._server.start()
-        return bound
-
-    async def close(self, grace_seconds: float = 1.0) -> None:
-        """Stop listening; calls still running get `grace_seconds` to write their answers."""
-        server, self._server = self._server, None
-        if server is not None:
-            await server.stop(grace_seconds)

@@ -20,13 +20,15 @@ loop, keep-alive connections) drives them all from this process, on the same cor
    the server as it is at git REF runs too, alternating with this tree's, and this tree's figures over REF's are
    printed.
 5. grpc: the same over gRPC, driven by h2load (C; Debian's nghttp2-client) posting a pre-serialised
-   ModelInferRequest at 8, 64 and 256 concurrent calls; skipped, saying so, where h2load is missing.
+   ModelInferRequest at 8, 64 and 256 concurrent calls; skipped, saying so, where h2load is missing. --against and
+   --rounds as for wrk.
 
     .venv/bin/python bench/bench_inference.py                 # parts 1-3, about 2 minutes on 2 cores
     .venv/bin/python bench/bench_inference.py --only modes --seconds 5
     .venv/bin/python bench/bench_inference.py --only wrk        # wrk and loadgen side by side, and the ceiling
     .venv/bin/python bench/bench_inference.py --only wrk --rounds 3 --against main   # A/B against main
     .venv/bin/python bench/bench_inference.py --only grpc       # h2load over gRPC
+    .venv/bin/python bench/bench_inference.py --only grpc --rounds 2 --against main   # A/B against main
 
 Needs the `bench` extra for part 3 (pip install -e '.[bench]').
 """
@@ -295,12 +297,10 @@ def bench_wrk(seconds: float, workers: int, directory: Path, against: str | None
     body = directory / "request.json"
     body.write_text(json.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
                                             "data": EXAMPLE.tolist()}]}))
-    variants: list[tuple[str, Path | None]] = [("this tree", None)]
-    if against:
-        variants.append((against, checkout(against, directory / "against")))
+    variants = _variants(against, directory)
     points: dict[tuple[str, str, int], list[Point]] = {}
     for round_ in range(rounds):
-        for label, source in variants if round_ % 2 == 0 else variants[::-1]:
+        for label, source in _in_turn(variants, round_):
             with tandem_server("batched", workers, directory, source) as server:
                 request = tandem_request(server.port)
                 drive(server.port, request, 8, 1.0, check_tandem)  # warm-up, with answers checked
@@ -340,6 +340,19 @@ def bench_wrk(seconds: float, workers: int, directory: Path, against: str | None
                       f"{_median_ratio(ours, theirs, lambda p: p.costs.loop_us):.2f}x, workers' CPU "
                       f"{_median_ratio(ours, theirs, lambda p: sum(p.costs.workers_us)):.2f}x, mean batch "
                       f"{_median_ratio(ours, theirs, lambda p: p.costs.mean_batch):.2f}x")
+
+
+def _variants(against: str | None, directory: Path) -> list[tuple[str, Path | None]]:
+    """The servers to measure, labelled: this tree's, and the code at git ref `against` when given."""
+    variants: list[tuple[str, Path | None]] = [("this tree", None)]
+    if against:
+        variants.append((against, checkout(against, directory / "against")))
+    return variants
+
+
+def _in_turn(variants: list[tuple[str, Path | None]], round_: int) -> list[tuple[str, Path | None]]:
+    """The order of a round: it flips each round, so that neither server always runs first."""
+    return variants if round_ % 2 == 0 else variants[::-1]
 
 
 def _rate_cell(point: Point) -> str:
@@ -402,31 +415,49 @@ def run_h2load(server: Server, grpc_port: int, request_file: Path, concurrency: 
     return Point(rate, p99_ms, mean_ms, failed, costs.result)
 
 
-def bench_grpc(seconds: float, workers: int, directory: Path) -> None:
+def bench_grpc(seconds: float, workers: int, directory: Path, against: str | None, rounds: int) -> None:
+    """h2load at each point, `rounds` times; with `against` (a git ref), the server as it is at that ref too,
+    alternating with this tree's, and the ratios printed."""
     if shutil.which("h2load") is None:
         print("grpc: skipped: h2load is not installed (Debian: apt-get install nghttp2-client)")
         return
     request_file = grpc_request_file(directory)
-    grpc_port = free_port()
-    rows = []
-    with tandem_server("batched", workers, directory, grpc_port=grpc_port) as server:
-        check_grpc(grpc_port, request_file)
-        for concurrency in WRK_CONNECTIONS:
-            point = run_h2load(server, grpc_port, request_file, concurrency, seconds, workers, directory)
-            rows.append((concurrency, point))
-            print(f"h2load  c={concurrency:<3d} {point.rate:8.0f} req/s  p99 {point.p99_ms:6.1f} ms  not answered OK "
-                  f"{point.failed}\n    {point.costs.line()}", flush=True)
+    variants = _variants(against, directory)
+    points: dict[tuple[str, int], list[Point]] = {}
+    for round_ in range(rounds):
+        for label, source in _in_turn(variants, round_):
+            grpc_port = free_port()
+            with tandem_server("batched", workers, directory, source, grpc_port=grpc_port) as server:
+                check_grpc(grpc_port, request_file)
+                for concurrency in WRK_CONNECTIONS:
+                    point = run_h2load(server, grpc_port, request_file, concurrency, seconds, workers, directory)
+                    points.setdefault((label, concurrency), []).append(point)
+                    print(f"{label}: h2load  c={concurrency:<3d} {point.rate:8.0f} req/s  p99 {point.p99_ms:6.1f} ms  "
+                          f"not answered OK {point.failed}\n    {point.costs.line()}", flush=True)
     ceiling = bench_ceiling(seconds, workers)
-    print(f"\ngRPC (h2load, {GRPC_CONNECTIONS} connections, streams on them for the rest); the rows of "
-          "bench/RESULTS.md's table:")
-    print("| concurrent calls | h2load req/s (p99 ms) | h2load / ceiling |")
-    print("|---|---|---|")
-    for concurrency, point in rows:
-        print(f"| {concurrency} | {_rate_cell(point)} | **{point.rate / ceiling:.2f}** |")
-    print(f"\n| concurrent calls | {COSTS_HEADER} | {PAST_OUTPUT_HEADER} |")
-    print("|---|" + "---|" * (COSTS_HEADER.count("|") + 2))
-    for concurrency, point in rows:
-        print(f"| {concurrency} | {point.costs.row()} | {point.past_output_ms:.1f} |")
+    for label, _ in variants:
+        best = {concurrency: max(points[label, concurrency], key=lambda p: p.rate) for concurrency in WRK_CONNECTIONS}
+        print(f"\n{label}: gRPC (h2load, {GRPC_CONNECTIONS} connections, streams on them for the rest; best of "
+              f"{rounds} round(s)); the rows of bench/RESULTS.md's table:")
+        print("| concurrent calls | h2load req/s (p99 ms) | h2load / ceiling |")
+        print("|---|---|---|")
+        for concurrency, point in best.items():
+            print(f"| {concurrency} | {_rate_cell(point)} | **{point.rate / ceiling:.2f}** |")
+        print(f"\n| concurrent calls | {COSTS_HEADER} | {PAST_OUTPUT_HEADER} |")
+        print("|---|" + "---|" * (COSTS_HEADER.count("|") + 2))
+        for concurrency, point in best.items():
+            print(f"| {concurrency} | {point.costs.row()} | {point.past_output_ms:.1f} |")
+    print(f"ceiling (raw forward, batch {BATCH_LIMIT}, {workers} replicas): {ceiling:.0f} examples/s")
+    if against:
+        print(f"\nthis tree / {against}, medians over {rounds} round(s) (req/s: higher is better; CPU per call: "
+              "lower is better):")
+        for concurrency in WRK_CONNECTIONS:
+            ours, theirs = points["this tree", concurrency], points[against, concurrency]
+            print(f"  h2load c={concurrency:<3d} req/s {_median_ratio(ours, theirs, lambda p: p.rate):.2f}x, "
+                  f"p99 {_median_ratio(ours, theirs, lambda p: p.p99_ms):.2f}x, loop CPU "
+                  f"{_median_ratio(ours, theirs, lambda p: p.costs.loop_us):.2f}x, workers' CPU "
+                  f"{_median_ratio(ours, theirs, lambda p: sum(p.costs.workers_us)):.2f}x, mean batch "
+                  f"{_median_ratio(ours, theirs, lambda p: p.costs.mean_batch):.2f}x")
 
 
 def litserve_server(workers: int, batch_timeout: float, fast_queue: bool) -> Server:
@@ -475,9 +506,10 @@ def main() -> None:
     parser.add_argument("--only", choices=("modes", "ceiling", "litserve", "wrk", "grpc"), action="append")
     parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"the MLP's hidden units (default {HIDDEN})")
     parser.add_argument("--against", metavar="GIT_REF",
-                        help="wrk: also serve the code as it is at this git ref, alternating with this tree's, and "
-                             "print this tree's figures over its")
-    parser.add_argument("--rounds", type=int, default=1, help="wrk: rounds over every point (best one tabled)")
+                        help="wrk, grpc: also serve the code as it is at this git ref, alternating with this tree's, "
+                             "and print this tree's figures over its")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="wrk, grpc: rounds over every point (best one tabled)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one replica per GPU in the server (gpusPerReplica 1) and in the ceiling")
     args = parser.parse_args()
@@ -502,7 +534,7 @@ def main() -> None:
             bench_wrk(args.seconds, args.workers, Path(tmp), args.against, args.rounds)
     if "grpc" in parts:
         with tempfile.TemporaryDirectory() as tmp:
-            bench_grpc(args.seconds, args.workers, Path(tmp))
+            bench_grpc(args.seconds, args.workers, Path(tmp), args.against, args.rounds)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,211 @@
+"""The gRPC server (worker/serve/grpc_server.py) on a real socket on 127.0.0.1, with small methods of its own and
+grpcio's client: flow control both ways, the message size limit, refusals, metadata and deadlines, cancellation,
+a client that does not speak HTTP/2, and a graceful close. Calls are held at a known point with events, never with
+sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from tritonclient.grpc import service_pb2
+
+from tandem.worker.serve.grpc_server import CallContext, GrpcError, GrpcServer
+from tandem.worker.serve.http import new_event_loop
+
+WAIT_S = 30
+LIMIT = 8 << 20
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+LIVE = "/inference.GRPCInferenceService/ServerLive"
+
+
+class Loop:
+    """An event loop (uvloop, as `tandem serve` runs) on a thread of its own, and the servers started on it."""
+
+    def __init__(self):
+        self.loop = new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.servers: list[GrpcServer] = []
+
+    def run(self, coroutine, timeout: float = WAIT_S):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def serve(self, methods, max_message: int = LIMIT) -> tuple[GrpcServer, str]:
+        server = GrpcServer(methods, max_message)
+        port = self.run(server.start("127.0.0.1", 0))
+        self.servers.append(server)
+        return server, f"127.0.0.1:{port}"
+
+    def close(self) -> None:
+        for server in self.servers:
+            self.run(server.close(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(WAIT_S)
+        self.loop.close()
+
+
+@pytest.fixture
+def loop() -> Iterator[Loop]:
+    running = Loop()
+    yield running
+    running.close()
+
+
+async def echo(request: service_pb2.ModelInferRequest, context: CallContext) -> service_pb2.ModelInferResponse:
+    """Each raw input back, `id` times over (id "" once), and what the call's context holds in the model's name."""
+    times = int(request.id or 1)
+    remaining = context.time_remaining()
+    deadline = "none" if remaining is None else "within 10 s" if 0 < remaining <= 10 else f"{remaining}"
+    return service_pb2.ModelInferResponse(
+        model_name=f"{context.metadata('authorization')} / {deadline}",
+        raw_output_contents=[raw * times for raw in request.raw_input_contents])
+
+
+async def live(request, context) -> service_pb2.ServerLiveResponse:
+    return service_pb2.ServerLiveResponse(live=True)
+
+
+METHODS = {INFER: (service_pb2.ModelInferRequest, echo), LIVE: (service_pb2.ServerLiveRequest, live)}
+
+
+def channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
+                                                   ("grpc.max_send_message_length", 64 << 20)])
+
+
+def infer(chan: grpc.Channel, path: str = INFER, **call) -> grpc.UnaryUnaryMultiCallable:
+    return chan.unary_unary(path, request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+                            response_deserializer=service_pb2.ModelInferResponse.FromString)
+
+
+def refusal(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as refused:
+        call()
+    return refused.value
+
+
+def test_messages_many_windows_long_cross_flow_control_both_ways_on_concurrent_calls(loop):
+    """3 MiB requests and 6 MiB answers, eight at once on one connection: hundreds of frames each way, answers
+    held by the client's windows (64 KiB at first) until it opens them."""
+    _, address = loop.serve(METHODS)
+    with channel(address) as chan, ThreadPoolExecutor(8) as pool:
+        call = infer(chan)
+        payloads = [bytes([n]) * (3 << 20) for n in range(8)]
+        futures = [pool.submit(call, service_pb2.ModelInferRequest(id="2", raw_input_contents=[payload]),
+                               timeout=WAIT_S) for payload in payloads]
+        for payload, future in zip(payloads, futures, strict=True):
+            assert future.result().raw_output_contents == [payload * 2]
+
+
+def test_metadata_and_the_clients_deadline_reach_the_handler(loop):
+    _, address = loop.serve(METHODS)
+    with channel(address) as chan:
+        answer = infer(chan)(service_pb2.ModelInferRequest(), metadata=[("authorization", "Bearer x")], timeout=10)
+        assert answer.model_name == "Bearer x / within 10 s"
+        assert infer(chan)(service_pb2.ModelInferRequest()).model_name == "None / none"
+
+
+def test_a_request_over_the_limit_is_resource_exhausted_and_the_connection_serves_on(loop):
+    _, address = loop.serve(METHODS, max_message=1 << 20)
+    with channel(address) as chan:
+        too_big = service_pb2.ModelInferRequest(raw_input_contents=[b"x" * (2 << 20)])
+        refused = refusal(lambda: infer(chan)(too_big, timeout=WAIT_S))
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than the server's limit of 1048576 bytes" in refused.details()
+        answer_too_big = service_pb2.ModelInferRequest(id="3", raw_input_contents=[b"x" * (512 << 10)])
+        refused = refusal(lambda: infer(chan)(answer_too_big, timeout=WAIT_S))
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "the answer of" in refused.details()
+        fits = service_pb2.ModelInferRequest(raw_input_contents=[b"y" * (512 << 10)])
+        assert infer(chan)(fits, timeout=WAIT_S).raw_output_contents == [b"y" * (512 << 10)]
+
+
+async def fail(request, context):
+    if request.id == "grpc":
+        raise GrpcError(grpc.StatusCode.FAILED_PRECONDITION, "na\u00efve: 100% refused\non two lines")
+    raise KeyError("a defect")
+
+
+def test_refusals_have_their_codes_and_messages_and_the_server_lives_on(loop):
+    _, address = loop.serve({**METHODS, "/t/Fail": (service_pb2.ModelInferRequest, fail)})
+    with channel(address) as chan:
+        unknown = refusal(lambda: infer(chan, "/inference.GRPCInferenceService/ModelStreamInfer")(
+            service_pb2.ModelInferRequest(), timeout=WAIT_S))
+        assert unknown.code() == grpc.StatusCode.UNIMPLEMENTED and "ModelStreamInfer" in unknown.details()
+        failed = refusal(lambda: infer(chan, "/t/Fail")(service_pb2.ModelInferRequest(id="grpc"), timeout=WAIT_S))
+        assert (failed.code(), failed.details()) == (grpc.StatusCode.FAILED_PRECONDITION,
+                                                     "na\u00efve: 100% refused\non two lines")
+        defect = refusal(lambda: infer(chan, "/t/Fail")(service_pb2.ModelInferRequest(), timeout=WAIT_S))
+        assert defect.code() == grpc.StatusCode.INTERNAL and "KeyError" in defect.details()
+        compressed = refusal(lambda: infer(chan)(service_pb2.ModelInferRequest(raw_input_contents=[b"a" * 10_000]),
+                                                 timeout=WAIT_S,
+                                                 compression=grpc.Compression.Gzip))
+        assert compressed.code() == grpc.StatusCode.UNIMPLEMENTED and "uncompressed" in compressed.details()
+        not_protobuf = chan.unary_unary(INFER, request_serializer=None, response_deserializer=None)
+        garbage = refusal(lambda: not_protobuf(b"\xff\xff\xff", timeout=WAIT_S))
+        assert garbage.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid inference.ModelInferRequest" in garbage.details()
+        assert infer(chan)(service_pb2.ModelInferRequest(raw_input_contents=[b"ok"])).raw_output_contents == [b"ok"]
+
+
+def test_a_client_that_does_not_speak_http2_is_closed_with_goaway_and_others_are_served(loop):
+    _, address = loop.serve(METHODS)
+    host, port = address.split(":")
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as raw:
+        raw.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        received = b""
+        while chunk := raw.recv(65536):
+            received += chunk
+    goaway = received.find(b"\x07\x00\x00\x00\x00\x00")  # a GOAWAY frame's type, flags and stream 0
+    assert goaway > 0 and b"not HTTP/2's client preface" in received[goaway:]
+    with channel(address) as chan:
+        assert infer(chan)(service_pb2.ModelInferRequest(raw_input_contents=[b"ok"])).raw_output_contents == [b"ok"]
+
+
+class Held:
+    """A method whose calls wait for `release`; `entered` and `cancelled` tell the test where they are."""
+
+    def __init__(self):
+        self.entered = threading.Event()
+        self.cancelled = threading.Event()
+        self.release: asyncio.Event | None = None
+
+    async def __call__(self, request, context):
+        self.release = self.release or asyncio.Event()
+        self.entered.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return service_pb2.ModelInferResponse(id=request.id)
+
+
+def test_a_client_giving_up_cancels_its_call(loop):
+    held = Held()
+    _, address = loop.serve({INFER: (service_pb2.ModelInferRequest, held)})
+    with channel(address) as chan:
+        expired = refusal(lambda: infer(chan)(service_pb2.ModelInferRequest(), timeout=0.5))
+        assert expired.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert held.cancelled.wait(WAIT_S), "the handler's task is cancelled by the client's RST_STREAM"
+
+
+def test_a_graceful_close_finishes_the_calls_in_flight_and_takes_no_new_ones(loop):
+    held = Held()
+    server, address = loop.serve({INFER: (service_pb2.ModelInferRequest, held)})
+    with channel(address) as chan, ThreadPoolExecutor(1) as pool:
+        running = pool.submit(infer(chan), service_pb2.ModelInferRequest(id="in flight"), timeout=WAIT_S)
+        assert held.entered.wait(WAIT_S)
+        closing = asyncio.run_coroutine_threadsafe(server.close(WAIT_S), loop.loop)
+        with channel(address) as other:
+            refused = refusal(lambda: infer(other)(service_pb2.ModelInferRequest(), timeout=WAIT_S))
+            assert refused.code() == grpc.StatusCode.UNAVAILABLE
+        assert not held.cancelled.is_set() and not closing.done()
+        loop.loop.call_soon_threadsafe(held.release.set)
+        assert running.result(WAIT_S).id == "in flight"
+        closing.result(WAIT_S)

@@ -1,0 +1,132 @@
+"""The gRPC server's wire (worker/serve/grpc_server.py) without a socket: HPACK fields, grpc-message's encoding,
+grpc-timeout, unary bodies, SETTINGS and padding."""
+
+from __future__ import annotations
+
+import grpc
+import hpack
+import pytest
+
+from tandem.worker.serve.grpc_server import (
+    FLOW_CONTROL_ERROR,
+    FRAME_SIZE_ERROR,
+    PADDED,
+    PROTOCOL_ERROR,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_FRAME_SIZE,
+    ConnectionFailure,
+    GrpcError,
+    header_field,
+    parse_settings,
+    parse_timeout,
+    percent_encode,
+    status_block,
+    unary_message,
+    unpad,
+)
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    (b"grpc-status", b"0"),
+    (b"grpc-message", b"x" * 126),  # the longest length in the string's 7-bit prefix
+    (b"grpc-message", b"x" * 127),  # the first that continues into a second byte
+    (b"grpc-message", b"y" * 70_000),  # three bytes of length
+])
+def test_header_fields_decode_as_written_and_leave_the_table_empty(name, value):
+    decoder = hpack.Decoder()
+    decoder.max_header_list_size = 1 << 20
+    assert decoder.decode(header_field(name, value) * 2, raw=True) == [(name, value), (name, value)]
+    assert len(decoder.header_table.dynamic_entries) == 0
+
+
+def test_a_status_block_carries_the_code_number_and_the_encoded_message():
+    fields = hpack.Decoder().decode(status_block(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: 100%"), raw=True)
+    assert fields == [(b"grpc-status", b"8"), (b"grpc-message", b"queue full: 100%25")]
+
+
+@pytest.mark.parametrize(("message", "encoded"), [
+    ("plain words, (and) punctuation!", b"plain words, (and) punctuation!"),
+    ("100%", b"100%25"),
+    ("na\u00efve", b"na%C3%AFve"),
+    ("two\nlines\t", b"two%0Alines%09"),
+    ("", b""),
+])
+def test_grpc_message_is_percent_encoded_utf8(message, encoded):
+    assert percent_encode(message) == encoded
+
+
+@pytest.mark.parametrize(("header", "seconds"), [
+    ("200m", 0.2), ("1S", 1.0), ("3H", 10800.0), ("2M", 120.0), ("5u", 5e-6), ("7n", 7e-9), ("99999999S", 99999999.0),
+])
+def test_grpc_timeout_in_seconds(header, seconds):
+    assert parse_timeout(header) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("header", ["", "1", "S", "123456789S", "1x", "-1S", "1.5S", " 1S"])
+def test_a_malformed_grpc_timeout_is_invalid_argument_naming_the_form(header):
+    with pytest.raises(GrpcError) as refused:
+        parse_timeout(header)
+    assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"grpc-timeout {header!r} is not a timeout" in refused.value.message and "200m" in refused.value.message
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    (b"\0\0\0\0\3abc", b"abc"),
+    (b"\0\0\0\0\0", b""),
+])
+def test_a_unary_body_holds_one_message(body, message):
+    assert unary_message(bytearray(body), None) == message
+
+
+@pytest.mark.parametrize(("body", "code", "words"), [
+    (b"", grpc.StatusCode.INVALID_ARGUMENT, "no request message"),
+    (b"\0\0\0", grpc.StatusCode.INVALID_ARGUMENT, "no request message"),
+    (b"\1\0\0\0\3abc", grpc.StatusCode.UNIMPLEMENTED, "compressed (grpc-encoding gzip)"),
+    (b"\0\0\0\0\5abc", grpc.StatusCode.INVALID_ARGUMENT, "cut short: 3 of the 5 bytes"),
+    (b"\0\0\0\0\1a\0\0\0\0\1b", grpc.StatusCode.UNIMPLEMENTED, "more than one request message"),
+])
+def test_a_body_that_is_not_one_uncompressed_message_is_refused(body, code, words):
+    with pytest.raises(GrpcError) as refused:
+        unary_message(body, "gzip")
+    assert refused.value.code is code and words in refused.value.message
+
+
+def _setting(identifier: int, value: int) -> bytes:
+    return identifier.to_bytes(2, "big") + value.to_bytes(4, "big")
+
+
+def test_settings_by_identifier():
+    payload = _setting(SETTINGS_INITIAL_WINDOW_SIZE, 1 << 20) + _setting(SETTINGS_MAX_FRAME_SIZE, 1 << 16) + \
+        _setting(0x99, 7)
+    assert parse_settings(payload) == {SETTINGS_INITIAL_WINDOW_SIZE: 1 << 20, SETTINGS_MAX_FRAME_SIZE: 1 << 16,
+                                       0x99: 7}
+    assert parse_settings(b"") == {}
+
+
+@pytest.mark.parametrize(("payload", "code"), [
+    (b"\0\4\0\0", FRAME_SIZE_ERROR),
+    (_setting(SETTINGS_INITIAL_WINDOW_SIZE, 1 << 31), FLOW_CONTROL_ERROR),
+    (_setting(SETTINGS_MAX_FRAME_SIZE, 16383), PROTOCOL_ERROR),
+    (_setting(SETTINGS_MAX_FRAME_SIZE, 1 << 24), PROTOCOL_ERROR),
+])
+def test_settings_out_of_bounds_end_the_connection(payload, code):
+    with pytest.raises(ConnectionFailure) as failed:
+        parse_settings(payload)
+    assert failed.value.code == code
+
+
+@pytest.mark.parametrize(("payload", "flags", "data"), [
+    (b"abc", 0, b"abc"),
+    (b"\2abcxx", PADDED, b"abc"),
+    (b"\0abc", PADDED, b"abc"),
+    (b"\3abc", PADDED, b""),
+])
+def test_padding_is_taken_off(payload, flags, data):
+    assert unpad(payload, flags) == data
+
+
+@pytest.mark.parametrize("payload", [b"", b"\4abc", b"\x09ab"])
+def test_padding_longer_than_the_frame_ends_the_connection(payload):
+    with pytest.raises(ConnectionFailure) as failed:
+        unpad(payload, PADDED)
+    assert failed.value.code == PROTOCOL_ERROR

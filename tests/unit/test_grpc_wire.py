@@ -8,6 +8,7 @@ import hpack
 import pytest
 
 from tandem.worker.serve.grpc_server import (
+    COMPRESSION_ERROR,
     FLOW_CONTROL_ERROR,
     FRAME_SIZE_ERROR,
     PADDED,
@@ -16,6 +17,7 @@ from tandem.worker.serve.grpc_server import (
     SETTINGS_MAX_FRAME_SIZE,
     ConnectionFailure,
     GrpcError,
+    HeaderDecoder,
     header_field,
     parse_settings,
     parse_timeout,
@@ -130,3 +132,29 @@ def test_padding_longer_than_the_frame_ends_the_connection(payload):
     with pytest.raises(ConnectionFailure) as failed:
         unpad(payload, PADDED)
     assert failed.value.code == PROTOCOL_ERROR
+
+
+def test_a_header_block_that_leaves_the_table_as_it_was_is_remembered_until_the_table_changes():
+    encoder, decoder = hpack.Encoder(), HeaderDecoder()
+    adds_x = encoder.encode([(b"x-call", b"first")], huffman=False)  # a literal with incremental indexing
+    refers = encoder.encode([(b"x-call", b"first")], huffman=False)  # now an index into the dynamic table
+    assert refers != adds_x
+    assert decoder.decode(adds_x) == {"x-call": "first"} and decoder.known == {}, "changed the table: not kept"
+    assert decoder.decode(refers) == {"x-call": "first"} and refers in decoder.known
+    assert decoder.decode(refers) is decoder.known[refers]
+    adds_y = encoder.encode([(b"x-call", b"second")], huffman=False)
+    assert decoder.decode(adds_y) == {"x-call": "second"} and decoder.known == {}, "the table changed: all forgotten"
+    assert decoder.decode(refers) == {"x-call": "second"}, "the same index now names the newer entry"
+
+
+def test_a_block_hpack_cannot_decode_ends_the_connection():
+    with pytest.raises(ConnectionFailure) as failed:
+        HeaderDecoder().decode(b"\xff\xff\xff\xff\xff")
+    assert failed.value.code == COMPRESSION_ERROR and "HPACK cannot decode" in str(failed.value)
+
+
+def test_remembered_blocks_are_bounded():
+    decoder = HeaderDecoder(remember=2)
+    blocks = [header_field(b":path", f"/{n}".encode()) for n in range(3)]  # literals that leave the table be
+    assert [decoder.decode(block) for block in blocks] == [{":path": f"/{n}"} for n in range(3)]
+    assert list(decoder.known) == blocks[:2]

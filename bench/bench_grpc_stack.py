@@ -8,18 +8,19 @@ generated servicer).
 
     flock /tmp/bench.lock .venv/bin/python bench/bench_grpc_stack.py [--seconds 4]
 
-Candidates: grpc.aio with the generated servicer's (de)serialisers; grpc.aio with a generic handler on bytes;
-grpclib (pure Python, on h2) on uvloop; a minimal gRPC server straight over h2 on an asyncio Protocol on uvloop.
-Needs h2load (Debian: apt-get install nghttp2-client) and grpclib (pip install grpclib).
+Candidates: grpc.aio with the generated servicer's (de)serialisers (what the server ran before); grpc.aio with a
+generic handler on bytes; grpclib (pure Python, on h2) on uvloop; a minimal gRPC server straight over h2 on an asyncio
+Protocol on uvloop; tandem.worker.serve.grpc_server (HTTP/2 framed by hand, on uvloop: what the server runs now).
+Needs h2load (Debian: apt-get install nghttp2-client), and grpclib and h2 for their rows (pip install grpclib==0.4.9
+h2==4.4.1; --stacks to leave them out).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
+import importlib.util
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,9 +30,14 @@ from pathlib import Path
 import numpy as np
 from tritonclient.grpc import service_pb2
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_http_stack import free_port  # noqa: E402
+from serve_costs import process_cpu  # noqa: E402
+
 STACKS = ("grpc.aio servicer", "grpc.aio generic bytes", "grpclib+uvloop", "h2 protocol+uvloop",
-          "http/2 frames+uvloop")
+          "tandem grpc_server")
 BASELINE = STACKS[0]
+NEEDS = {"grpclib+uvloop": "grpclib", "h2 protocol+uvloop": "h2"}  # packages outside the project's dependencies
 CONCURRENCY = (8, 64, 256)
 CONNECTIONS = 8
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -60,7 +66,7 @@ def serve(stack: str, port: int) -> None:
     import uvloop
 
     runner = {"grpclib+uvloop": _serve_grpclib, "h2 protocol+uvloop": _serve_h2,
-              "http/2 frames+uvloop": _serve_frames}[stack]
+              "tandem grpc_server": _serve_tandem}[stack]
     uvloop.run(runner(port))
 
 
@@ -144,82 +150,14 @@ async def _serve_h2(port: int) -> None:
     await server.serve_forever()
 
 
-async def _serve_frames(port: int) -> None:
-    """HTTP/2 framed by hand: only HPACK decoding from a library (hpack); the answer's header blocks are constant."""
-    import hpack
+async def _serve_tandem(port: int) -> None:
+    from tandem.worker.serve.grpc_server import GrpcServer
 
-    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-    response_headers = b"\x88\x0f\x10\x10application/grpc"  # :status 200 (static 8), content-type (static 31)
-    trailers = b"\x00\x0bgrpc-status\x010"
+    async def infer(request: service_pb2.ModelInferRequest, context) -> service_pb2.ModelInferResponse:
+        return answer(request)
 
-    def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
-        return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
-
-    class Protocol(asyncio.Protocol):
-        def connection_made(self, transport) -> None:
-            self.transport = transport
-            self.buffer = b""
-            self.started = False
-            self.decoder = hpack.Decoder()
-            self.bodies: dict[int, bytearray] = {}
-            transport.write(frame(4, 0, 0, b"") + frame(8, 0, 0, (1 << 30).to_bytes(4, "big")))
-
-        def data_received(self, data: bytes) -> None:
-            buffer = self.buffer + data
-            if not self.started:
-                if len(buffer) < 24:
-                    self.buffer = buffer
-                    return
-                if buffer[:24] != preface:
-                    self.transport.close()
-                    return
-                buffer, self.started = buffer[24:], True
-            out = []
-            received = 0
-            offset = 0
-            while len(buffer) - offset >= 9:
-                length = int.from_bytes(buffer[offset:offset + 3], "big")
-                end = offset + 9 + length
-                if len(buffer) < end:
-                    break
-                kind, flags = buffer[offset + 3], buffer[offset + 4]
-                stream = int.from_bytes(buffer[offset + 5:offset + 9], "big") & 0x7FFFFFFF
-                payload = buffer[offset + 9:end]
-                offset = end
-                if kind == 0:  # DATA
-                    received += length
-                    self.bodies[stream] += payload
-                    if flags & 1:
-                        out.append(self.answer(stream))
-                elif kind == 1:  # HEADERS (no padding, no priority, END_HEADERS: what h2load sends)
-                    self.decoder.decode(payload, raw=True)
-                    self.bodies[stream] = bytearray()
-                    out.append(frame(8, 0, stream, (1 << 30).to_bytes(4, "big")))
-                elif kind == 4 and not flags & 1:  # SETTINGS
-                    out.append(frame(4, 1, 0, b""))
-                elif kind == 6 and not flags & 1:  # PING
-                    out.append(frame(6, 1, 0, payload))
-            self.buffer = buffer[offset:]
-            if received:
-                out.append(frame(8, 0, 0, received.to_bytes(4, "big")))
-            if out:
-                self.transport.write(b"".join(out))
-
-        def answer(self, stream: int) -> bytes:
-            body = self.bodies.pop(stream)
-            message = answer(service_pb2.ModelInferRequest.FromString(bytes(body[5:]))).SerializeToString()
-            return (frame(1, 4, stream, response_headers)
-                    + frame(0, 0, stream, b"\0" + len(message).to_bytes(4, "big") + message)
-                    + frame(1, 5, stream, trailers))
-
-    server = await asyncio.get_running_loop().create_server(Protocol, HOST, port)
-    await server.serve_forever()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    await GrpcServer({METHOD: (service_pb2.ModelInferRequest, infer)}, 64 << 20).start(HOST, port)
+    await asyncio.Event().wait()
 
 
 def wait_until_answering(port: int) -> None:
@@ -264,21 +202,24 @@ def main() -> None:
     if args.serve:
         serve(args.serve, args.port)
         return
+    stacks = [stack for stack in args.stacks if importlib.util.find_spec(NEEDS.get(stack, "grpc")) is not None]
+    for stack in set(args.stacks) - set(stacks):
+        print(f"{stack}: skipped: {NEEDS[stack]} is not installed (pip install {NEEDS[stack]})")
     rates, cpu = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         request_file = Path(tmp) / "request.grpc"
         message = request_bytes()
         request_file.write_bytes(b"\0" + len(message).to_bytes(4, "big") + message)
-        for stack in args.stacks:
+        for stack in stacks:
             port = free_port()
             server = subprocess.Popen([sys.executable, __file__, "--serve", stack, "--port", str(port)])
             try:
                 wait_until_answering(port)
                 h2load(port, request_file, CONCURRENCY[0], 1)  # warm-up
                 for concurrency in CONCURRENCY:
-                    before = _cpu_seconds(server.pid)
+                    before = process_cpu(server.pid)
                     calls, rate = h2load(port, request_file, concurrency, args.seconds)
-                    cpu[stack, concurrency] = (_cpu_seconds(server.pid) - before) / max(1, calls) * 1e6
+                    cpu[stack, concurrency] = (process_cpu(server.pid) - before) / max(1, calls) * 1e6
                     rates[stack, concurrency] = rate
                     print(f"{stack:24s} c={concurrency:<3d} {rate:8.0f} calls/s  server CPU "
                           f"{cpu[stack, concurrency]:.0f} us/call", flush=True)
@@ -286,22 +227,16 @@ def main() -> None:
                 server.terminate()
                 server.wait(timeout=30)
                 time.sleep(0.5)
-    if BASELINE not in args.stacks:
+    if BASELINE not in stacks:
         return
     print(f"\n| stack | {' | '.join(f'c={c}: calls/s (CPU us/call)' for c in CONCURRENCY)} | "
           f"CPU per call / {BASELINE}'s | calls/s / {BASELINE}'s |")
     print("|---|" + "---|" * (len(CONCURRENCY) + 2))
-    for stack in args.stacks:
+    for stack in stacks:
         cells = " | ".join(f"{rates[stack, c]:.0f} ({cpu[stack, c]:.0f})" for c in CONCURRENCY)
         cpu_ratio = " / ".join(f"{cpu[stack, c] / cpu[BASELINE, c]:.2f}" for c in CONCURRENCY)
         rate_ratio = " / ".join(f"{rates[stack, c] / rates[BASELINE, c]:.2f}" for c in CONCURRENCY)
         print(f"| {stack} | {cells} | {cpu_ratio} | {rate_ratio} |")
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all its threads (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import socket
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import build_request, load, wait_for_port  # noqa: E402
+from serve_costs import process_cpu  # noqa: E402
 
 STACKS = ("aiohttp", "aiohttp+uvloop", "starlette+uvicorn", "tandem httpserver")
 BODY = orjson.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [0.5] * 64}]})
@@ -115,9 +115,9 @@ def main() -> None:
             asyncio.run(wait_for_port("127.0.0.1", port))
             request = build_request("127.0.0.1", port, "/v2/models/m/infer", BODY)
             for concurrency in (8, 64):
-                before = _cpu_seconds(server.pid)
+                before = process_cpu(server.pid)
                 result = load("127.0.0.1", port, request, concurrency=concurrency, seconds=args.seconds, warmup=0)
-                cpu[stack, concurrency] = (_cpu_seconds(server.pid) - before) / max(1, result.requests) * 1e6
+                cpu[stack, concurrency] = (process_cpu(server.pid) - before) / max(1, result.requests) * 1e6
                 results[stack, concurrency] = result
                 print(f"{stack:18s} c={concurrency:<3d} {result.line()}  server CPU "
                       f"{cpu[stack, concurrency]:.0f} us/request", flush=True)
@@ -132,12 +132,6 @@ def main() -> None:
         base = cpu["aiohttp", concurrency]
         ratios = ", ".join(f"{stack} {cpu[stack, concurrency] / base:.2f}" for stack in STACKS)
         print(f"c={concurrency}: server CPU per request relative to aiohttp: {ratios}")
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,13 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of process `pid`, all its threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def own_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime

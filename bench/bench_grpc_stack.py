@@ -129,9 +129,10 @@ async def _serve_h2(port: int) -> None:
 
         def data_received(self, data: bytes) -> None:
             connection = self.connection
-            if self.transport.is_closing():
-                return
             for event in connection.receive_data(data):
+                if isinstance(event, h2.events.ConnectionTerminated):  # h2load's GOAWAY at the end of a run
+                    self.transport.close()
+                    return
                 if isinstance(event, h2.events.RequestReceived):
                     self.bodies[event.stream_id] = bytearray()
                 elif isinstance(event, h2.events.DataReceived):

@@ -2,9 +2,9 @@
 hpack's decoder for request headers.
 
 Why not grpc.aio: per call of a tiny handler, grpc.aio's machinery (its completion queue, poller thread and the
-hand-offs between them) cost about six times the CPU of this protocol on the same event loop, and h2 or grpclib (h2's
-state machine and events in pure Python) about 0.7-1.1 times grpc.aio's; on a CPU-bound inference server that CPU
-comes straight out of the model's forward passes (bench/bench_grpc_stack.py, measured in bench/RESULTS.md). What it
+hand-offs between them) cost 4-12 times the CPU of this protocol on the same event loop, and h2 or grpclib (h2's
+state machine and events in pure Python) 0.6-1.7 times grpc.aio's; on a CPU-bound inference server that CPU comes
+straight out of the model's forward passes (bench/bench_grpc_stack.py, measured in bench/RESULTS.md). What it
 does, and all it does:
 
 - HTTP/2 over cleartext with prior knowledge (what a gRPC client speaks on an insecure channel): SETTINGS, PING,

@@ -220,6 +220,7 @@ class GrpcServer:
         self.max_message = max_message
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
+        self.closing = False
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0: any free port); the port."""
@@ -235,6 +236,7 @@ class GrpcServer:
         server, self._server = self._server, None
         if server is None:
             return
+        self.closing = True
         server.close()
         for connection in list(self._connections):
             connection.go_away()
@@ -287,6 +289,8 @@ class _Connection(asyncio.Protocol):
         settings = SETTINGS_INITIAL_WINDOW_SIZE.to_bytes(2, "big") + STREAM_WINDOW.to_bytes(4, "big")
         transport.write(frame(SETTINGS, 0, 0, settings) +
                         frame(WINDOW_UPDATE, 0, 0, (CONNECTION_WINDOW - DEFAULT_WINDOW).to_bytes(4, "big")))
+        if self.server.closing:  # accepted as the server stopped listening
+            self.go_away()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from serving import wait_until
 from tritonclient.grpc import service_pb2
 
 from tandem.worker.serve.grpc_server import CallContext, GrpcError, GrpcServer
@@ -74,9 +75,11 @@ async def live(request, context) -> service_pb2.ServerLiveResponse:
 METHODS = {INFER: (service_pb2.ModelInferRequest, echo), LIVE: (service_pb2.ServerLiveRequest, live)}
 
 
-def channel(address: str) -> grpc.Channel:
+def channel(address: str, own_connection: bool = False) -> grpc.Channel:
+    """A client channel; grpcio shares one connection among channels to the same address unless `own_connection`."""
     return grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
-                                                   ("grpc.max_send_message_length", 64 << 20)])
+                                                   ("grpc.max_send_message_length", 64 << 20),
+                                                   ("grpc.use_local_subchannel_pool", int(own_connection))])
 
 
 def infer(chan: grpc.Channel, path: str = INFER, **call) -> grpc.UnaryUnaryMultiCallable:
@@ -202,7 +205,8 @@ def test_a_graceful_close_finishes_the_calls_in_flight_and_takes_no_new_ones(loo
         running = pool.submit(infer(chan), service_pb2.ModelInferRequest(id="in flight"), timeout=WAIT_S)
         assert held.entered.wait(WAIT_S)
         closing = asyncio.run_coroutine_threadsafe(server.close(WAIT_S), loop.loop)
-        with channel(address) as other:
+        wait_until(lambda: server.closing, what="the server closing")
+        with channel(address, own_connection=True) as other:
             refused = refusal(lambda: infer(other)(service_pb2.ModelInferRequest(), timeout=WAIT_S))
             assert refused.code() == grpc.StatusCode.UNAVAILABLE
         assert not held.cancelled.is_set() and not closing.done()

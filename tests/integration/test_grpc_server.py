@@ -16,7 +16,25 @@ import pytest
 from serving import wait_until
 from tritonclient.grpc import service_pb2
 
-from tandem.worker.serve.grpc_server import CallContext, GrpcError, GrpcServer
+from tandem.worker.serve.grpc_server import (
+    COMPRESSION_ERROR,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEADERS,
+    MAX_FRAME,
+    PING,
+    PREFACE,
+    PROTOCOL_ERROR,
+    SETTINGS,
+    CallContext,
+    GrpcError,
+    GrpcServer,
+    frame,
+    header_field,
+)
 from tandem.worker.serve.http import new_event_loop
 
 WAIT_S = 30
@@ -164,8 +182,41 @@ def test_a_client_that_does_not_speak_http2_is_closed_with_goaway_and_others_are
         received = b""
         while chunk := raw.recv(65536):
             received += chunk
-    goaway = received.find(b"\x07\x00\x00\x00\x00\x00")  # a GOAWAY frame's type, flags and stream 0
-    assert goaway > 0 and b"not HTTP/2's client preface" in received[goaway:]
+    error, debug = _goaway(received)
+    assert (error, b"not HTTP/2's client preface" in debug) == (PROTOCOL_ERROR, True), debug
+    with channel(address) as chan:
+        assert infer(chan)(service_pb2.ModelInferRequest(raw_input_contents=[b"ok"])).raw_output_contents == [b"ok"]
+
+
+def _goaway(received: bytes) -> tuple[int, bytes]:
+    """The error code and debug data of the GOAWAY frame among the frames received (after the server's SETTINGS)."""
+    offset = 0
+    while offset + 9 <= len(received):
+        length = int.from_bytes(received[offset:offset + 3], "big")
+        if received[offset + 3] == GOAWAY:
+            payload = received[offset + 9:offset + 9 + length]
+            return int.from_bytes(payload[4:8], "big"), payload[8:]
+        offset += 9 + length
+    raise AssertionError(f"no GOAWAY in {received!r}")
+
+
+@pytest.mark.parametrize(("frames", "code", "words"), [
+    (frame(HEADERS, END_HEADERS | END_STREAM, 1, b"\xff\xff\xff\xff\xff"), COMPRESSION_ERROR, b"HPACK cannot decode"),
+    (frame(DATA, 0, 1, b"x" * (MAX_FRAME + 1)), FRAME_SIZE_ERROR, b"a frame of 16385 bytes"),
+    (frame(HEADERS, END_HEADERS, 2, b""), PROTOCOL_ERROR, b"HEADERS on stream 2"),
+    (frame(HEADERS, 0, 1, header_field(b":path", b"/x")) + frame(PING, 0, 0, b"\0" * 8), PROTOCOL_ERROR,
+     b"interrupted before END_HEADERS"),
+], ids=["hpack", "frame-size", "even-stream", "interrupted-block"])
+def test_a_breach_of_http2_ends_that_connection_with_goaway_naming_it(loop, frames, code, words):
+    _, address = loop.serve(METHODS)
+    host, port = address.split(":")
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as raw:
+        raw.sendall(PREFACE + frame(SETTINGS, 0, 0, b"") + frames)
+        received = b""
+        while chunk := raw.recv(65536):
+            received += chunk
+    error, debug = _goaway(received)
+    assert (error, words in debug) == (code, True), debug
     with channel(address) as chan:
         assert infer(chan)(service_pb2.ModelInferRequest(raw_input_contents=[b"ok"])).raw_output_contents == [b"ok"]
 

@@ -3,9 +3,12 @@ grpc-timeout, unary bodies, SETTINGS and padding."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import grpc
 import hpack
 import pytest
+from tritonclient.grpc import service_pb2
 
 from tandem.worker.serve.grpc_server import (
     COMPRESSION_ERROR,
@@ -26,6 +29,7 @@ from tandem.worker.serve.grpc_server import (
     unary_message,
     unpad,
 )
+from tandem.worker.serve.grpc_service import GrpcService
 
 
 @pytest.mark.parametrize(("name", "value"), [
@@ -158,3 +162,15 @@ def test_remembered_blocks_are_bounded():
     blocks = [header_field(b":path", f"/{n}".encode()) for n in range(3)]  # literals that leave the table be
     assert [decoder.decode(block) for block in blocks] == [{":path": f"/{n}"} for n in range(3)]
     assert list(decoder.known) == blocks[:2]
+
+
+def test_the_service_serves_each_rpc_of_the_proto_it_implements_with_its_request_type():
+    service = GrpcService(SimpleNamespace(routes=None), None)
+    methods = service.methods()
+    prefix = "/inference.GRPCInferenceService/"
+    assert sorted(methods) == [prefix + name for name in (
+        "ModelConfig", "ModelInfer", "ModelMetadata", "ModelReady", "ModelStatistics", "RepositoryIndex",
+        "RepositoryModelLoad", "RepositoryModelUnload", "ServerLive", "ServerMetadata", "ServerReady")]
+    for path, (request_type, handler) in methods.items():
+        name = path.removeprefix(prefix)
+        assert request_type is getattr(service_pb2, f"{name}Request") and handler == getattr(service, name)

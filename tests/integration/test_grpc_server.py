@@ -18,17 +18,23 @@ from tritonclient.grpc import service_pb2
 
 from tandem.worker.serve.grpc_server import (
     COMPRESSION_ERROR,
+    CONTINUATION,
     DATA,
     END_HEADERS,
     END_STREAM,
+    ENHANCE_YOUR_CALM,
     FRAME_SIZE_ERROR,
     GOAWAY,
     HEADERS,
     MAX_FRAME,
+    MAX_STREAMS,
     PING,
     PREFACE,
     PROTOCOL_ERROR,
+    REFUSED_STREAM,
+    RST_STREAM,
     SETTINGS,
+    SETTINGS_MAX_CONCURRENT_STREAMS,
     CallContext,
     GrpcError,
     GrpcServer,
@@ -163,10 +169,10 @@ def test_refusals_have_their_codes_and_messages_and_the_server_lives_on(loop):
                                                      "na\u00efve: 100% refused\non two lines")
         defect = refusal(lambda: infer(chan, "/t/Fail")(service_pb2.ModelInferRequest(), timeout=WAIT_S))
         assert defect.code() == grpc.StatusCode.INTERNAL and "KeyError" in defect.details()
-        compressed = refusal(lambda: infer(chan)(service_pb2.ModelInferRequest(raw_input_contents=[b"a" * 10_000]),
-                                                 timeout=WAIT_S,
-                                                 compression=grpc.Compression.Gzip))
-        assert compressed.code() == grpc.StatusCode.UNIMPLEMENTED and "uncompressed" in compressed.details()
+        for compression in (grpc.Compression.Gzip, grpc.Compression.Deflate):
+            compressed = infer(chan)(service_pb2.ModelInferRequest(raw_input_contents=[b"a" * 10_000]),
+                                     timeout=WAIT_S, compression=compression)
+            assert compressed.raw_output_contents == [b"a" * 10_000]
         not_protobuf = chan.unary_unary(INFER, request_serializer=None, response_deserializer=None)
         garbage = refusal(lambda: not_protobuf(b"\xff\xff\xff", timeout=WAIT_S))
         assert garbage.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -188,15 +194,24 @@ def test_a_client_that_does_not_speak_http2_is_closed_with_goaway_and_others_are
         assert infer(chan)(service_pb2.ModelInferRequest(raw_input_contents=[b"ok"])).raw_output_contents == [b"ok"]
 
 
-def _goaway(received: bytes) -> tuple[int, bytes]:
-    """The error code and debug data of the GOAWAY frame among the frames received (after the server's SETTINGS)."""
-    offset = 0
+def _frames(received: bytes) -> list[tuple[int, int, bytes]]:
+    """The whole frames received: (kind, stream, payload)."""
+    frames, offset = [], 0
     while offset + 9 <= len(received):
         length = int.from_bytes(received[offset:offset + 3], "big")
-        if received[offset + 3] == GOAWAY:
-            payload = received[offset + 9:offset + 9 + length]
-            return int.from_bytes(payload[4:8], "big"), payload[8:]
+        if offset + 9 + length > len(received):
+            break
+        stream = int.from_bytes(received[offset + 5:offset + 9], "big")
+        frames.append((received[offset + 3], stream, received[offset + 9:offset + 9 + length]))
         offset += 9 + length
+    return frames
+
+
+def _goaway(received: bytes) -> tuple[int, bytes]:
+    """The error code and debug data of the GOAWAY frame among the frames received (after the server's SETTINGS)."""
+    for kind, _, payload in _frames(received):
+        if kind == GOAWAY:
+            return int.from_bytes(payload[4:8], "big"), payload[8:]
     raise AssertionError(f"no GOAWAY in {received!r}")
 
 
@@ -206,7 +221,9 @@ def _goaway(received: bytes) -> tuple[int, bytes]:
     (frame(HEADERS, END_HEADERS, 2, b""), PROTOCOL_ERROR, b"HEADERS on stream 2"),
     (frame(HEADERS, 0, 1, header_field(b":path", b"/x")) + frame(PING, 0, 0, b"\0" * 8), PROTOCOL_ERROR,
      b"interrupted before END_HEADERS"),
-], ids=["hpack", "frame-size", "even-stream", "interrupted-block"])
+    (frame(HEADERS, 0, 1, b"\0" * 16_000) + frame(CONTINUATION, 0, 1, b"\0" * 16_000) * 4, ENHANCE_YOUR_CALM,
+     b"a header block of over 65536 bytes"),
+], ids=["hpack", "frame-size", "even-stream", "interrupted-block", "continuation-flood"])
 def test_a_breach_of_http2_ends_that_connection_with_goaway_naming_it(loop, frames, code, words):
     _, address = loop.serve(METHODS)
     host, port = address.split(":")
@@ -219,6 +236,33 @@ def test_a_breach_of_http2_ends_that_connection_with_goaway_naming_it(loop, fram
     assert (error, words in debug) == (code, True), debug
     with channel(address) as chan:
         assert infer(chan)(service_pb2.ModelInferRequest(raw_input_contents=[b"ok"])).raw_output_contents == [b"ok"]
+
+
+def test_streams_past_the_announced_limit_are_refused_and_the_open_ones_served(loop):
+    _, address = loop.serve(METHODS)
+    host, port = address.split(":")
+    headers = header_field(b":method", b"POST") + header_field(b":path", INFER.encode()) + \
+        header_field(b"content-type", b"application/grpc")
+    opened = [1 + 2 * n for n in range(MAX_STREAMS + 1)]  # one past the limit, none ended
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as raw:
+        raw.sendall(PREFACE + frame(SETTINGS, 0, 0, b"") +
+                    b"".join(frame(HEADERS, END_HEADERS, stream, headers) for stream in opened))
+        received = b""
+        while not any(kind == RST_STREAM for kind, _, _ in _frames(received)):
+            received += raw.recv(65536)
+        request = service_pb2.ModelInferRequest(raw_input_contents=[b"first"]).SerializeToString()
+        raw.sendall(frame(DATA, END_STREAM, opened[0], b"\0" + len(request).to_bytes(4, "big") + request))
+        while not any(kind == HEADERS and stream == opened[0] for kind, stream, _ in _frames(received)):
+            received += raw.recv(65536)
+    frames = _frames(received)
+    settings = frames[0][2]
+    announced = {int.from_bytes(settings[i:i + 2], "big"): int.from_bytes(settings[i + 2:i + 6], "big")
+                 for i in range(0, len(settings), 6)}
+    assert announced[SETTINGS_MAX_CONCURRENT_STREAMS] == MAX_STREAMS
+    resets = [(stream, int.from_bytes(payload, "big")) for kind, stream, payload in frames if kind == RST_STREAM]
+    assert resets == [(opened[-1], REFUSED_STREAM)]
+    answer = b"".join(payload for kind, stream, payload in frames if kind == DATA and stream == opened[0])
+    assert service_pb2.ModelInferResponse.FromString(answer[5:]).raw_output_contents == [b"first"]
 
 
 class Held:

@@ -157,7 +157,7 @@ def test_chunked_bodies_expect_100_continue_and_gzip(echo):
     (b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + b"3e8\r\n" + b"x" * 1000 + b"\r\n"
      + b"3e8\r\n" + b"x" * 1000 + b"\r\n0\r\n\r\n", 413, "over 1000 bytes"),
     (b"POST /x HTTP/1.1\r\nContent-Encoding: gzip\r\nContent-Length: 5\r\n\r\nnope!", 400, "cannot be decompressed"),
-    (b"POST /x HTTP/1.1\r\nContent-Encoding: br\r\nContent-Length: 1\r\n\r\nx", 400, "'br' is not supported"),
+    (b"POST /x HTTP/1.1\r\nContent-Encoding: br\r\nContent-Length: 1\r\n\r\nx", 415, "'br', which is not supported"),
     (b"GET /crash HTTP/1.1\r\n\r\n", 500, "internal error: RuntimeError: boom"),
 ])
 def test_bad_requests_are_answered_with_a_json_error(echo, request_bytes, status, words):

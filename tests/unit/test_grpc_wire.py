@@ -3,6 +3,8 @@ grpc-timeout, unary bodies, SETTINGS and padding."""
 
 from __future__ import annotations
 
+import gzip
+import zlib
 from types import SimpleNamespace
 
 import grpc
@@ -81,19 +83,43 @@ def test_a_malformed_grpc_timeout_is_invalid_argument_naming_the_form(header):
     (b"\0\0\0\0\0", b""),
 ])
 def test_a_unary_body_holds_one_message(body, message):
-    assert unary_message(bytearray(body), None) == message
+    assert unary_message(bytearray(body), None, 100) == message
+
+
+def _compressed(message: bytes, compress) -> bytes:
+    packed = compress(message)
+    return b"\1" + len(packed).to_bytes(4, "big") + packed
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_a_compressed_message_is_decompressed(encoding):
+    compress = gzip.compress if encoding == "gzip" else zlib.compress
+    assert unary_message(_compressed(b"abc" * 30, compress), encoding, 100) == b"abc" * 30
 
 
 @pytest.mark.parametrize(("body", "code", "words"), [
     (b"", grpc.StatusCode.INVALID_ARGUMENT, "no request message"),
     (b"\0\0\0", grpc.StatusCode.INVALID_ARGUMENT, "no request message"),
-    (b"\1\0\0\0\3abc", grpc.StatusCode.UNIMPLEMENTED, "compressed (grpc-encoding gzip)"),
+    (b"\1\0\0\0\3abc", grpc.StatusCode.INVALID_ARGUMENT, "the gzip request message cannot be decompressed"),
+    (b"\2\0\0\0\3abc", grpc.StatusCode.INVALID_ARGUMENT, "compressed flag is 2"),
+    (_compressed(b"0" * 101, gzip.compress), grpc.StatusCode.RESOURCE_EXHAUSTED, "over 100 bytes once decompressed"),
     (b"\0\0\0\0\5abc", grpc.StatusCode.INVALID_ARGUMENT, "cut short: 3 of the 5 bytes"),
     (b"\0\0\0\0\1a\0\0\0\0\1b", grpc.StatusCode.UNIMPLEMENTED, "more than one request message"),
 ])
-def test_a_body_that_is_not_one_uncompressed_message_is_refused(body, code, words):
+def test_a_body_that_is_not_one_message_is_refused(body, code, words):
     with pytest.raises(GrpcError) as refused:
-        unary_message(body, "gzip")
+        unary_message(body, "gzip", 100)
+    assert refused.value.code is code and words in refused.value.message
+
+
+@pytest.mark.parametrize(("encoding", "code", "words"), [
+    (None, grpc.StatusCode.INVALID_ARGUMENT, "needs grpc-encoding gzip or deflate"),
+    ("identity", grpc.StatusCode.INVALID_ARGUMENT, "needs grpc-encoding gzip or deflate"),
+    ("snappy", grpc.StatusCode.UNIMPLEMENTED, "'snappy', which is not supported; use gzip, deflate or none"),
+])
+def test_a_compressed_message_needs_an_encoding_the_server_knows(encoding, code, words):
+    with pytest.raises(GrpcError) as refused:
+        unary_message(_compressed(b"abc", gzip.compress), encoding, 100)
     assert refused.value.code is code and words in refused.value.message
 
 

@@ -10,10 +10,13 @@ does, and all it does:
 - HTTP/2 over cleartext with prior knowledge (what a gRPC client speaks on an insecure channel): SETTINGS, PING,
   flow control both ways (a stream's window is large enough for its one message; the connection's is topped up as
   data arrives; answers wait for the client's window), padded frames, header blocks continued over CONTINUATION
-  frames, RST_STREAM. A breach of the protocol closes the connection with a GOAWAY naming it.
-- unary RPCs: the path names the method; the request's one uncompressed message, up to `max_message` bytes
-  (RESOURCE_EXHAUSTED beyond, at once); the call's deadline from `grpc-timeout`; the request's headers as its
-  metadata; the answer, or a status code and its message (percent-encoded) in the trailers.
+  frames (a header block up to 64 KiB), RST_STREAM, at most MAX_STREAMS calls at once per connection (further streams
+  are refused, as the server's SETTINGS announce). A breach of the protocol closes the connection with a GOAWAY
+  naming it.
+- unary RPCs: the path names the method; the request's one message, up to `max_message` bytes (RESOURCE_EXHAUSTED
+  beyond, at once), uncompressed or compressed with gzip or deflate (`grpc-encoding`; answers go uncompressed); the
+  call's deadline from `grpc-timeout`; the request's headers as its metadata; the answer, or a status code and its
+  message (percent-encoded) in the trailers.
 - a client's RST_STREAM cancels its call's task; `close` sends GOAWAY, lets the calls in flight finish within a grace
   period, then cancels the rest.
 """
@@ -30,6 +33,8 @@ import grpc
 import hpack
 from google.protobuf.message import DecodeError, Message
 
+from tandem.worker.serve.http import DecompressError, decompress
+
 log = logging.getLogger("tandem.serve")
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -37,14 +42,16 @@ DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDO
 END_STREAM = ACK = 0x1
 END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
-FRAME_SIZE_ERROR, REFUSED_STREAM, COMPRESSION_ERROR = 0x6, 0x7, 0x9
-SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x4, 0x5
+FRAME_SIZE_ERROR, REFUSED_STREAM, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 0x6, 0x7, 0x9, 0xB
+SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x3, 0x4, 0x5
 
 MAX_FRAME = 16384  # the largest frame taken and the largest sent until the client allows more: HTTP/2's default
 MAX_WINDOW = (1 << 31) - 1
 DEFAULT_WINDOW = 65535
 STREAM_WINDOW = 1 << 30  # each stream's receive window: its one message never waits for a WINDOW_UPDATE
 CONNECTION_WINDOW = 1 << 30  # the connection's, topped up once half of it is used
+MAX_STREAMS = 256  # calls open at once on one connection; a client's further streams are refused (it retries them)
+MAX_HEADER_BLOCK = 64 << 10  # a header block's bytes, CONTINUATION frames included (hpack's own limit once decoded)
 
 
 class GrpcError(Exception):
@@ -108,14 +115,20 @@ def parse_timeout(value: str) -> float:
     return int(match.group(1)) * _TIMEOUT_UNITS[match.group(2)]
 
 
-def unary_message(body: bytes | bytearray, encoding: str | None) -> bytes:
-    """The one message of a unary call's body (gRPC's length-prefixed messages)."""
+DECOMPRESS_CODES = {415: grpc.StatusCode.UNIMPLEMENTED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    400: grpc.StatusCode.INVALID_ARGUMENT}
+
+
+def unary_message(body: bytes | bytearray, encoding: str | None, limit: int) -> bytes:
+    """The one message of a unary call's body (gRPC's length-prefixed messages), decompressed when its flag says so
+    (gzip or deflate, as `grpc-encoding` names it; at most `limit` bytes once decompressed)."""
     if len(body) < 5:
         raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, "the call holds no request message: a unary call sends one")
-    if body[0] != 0:
-        raise GrpcError(grpc.StatusCode.UNIMPLEMENTED,
-                        f"the request message is compressed (grpc-encoding {encoding}): this server takes "
-                        "uncompressed messages only; send it with compression off (identity)")
+    compressed = body[0]
+    if compressed > 1 or (compressed and encoding in (None, "identity")):
+        raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the request message's compressed flag is {compressed} with grpc-encoding {encoding}: a "
+                        "compressed message (flag 1) needs grpc-encoding gzip or deflate")
     end = 5 + int.from_bytes(body[1:5], "big")
     if len(body) < end:
         raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -123,6 +136,11 @@ def unary_message(body: bytes | bytearray, encoding: str | None) -> bytes:
     if len(body) > end:
         raise GrpcError(grpc.StatusCode.UNIMPLEMENTED,
                         "the call holds more than one request message: the service's methods are unary")
+    if compressed:
+        try:
+            return decompress(bytes(body[5:]), encoding, limit, what="request message")
+        except DecompressError as error:
+            raise GrpcError(DECOMPRESS_CODES[error.status], str(error)) from None
     return bytes(body[5:])
 
 
@@ -177,7 +195,8 @@ class HeaderDecoder:
         return headers
 
 
-RESPONSE_HEADERS = header_field(b":status", b"200") + header_field(b"content-type", b"application/grpc")
+RESPONSE_HEADERS = header_field(b":status", b"200") + header_field(b"content-type", b"application/grpc") + \
+    header_field(b"grpc-accept-encoding", b"identity,deflate,gzip")
 OK_TRAILERS = header_field(b"grpc-status", b"0")
 
 
@@ -286,7 +305,8 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         self.server._connections.add(self)
-        settings = SETTINGS_INITIAL_WINDOW_SIZE.to_bytes(2, "big") + STREAM_WINDOW.to_bytes(4, "big")
+        settings = SETTINGS_INITIAL_WINDOW_SIZE.to_bytes(2, "big") + STREAM_WINDOW.to_bytes(4, "big") + \
+            SETTINGS_MAX_CONCURRENT_STREAMS.to_bytes(2, "big") + MAX_STREAMS.to_bytes(4, "big")
         transport.write(frame(SETTINGS, 0, 0, settings) +
                         frame(WINDOW_UPDATE, 0, 0, (CONNECTION_WINDOW - DEFAULT_WINDOW).to_bytes(4, "big")))
         if self.server.closing:  # accepted as the server stopped listening
@@ -410,9 +430,15 @@ class _Connection(asyncio.Protocol):
                 raise ConnectionFailure(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}, not a client's stream")
             if stream_id <= self.last_stream:  # trailers of a stream refused or reset already: read, then dropped
                 stream = _Stream(stream_id, 0)
+            elif len(self.streams) >= MAX_STREAMS:  # past the limit the settings gave: refused, its headers still read
+                self.last_stream = stream_id
+                stream = _Stream(stream_id, 0)
+                self._write(frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big")))
             else:
                 self.last_stream = stream_id
                 stream = self.streams[stream_id] = _Stream(stream_id, self.initial_send_window)
+        if len(payload) > MAX_HEADER_BLOCK:
+            raise ConnectionFailure(ENHANCE_YOUR_CALM, f"a header block of over {MAX_HEADER_BLOCK} bytes")
         if flags & END_HEADERS:
             self._on_header_block(stream, flags, payload)
         else:
@@ -424,6 +450,8 @@ class _Connection(asyncio.Protocol):
             raise ConnectionFailure(PROTOCOL_ERROR, f"CONTINUATION on stream {stream_id} with no header block open")
         stream, first_flags = self.continuing
         stream.block += payload
+        if len(stream.block) > MAX_HEADER_BLOCK:
+            raise ConnectionFailure(ENHANCE_YOUR_CALM, f"a header block of over {MAX_HEADER_BLOCK} bytes")
         if flags & END_HEADERS:
             self.continuing = None
             block, stream.block = stream.block, b""
@@ -493,7 +521,7 @@ class _Connection(asyncio.Protocol):
             if method is None:
                 raise GrpcError(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {headers.get(':path')!r}")
             message_type, handler = method
-            body = unary_message(stream.body, headers.get("grpc-encoding"))
+            body = unary_message(stream.body, headers.get("grpc-encoding"), self.server.max_message)
             stream.body = bytearray()
             try:
                 request = message_type.FromString(body)

@@ -239,9 +239,9 @@ class _Connection(asyncio.Protocol):
         encoding = headers.get("content-encoding")
         if encoding and encoding != "identity":
             try:
-                body = _decompress(body, encoding, self._limit)
-            except ValueError as error:
-                return self._fail(400 if "too large" not in str(error) else 413, str(error))
+                body = decompress(body, encoding, self._limit)
+            except DecompressError as error:
+                return self._fail(error.status, str(error))
         url, self._url = self._url, b""
         if b"?" in url or b"%" in url or b"#" in url or not url.startswith(b"/"):
             path = unquote(httptools.parse_url(url).path.decode("latin-1")) if url else "/"
@@ -365,20 +365,32 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
 
-def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
+class DecompressError(ValueError):
+    """A compressed body that cannot be taken, with the HTTP status that says why: 415 (an encoding other than gzip
+    and deflate), 400 (data that does not decompress) or 413 (larger than the limit once decompressed)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def decompress(body: bytes, encoding: str, limit: int, what: str = "request body") -> bytes:
+    """`body` compressed with `encoding` (gzip or deflate: HTTP's Content-Encoding, gRPC's grpc-encoding), at most
+    `limit` bytes once decompressed (a small bomb is refused without inflating it whole); `what` names it in errors."""
     encoding = encoding.strip().lower()
     if encoding == "gzip":
         decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
     elif encoding == "deflate":
         decoder = zlib.decompressobj()
     else:
-        raise ValueError(f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
+        raise DecompressError(f"{what} compressed with {encoding!r}, which is not supported; use gzip, deflate or "
+                              "none (identity)", 415)
     try:
         data = decoder.decompress(body, limit + 1)
     except zlib.error as error:
-        raise ValueError(f"the {encoding} request body cannot be decompressed: {error}") from None
+        raise DecompressError(f"the {encoding} {what} cannot be decompressed: {error}", 400) from None
     if len(data) > limit:
-        raise ValueError(f"request body too large: over {limit} bytes once decompressed")
+        raise DecompressError(f"{what} too large: over {limit} bytes once decompressed", 413)
     return data
 
 

@@ -113,6 +113,22 @@ BUGS = [
         "WAIT_SECONDS\n", "            self.result.stop_first = self.result.kill_at_once = True\n"
         "            self.result.requeue_after = WAIT_SECONDS\n",
         "tests/unit/test_queueing.py::test_reconcile_under_a_queue"),
+    Bug("each worker on one device given its own copy of the model", "worker/serve/replicas.py",
+        "return [copies[device] for device in devices]", "return [copy.deepcopy(copies[device]) for device in devices]",
+        "tests/unit/test_inference.py::test_workers_on_one_device_share_one_frozen_copy_of_the_model"),
+    Bug("gRPC answers sent past the client's flow-control window", "worker/serve/grpc_server.py",
+        "if size <= self.send_window and size <= stream.send_window and size <= self.max_send_frame:",
+        "if True:",
+        "tests/integration/test_grpc_server.py::"
+        "test_messages_many_windows_long_cross_flow_control_both_ways_on_concurrent_calls"),
+    Bug("remembered header blocks kept after HPACK's table changed", "worker/serve/grpc_server.py",
+        "            self.known.clear()\n", "            pass\n",
+        "tests/unit/test_grpc_wire.py::"
+        "test_a_header_block_that_leaves_the_table_as_it_was_is_remembered_until_the_table_changes"),
+    Bug("no limit on the calls open on one gRPC connection", "worker/serve/grpc_server.py",
+        "elif len(self.streams) >= MAX_STREAMS:", "elif False:",
+        "tests/integration/test_grpc_server.py::"
+        "test_streams_past_the_announced_limit_are_refused_and_the_open_ones_served"),
 ]
 
 

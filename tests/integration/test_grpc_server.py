@@ -1,11 +1,14 @@
 """The gRPC server (worker/serve/grpc_server.py) on a real socket on 127.0.0.1, with small methods of its own and
 grpcio's client: flow control both ways, the message size limit, refusals, metadata and deadlines, cancellation,
-a client that does not speak HTTP/2, and a graceful close. Calls are held at a known point with events, never with
+a client that does not speak HTTP/2, breaches of HTTP/2 and seeded random frames, the limit on a connection's calls,
+and a graceful close. Calls are held at a known point with events, never with
 sleeps."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import random
 import socket
 import threading
 from collections.abc import Iterator
@@ -30,11 +33,13 @@ from tandem.worker.serve.grpc_server import (
     MAX_STREAMS,
     PING,
     PREFACE,
+    PRIORITY,
     PROTOCOL_ERROR,
     REFUSED_STREAM,
     RST_STREAM,
     SETTINGS,
     SETTINGS_MAX_CONCURRENT_STREAMS,
+    WINDOW_UPDATE,
     CallContext,
     GrpcError,
     GrpcServer,
@@ -263,6 +268,56 @@ def test_streams_past_the_announced_limit_are_refused_and_the_open_ones_served(l
     assert resets == [(opened[-1], REFUSED_STREAM)]
     answer = b"".join(payload for kind, stream, payload in frames if kind == DATA and stream == opened[0])
     assert service_pb2.ModelInferResponse.FromString(answer[5:]).raw_output_contents == [b"first"]
+
+
+FIXED_SIZES = {PRIORITY: 5, RST_STREAM: 4, PING: 8, WINDOW_UPDATE: 4}
+
+
+def _random_frames(rng: random.Random) -> bytes:
+    """A few frames of any kind, mostly well formed (the sizes their kinds have, header blocks HPACK decodes, gRPC
+    messages), with flags, streams and contents drawn at random, some cut short: so that the paths past the first
+    checks are taken too."""
+    call = service_pb2.ModelInferRequest(raw_input_contents=[b"x"]).SerializeToString()
+    frames = b""
+    for _ in range(rng.randint(1, 8)):
+        kind = rng.randrange(11)
+        stream = rng.choice([0, 1, 1, 3, 3, 5, 2, rng.randrange(1 << 31)])
+        flags = rng.choice([0, END_STREAM, END_HEADERS, END_HEADERS | END_STREAM, rng.randrange(256)])
+        well_formed = rng.random() < 0.8
+        if kind in (HEADERS, CONTINUATION) and well_formed:
+            payload = header_field(b":path", rng.choice([INFER, LIVE, "/x"]).encode()) + \
+                header_field(b"content-type", b"application/grpc") + \
+                rng.choice([b"", header_field(b"grpc-timeout", rng.choice([b"1S", b"x", b"99999999H"]))])
+        elif kind == DATA and well_formed:
+            payload = rng.choice([b"\0", b"\1", b"\2"]) + len(call).to_bytes(4, "big") + call
+        elif kind == SETTINGS and well_formed:
+            payload = b"".join(rng.choice([0x1, 0x3, 0x4, 0x5, 0x6, 0x99]).to_bytes(2, "big") +
+                               rng.choice([0, 1, 16384, 1 << 20, (1 << 31) - 1, (1 << 32) - 1]).to_bytes(4, "big")
+                               for _ in range(rng.randrange(3)))
+        elif kind in FIXED_SIZES and well_formed:
+            payload = rng.randbytes(FIXED_SIZES[kind])
+        else:
+            payload = rng.randbytes(rng.choice([0, 1, 5, 9, rng.randrange(300)]))
+        frames += frame(kind, flags, stream, payload)
+    return frames[:rng.randrange(len(frames) + 1)] if rng.random() < 0.2 else frames
+
+
+def test_random_frames_end_at_most_their_own_connection_and_log_no_unexpected_error(loop, caplog):
+    """Seeded random frames on 400 connections, each written and then closed by the client: the server answers or
+    ends each one, never fails in its own code (it would log an unexpected error), and serves a call afterwards."""
+    _, address = loop.serve(METHODS)
+    host, port = address.split(":")
+    rng = random.Random(20)
+    with caplog.at_level(logging.ERROR, logger="tandem.serve"):
+        for _ in range(400):
+            with socket.create_connection((host, int(port)), timeout=WAIT_S) as raw:
+                raw.sendall(PREFACE + frame(SETTINGS, 0, 0, b"") + _random_frames(rng))
+                raw.shutdown(socket.SHUT_WR)
+                while raw.recv(65536):
+                    pass
+    assert [record.getMessage() for record in caplog.records] == []
+    with channel(address) as chan:
+        assert infer(chan)(service_pb2.ModelInferRequest(raw_input_contents=[b"ok"])).raw_output_contents == [b"ok"]
 
 
 class Held:

@@ -32,7 +32,7 @@ from tritonclient.grpc import service_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_http_stack import free_port  # noqa: E402
-from serve_costs import process_cpu  # noqa: E402
+from serve_costs import candidate_server, cpu_per_call, process_cpu  # noqa: E402
 
 STACKS = ("grpc.aio servicer", "grpc.aio generic bytes", "grpclib+uvloop", "h2 protocol+uvloop",
           "tandem grpc_server")
@@ -213,21 +213,16 @@ def main() -> None:
         request_file.write_bytes(b"\0" + len(message).to_bytes(4, "big") + message)
         for stack in stacks:
             port = free_port()
-            server = subprocess.Popen([sys.executable, __file__, "--serve", stack, "--port", str(port)])
-            try:
+            with candidate_server(__file__, stack, port) as server:
                 wait_until_answering(port)
                 h2load(port, request_file, CONCURRENCY[0], 1)  # warm-up
                 for concurrency in CONCURRENCY:
                     before = process_cpu(server.pid)
                     calls, rate = h2load(port, request_file, concurrency, args.seconds)
-                    cpu[stack, concurrency] = (process_cpu(server.pid) - before) / max(1, calls) * 1e6
+                    cpu[stack, concurrency] = cpu_per_call(server.pid, before, calls)
                     rates[stack, concurrency] = rate
                     print(f"{stack:24s} c={concurrency:<3d} {rate:8.0f} calls/s  server CPU "
                           f"{cpu[stack, concurrency]:.0f} us/call", flush=True)
-            finally:
-                server.terminate()
-                server.wait(timeout=30)
-                time.sleep(0.5)
     if BASELINE not in stacks:
         return
     print(f"\n| stack | {' | '.join(f'c={c}: calls/s (CPU us/call)' for c in CONCURRENCY)} | "

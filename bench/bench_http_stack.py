@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +23,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import build_request, load, wait_for_port  # noqa: E402
-from serve_costs import process_cpu  # noqa: E402
+from serve_costs import candidate_server, cpu_per_call, process_cpu  # noqa: E402
 
 STACKS = ("aiohttp", "aiohttp+uvloop", "starlette+uvicorn", "tandem httpserver")
 BODY = orjson.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [0.5] * 64}]})
@@ -110,21 +108,16 @@ def main() -> None:
     results, cpu = {}, {}
     for stack in STACKS:
         port = free_port()
-        server = subprocess.Popen([sys.executable, __file__, "--serve", stack, "--port", str(port)])
-        try:
+        with candidate_server(__file__, stack, port) as server:
             asyncio.run(wait_for_port("127.0.0.1", port))
             request = build_request("127.0.0.1", port, "/v2/models/m/infer", BODY)
             for concurrency in (8, 64):
                 before = process_cpu(server.pid)
                 result = load("127.0.0.1", port, request, concurrency=concurrency, seconds=args.seconds, warmup=0)
-                cpu[stack, concurrency] = (process_cpu(server.pid) - before) / max(1, result.requests) * 1e6
+                cpu[stack, concurrency] = cpu_per_call(server.pid, before, result.requests)
                 results[stack, concurrency] = result
                 print(f"{stack:18s} c={concurrency:<3d} {result.line()}  server CPU "
                       f"{cpu[stack, concurrency]:.0f} us/request", flush=True)
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
-            time.sleep(0.5)
     for concurrency in (8, 64):
         base = results["aiohttp", concurrency].rps
         ratios = ", ".join(f"{stack} {results[stack, concurrency].rps / base:.2f}" for stack in STACKS)

@@ -15,11 +15,15 @@ the GIL or a lock, or for work.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
+import subprocess
+import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -47,6 +51,24 @@ def process_cpu(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def candidate_server(script: str, stack: str, port: int) -> Iterator[subprocess.Popen]:
+    """`script --serve STACK --port PORT` in a process of its own (a stack benchmark's candidate), stopped on
+    leaving."""
+    server = subprocess.Popen([sys.executable, script, "--serve", stack, "--port", str(port)])
+    try:
+        yield server
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        time.sleep(0.5)
+
+
+def cpu_per_call(pid: int, before: float, calls: int) -> float:
+    """Process `pid`'s CPU microseconds per call over `calls` calls since `before` (its process_cpu then)."""
+    return (process_cpu(pid) - before) / max(1, calls) * 1e6
 
 
 def own_cpu() -> float:

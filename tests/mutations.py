@@ -129,6 +129,10 @@ BUGS = [
         "elif len(self.streams) >= MAX_STREAMS:", "elif False:",
         "tests/integration/test_grpc_server.py::"
         "test_streams_past_the_announced_limit_are_refused_and_the_open_ones_served"),
+    Bug("a gRPC client that never reads is read on (no back-pressure)", "worker/serve/grpc_server.py",
+        "            self.transport.pause_reading()\n", "            pass\n",
+        "tests/integration/test_grpc_server.py::"
+        "test_a_client_that_sends_pings_without_reading_is_read_no_further_until_it_reads"),
 ]
 
 

@@ -1,8 +1,8 @@
 """The gRPC server (worker/serve/grpc_server.py) on a real socket on 127.0.0.1, with small methods of its own and
 grpcio's client: flow control both ways, the message size limit, refusals, metadata and deadlines, cancellation,
 a client that does not speak HTTP/2, breaches of HTTP/2 and seeded random frames, the limit on a connection's calls,
-and a graceful close. Calls are held at a known point with events, never with
-sleeps."""
+back-pressure on a client that does not read, and a graceful close. Calls are held at a known point with events,
+never with sleeps."""
 
 from __future__ import annotations
 
@@ -268,6 +268,33 @@ def test_streams_past_the_announced_limit_are_refused_and_the_open_ones_served(l
     assert resets == [(opened[-1], REFUSED_STREAM)]
     answer = b"".join(payload for kind, stream, payload in frames if kind == DATA and stream == opened[0])
     assert service_pb2.ModelInferResponse.FromString(answer[5:]).raw_output_contents == [b"first"]
+
+
+def test_a_client_that_sends_pings_without_reading_is_read_no_further_until_it_reads(loop):
+    """A PING flood (each owed an acknowledgement) from a client that never reads: the server stops reading it once
+    its answers back up, so they stay bounded; once the client reads, the connection carries on."""
+    server, address = loop.serve(METHODS)
+    host, port = address.split(":")
+    flood = frame(PING, 0, 0, b"\0" * 8) * 65_536  # 1 MiB of PINGs per send, 1 MiB of acknowledgements owed
+    with socket.socket() as raw:
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # before connecting: a small window
+        raw.settimeout(WAIT_S)
+        raw.connect((host, int(port)))
+        raw.sendall(PREFACE + frame(SETTINGS, 0, 0, b""))
+        sender = threading.Thread(target=lambda: [raw.sendall(flood) for _ in range(8)], daemon=True)
+        sender.start()
+        wait_until(lambda: server._connections, what="the connection accepted")
+        (connection,) = server._connections
+        wait_until(lambda: not connection.transport.is_reading(), what="the server pausing its reads")
+        assert connection.transport.get_write_buffer_size() < 1 << 20  # 8 MiB of acknowledgements were asked for
+        received = 0
+        while sender.is_alive() or received < 8 * len(flood):
+            chunk = raw.recv(1 << 20)
+            assert chunk, "the server closed the connection"
+            received += len(chunk)
+        sender.join(WAIT_S)
+    with channel(address) as chan:
+        assert infer(chan)(service_pb2.ModelInferRequest(raw_input_contents=[b"ok"])).raw_output_contents == [b"ok"]
 
 
 FIXED_SIZES = {PRIORITY: 5, RST_STREAM: 4, PING: 8, WINDOW_UPDATE: 4}

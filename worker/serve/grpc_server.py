@@ -17,6 +17,7 @@ does, and all it does:
   beyond, at once), uncompressed or compressed with gzip or deflate (`grpc-encoding`; answers go uncompressed); the
   call's deadline from `grpc-timeout`; the request's headers as its metadata; the answer, or a status code and its
   message (percent-encoded) in the trailers.
+- back-pressure: while the client reads slower than the server writes, its frames are not read;
 - a client's RST_STREAM cancels its call's task; `close` sends GOAWAY, lets the calls in flight finish within a grace
   period, then cancels the rest.
 """
@@ -320,6 +321,17 @@ class _Connection(asyncio.Protocol):
                 stream.task.cancel()
         self.streams.clear()
         self.blocked.clear()
+
+    def pause_writing(self) -> None:
+        """The client reads slower than the server writes (answers piling up, or a flood of PINGs or SETTINGS each
+        owed an acknowledgement): read none of its frames until it catches up, so what waits to be written stays
+        bounded."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def go_away(self) -> None:
         """Take no new calls (GOAWAY naming the last one taken); close at once when none is running."""

@@ -82,9 +82,10 @@ class Server:
     """A server process in a process group of its own; stopping it stops the group (LitServe's workers are
     child processes that outlive their parent otherwise)."""
 
-    def __init__(self, command: list[str], port: int, ready_path: str, source: Path | None = None):
+    def __init__(self, command: list[str], port: int, ready_path: str, source: Path | None = None,
+                 variables: dict[str, str] | None = None):
         self.port = port
-        environment = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
+        environment = {**os.environ, **(variables or {}), **({} if source is None else {"PYTHONPATH": str(source)})}
         self.process = subprocess.Popen(command, cwd=source or ROOT, env=environment, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
@@ -115,9 +116,9 @@ class Server:
 
 
 def tandem_server(mode: str, workers: int, directory: Path, source: Path | None = None,
-                  grpc_port: int | None = None) -> Server:
+                  grpc_port: int | None = None, variables: dict[str, str] | None = None) -> Server:
     """`tandem serve` with the pool below; from the code in `source` (a `checkout`) instead of this tree's when
-    given; with gRPC on `grpc_port` when given."""
+    given; with gRPC on `grpc_port` when given; with the environment `variables` added."""
     manifest = directory / f"pool-{mode}.yaml"
     manifest.write_text(json.dumps({
         "apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool", "metadata": {"name": "mlp"},
@@ -127,7 +128,7 @@ def tandem_server(mode: str, workers: int, directory: Path, source: Path | None 
     port = free_port()
     grpc = ["--no-grpc"] if grpc_port is None else ["--grpc-port", str(grpc_port)]
     return Server([sys.executable, "-m", "tandem.cli", "serve", str(manifest), "--port", str(port), *grpc], port,
-                  "/v2/health/ready", source)
+                  "/v2/health/ready", source, variables)
 
 
 def checkout(ref: str, directory: Path) -> Path:

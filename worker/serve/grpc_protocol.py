@@ -38,6 +38,7 @@ STATUS_CODES = {
     404: grpc.StatusCode.NOT_FOUND,
     405: grpc.StatusCode.UNIMPLEMENTED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    415: grpc.StatusCode.UNIMPLEMENTED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     500: grpc.StatusCode.INTERNAL,
     503: grpc.StatusCode.UNAVAILABLE,

@@ -34,6 +34,7 @@ import grpc
 import hpack
 from google.protobuf.message import DecodeError, Message
 
+from tandem.worker.serve.grpc_protocol import status_code
 from tandem.worker.serve.http import DecompressError, decompress
 
 log = logging.getLogger("tandem.serve")
@@ -116,10 +117,6 @@ def parse_timeout(value: str) -> float:
     return int(match.group(1)) * _TIMEOUT_UNITS[match.group(2)]
 
 
-DECOMPRESS_CODES = {415: grpc.StatusCode.UNIMPLEMENTED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    400: grpc.StatusCode.INVALID_ARGUMENT}
-
-
 def unary_message(body: bytes | bytearray, encoding: str | None, limit: int) -> bytes:
     """The one message of a unary call's body (gRPC's length-prefixed messages), decompressed when its flag says so
     (gzip or deflate, as `grpc-encoding` names it; at most `limit` bytes once decompressed)."""
@@ -141,7 +138,7 @@ def unary_message(body: bytes | bytearray, encoding: str | None, limit: int) -> 
         try:
             return decompress(bytes(body[5:]), encoding, limit, what="request message")
         except DecompressError as error:
-            raise GrpcError(DECOMPRESS_CODES[error.status], str(error)) from None
+            raise GrpcError(status_code(error.status), str(error)) from None
     return bytes(body[5:])
 
 

@@ -40,13 +40,15 @@ def gated_pool(name: str, **spec) -> InferencePool:
                      **spec)
 
 
-def write_checkpoint(directory: Path, seed: int, step: int, hidden: int = 16, features: int = 64) -> Path:
-    """A trainer checkpoint of the digits MLP (through the trainer's own checkpoint module)."""
+def write_checkpoint(directory: Path, seed: int, step: int, hidden: int = 16, features: int = 64,
+                     metrics: dict[str, float] | None = None) -> Path:
+    """A trainer checkpoint of the digits MLP (through the trainer's own checkpoint module), with the evaluation
+    `metrics` rank 0 records (none by default)."""
     model = seeded_mlp(seed, hidden) if features == 64 else torch.nn.Linear(features, 10)
     manifest = checkpoint.build_manifest(
         model="tandem.examples.digits:mlp" if features == 64 else "torch.nn:Linear",
         model_args={"hidden": hidden} if features == 64 else {"in_features": features, "out_features": 10},
-        input_shape=[features], input_dtype="FP32", step=step)
+        input_shape=[features], input_dtype="FP32", step=step, **({"metrics": metrics} if metrics else {}))
     return checkpoint.save(directory, {"manifest": manifest, "model": model.state_dict()}, step=step, keep_last=10)
 
 

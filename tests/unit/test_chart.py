@@ -373,7 +373,7 @@ def real_metric_names() -> set[str]:
              "stats": InferenceStats().snapshot(), "pending": 0, "ready": True,
              "batching": BatchingSettings(batchLimit=8), "batch_limits": [8]}
     suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"]}
-    names = {family.name + suffix for registry in (REGISTRY, registry_for(lambda: state))
+    names = {family.name + suffix for registry in (REGISTRY, registry_for(state))
              for family in registry.collect() for suffix in suffixes.get(family.type, [""])}
     config = yaml.safe_load((CHART / "dashboards" / "kube-state-metrics.yaml").read_text())
     for resource in config["spec"]["resources"]:

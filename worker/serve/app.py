@@ -13,6 +13,8 @@ stop, the `tandem serve` process); each piece owns its state:
     auth.py          the pool's bearer token, which both ask for (health and readiness excepted)
     pending.py       inference requests between submit and answer, and the sweep of their deadlines
     served_model.py  the model served: its first load, hot swaps, following a training job's checkpoints
+    group.py         the pod's other server processes (processesPerReplica), which changes, swaps, statistics,
+                     /metrics and readiness reach through a private channel
     inference.py     ParallelInference, the batching engine (its counters: stats.py; Prometheus: metrics.py)
 
 The event loop only parses, validates and encodes, with numpy and orjson, and never calls torch. Forwards run on
@@ -37,6 +39,7 @@ from tandem.worker.cores import share_cores
 from tandem.worker.serve import model_loading
 from tandem.worker.serve.auth import AuthTokenError, BearerToken
 from tandem.worker.serve.background import BackgroundServer
+from tandem.worker.serve.group import Group, PeerRoutes, Peers
 from tandem.worker.serve.grpc_server import GrpcServer
 from tandem.worker.serve.grpc_service import MAX_MESSAGE_BYTES, GrpcCall, GrpcService
 from tandem.worker.serve.http import HttpServer, Request
@@ -57,13 +60,14 @@ class InferenceServer:
     `checkpoint` (a checkpoint file, or a directory whose latest checkpoint is served) overrides the pool's
     spec.model. `auth_token_file` holds the bearer token clients must present (the pool's spec.auth Secret, mounted);
     a pool with spec.auth needs one. `allow_batching_changes`: take `PUT /v2/models/{m}/batching`
-    (`update_batching`). Use `run()` for the process (`tandem serve`), `start()`/`drain()`/`stop()` on a running
+    (`update_batching`). `group`: this process's place among its pod's server processes (group.py; None: the only
+    one). Use `run()` for the process (`tandem serve`), `start()`/`drain()`/`stop()` on a running
     event loop, or `start_in_thread()` to embed it in a program (tests do). Raises ModelLoadError when the pool's
     model cannot be located, AuthTokenError when the token cannot be read or spec.auth has no token file."""
 
     def __init__(self, pool: InferencePool, checkpoint: str | None = None, *, grace_seconds: float = 25.0,
                  follow_interval: float = 2.0, auth_token_file: str | None = None,
-                 allow_batching_changes: bool = False):
+                 allow_batching_changes: bool = False, group: Group | None = None):
         spec = pool.spec
         self.allow_batching_changes = allow_batching_changes
         self.spec = spec
@@ -81,6 +85,10 @@ class InferenceServer:
         self.max_body = MAX_BODY
         self.model = ServedModel(spec, model_loading.locate(spec.model, checkpoint), name=self.name,
                                  follow_interval=follow_interval, on_swap=self._swapped)
+        self.group = group
+        self.peers = None if group is None else Peers(group)
+        self.model.peers = self.peers
+        self._peer_routes = None if group is None else PeerRoutes(self)
         self.routes = Routes(self)
         self.pending = PendingRequests(self._answer, spec.request_timeout_ms / 1000)
         self.loading: asyncio.Task | None = None
@@ -93,6 +101,8 @@ class InferenceServer:
         are in self.port and self.grpc_port; the HTTP port is returned), then load and warm up the model in the
         background (`self.loading`); live at once, ready once loaded."""
         self.pending.start()
+        if self._peer_routes is not None:
+            await self._peer_routes.start(self.group.socket_path(self.group.index))
         self._http = HttpServer(self.routes.handle, lambda: self.max_body, on_error=_log_crash)
         self.port = await self._http.start(host, port)
         if grpc_port is not None:
@@ -113,12 +123,44 @@ class InferenceServer:
             self.routes.answer(request, context, output, error)
 
     async def update_batching(self, settings: BatchingSettings) -> None:
-        """Batch, queue and time requests out with `settings` from now on; no request fails (those pending keep
-        their deadlines). Raises ModelLoadError while the first model loads, BatchingRefused (nothing changed) when the
-        model fails its warm-up at the new batch sizes."""
+        """Batch, queue and time requests out with `settings` from now on, here and in every peer; no request fails
+        (those pending keep their deadlines). Raises ModelLoadError while the first model loads (or a peer does not
+        answer), BatchingRefused when the model fails its warm-up at the new batch sizes: then nothing changed
+        anywhere (peers that had changed change back)."""
+        if self.peers is None:
+            return await self.update_batching_here(settings)
+        previous = self.model.batching
+        changes = [self.update_batching_here, *(peer.update_batching for peer in self.peers.others)]
+        outcomes = await asyncio.gather(*(change(settings) for change in changes), return_exceptions=True)
+        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if errors:
+            changed = [change for change, outcome in zip(changes, outcomes, strict=True) if outcome is None]
+            await asyncio.gather(*(change(previous) for change in changed), return_exceptions=True)
+            raise errors[0]
+        return None
+
+    async def update_batching_here(self, settings: BatchingSettings) -> None:
+        """`update_batching` in this process only."""
         await self.model.update_batching(settings)
         self.pending.set_default_timeout(settings.request_timeout_ms / 1000)
         self.max_body = _body_limit(self.model.loaded)
+
+    async def states(self) -> list[dict]:
+        """This process's counters and readiness (Routes.local_state), then each peer's: PeerError when one does not
+        answer."""
+        states = [self.routes.local_state()]
+        if self.peers is not None:
+            for state in await self.peers.states():
+                if isinstance(state, BaseException):
+                    raise state
+                states.append(state)
+        return states
+
+    async def group_ready(self) -> bool:
+        """Ready, and so is every peer (one that does not answer is not)."""
+        if not self.ready or self.peers is None:
+            return self.ready
+        return all(not isinstance(state, BaseException) and state["ready"] for state in await self.peers.states())
 
     def _swapped(self) -> None:
         if self._owns_process:
@@ -161,6 +203,9 @@ class InferenceServer:
         if self._http is not None:
             await self._http.close()
             self._http = None
+        if self._peer_routes is not None:
+            await self._peer_routes.close()
+            await self.peers.close()
 
     async def run(self, host: str, port: int, grpc_port: int | None = None) -> int:
         """The `tandem serve` process: serve until SIGTERM or SIGINT, then drain; 0 after a drain, 1 when the

@@ -1,11 +1,45 @@
 """The server processes of one pod (an InferencePool's processesPerReplica, `tandem serve --processes N`): each is an
-InferenceServer with its own event loop and model replicas, all accepting on the pod's ports (SO_REUSEPORT), and
-they talk over Unix sockets in the group's private directory."""
+InferenceServer with its own event loop and model replicas, all accepting on the pod's ports (SO_REUSEPORT), so a
+client's connection lands on any of them. They keep one face to clients and to the operator by talking over Unix
+sockets in the group's private directory (HTTP/1.1, JSON):
+
+    GET  /peer/state       this process's counters (statistics, /metrics' request outcomes, pending requests) and
+                           readiness: the process answering a statistics, /metrics or readiness request sums them
+                           (or, for readiness, asks that every process be ready)
+    PUT  /peer/batching    run with these batching settings (a batching change is made in every process, or in none)
+    POST /peer/swap        swap to this checkpoint (a load request, or a checkpoint the leader followed)
+    POST /peer/skipped     the leader's gate skipped this candidate (so that every process's metadata says so)
+
+Only process 0, the leader, follows a training job's checkpoints; the checkpoint it swaps to is swapped to by all,
+at once (each loads and warms up, then switches: the processes switch within one load's time of each other).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+
+from tandem.api.inference import BatchingSettings
+from tandem.worker.serve.http import HttpServer, Request
+from tandem.worker.serve.model_loading import ModelLoadError
+from tandem.worker.serve.promotion import Verdict
+from tandem.worker.serve.protocol import dumps
+from tandem.worker.serve.served_model import BatchingRefused
+
+if TYPE_CHECKING:
+    from tandem.worker.serve.app import InferenceServer
+
+log = logging.getLogger("tandem.serve")
+
+STATE_TIMEOUT_SECONDS = 5.0
+"""A peer that does not say its state within this is counted not ready (and a statistics request fails)."""
+MAX_PEER_BODY = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,3 +58,120 @@ class Group:
     def leader(self) -> bool:
         """Process 0 follows the training job's checkpoints for the whole group."""
         return self.index == 0
+
+
+class PeerError(ModelLoadError):
+    """Another server process of the pod refused a change or did not answer."""
+
+
+class Peer:
+    """Another server process of the pod, as a client sees it."""
+
+    def __init__(self, group: Group, index: int):
+        self.index = index
+        self.label = f"server process {index + 1} of {group.size}"
+        self._path = str(group.socket_path(index))
+        self._session: aiohttp.ClientSession | None = None
+
+    async def state(self) -> dict[str, Any]:
+        state = await self._call("GET", "/peer/state", None, STATE_TIMEOUT_SECONDS)
+        if state["stats"] is not None:
+            state["stats"]["batches"] = {int(size): values for size, values in state["stats"]["batches"].items()}
+        return state
+
+    async def update_batching(self, settings: BatchingSettings) -> None:
+        await self._call("PUT", "/peer/batching", settings.to_dict())
+
+    async def swap(self, checkpoint: Path | None, cause: str) -> None:
+        await self._call("POST", "/peer/swap", {"checkpoint": None if checkpoint is None else str(checkpoint),
+                                                "cause": cause})
+
+    async def record_skip(self, checkpoint: str, verdict: Verdict) -> None:
+        await self._call("POST", "/peer/skipped", {"checkpoint": checkpoint, **dataclasses.asdict(verdict)})
+
+    async def _call(self, method: str, path: str, body: Any, timeout: float | None = None) -> Any:
+        """The peer's JSON answer. Raises BatchingRefused for a refused batching change (400), PeerError for any
+        other refusal or no answer."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self._path))
+        try:
+            async with self._session.request(method, f"http://peer{path}", data=None if body is None else dumps(body),
+                                             timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+                answer = orjson.loads(await response.read())
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as error:
+            raise PeerError(f"{self.label} did not answer: {type(error).__name__}: {error}") from error
+        if response.status == 400 and path == "/peer/batching":
+            raise BatchingRefused(f"{self.label}: {answer['error']}")
+        if response.status != 200:
+            raise PeerError(f"{self.label}: {answer.get('error', answer)}")
+        return answer
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+
+class Peers:
+    """The other server processes of the pod, each asked at once."""
+
+    def __init__(self, group: Group):
+        self.group = group
+        self.others = [Peer(group, index) for index in range(group.size) if index != group.index]
+
+    async def states(self) -> list[dict[str, Any] | PeerError]:
+        """Each peer's state, or the error of one that did not answer."""
+        return await asyncio.gather(*(peer.state() for peer in self.others), return_exceptions=True)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(peer.close() for peer in self.others))
+
+
+class PeerRoutes:
+    """What a server process answers its peers, on its Unix socket."""
+
+    def __init__(self, server: InferenceServer):
+        self.server = server
+        self.http = HttpServer(self.handle, lambda: MAX_PEER_BODY, on_error=_log_crash)
+
+    async def start(self, path: Path) -> None:
+        await self.http.start_unix(str(path))
+
+    async def close(self) -> None:
+        await self.http.close()
+
+    def handle(self, request: Request):
+        if (request.method, request.path) == ("GET", "/peer/state"):
+            request.respond(200, orjson.dumps(self.server.routes.local_state(), option=orjson.OPT_NON_STR_KEYS))
+            return None
+        handler = {("PUT", "/peer/batching"): self._update_batching, ("POST", "/peer/swap"): self._swap,
+                   ("POST", "/peer/skipped"): self._record_skip}.get((request.method, request.path))
+        if handler is None:
+            request.respond(404, dumps({"error": f"no peer endpoint {request.method} {request.path}"}))
+            return None
+        return self._answer(request, handler)
+
+    async def _answer(self, request: Request, handler) -> None:
+        try:
+            await handler(orjson.loads(request.body))
+        except BatchingRefused as error:
+            request.respond(400, dumps({"error": str(error)}))
+        except ModelLoadError as error:
+            request.respond(503, dumps({"error": str(error)}))
+        else:
+            request.respond(200, b"{}")
+
+    async def _update_batching(self, body: dict[str, Any]) -> None:
+        await self.server.update_batching_here(BatchingSettings.model_validate(body))
+
+    async def _swap(self, body: dict[str, Any]) -> None:
+        checkpoint = body["checkpoint"]
+        await self.server.model.swap_here(None if checkpoint is None else Path(checkpoint), body["cause"])
+
+    async def _record_skip(self, body: dict[str, Any]) -> None:
+        checkpoint = body.pop("checkpoint")
+        self.server.model.record_skip(checkpoint, Verdict(**body))
+
+
+def _log_crash(request: Request, error: BaseException) -> None:
+    log.error("unexpected error answering a peer's %s %s", request.method, request.path, exc_info=error)

@@ -108,12 +108,12 @@ class GrpcService:
 
     @_rpc
     async def ServerReady(self, request, context):  # noqa: N802
-        return service_pb2.ServerReadyResponse(ready=self.server.ready)
+        return service_pb2.ServerReadyResponse(ready=await self.server.group_ready())
 
     @_rpc
     async def ModelReady(self, request, context):  # noqa: N802
         self.routes.check_model(request.name, request.version or None)
-        return service_pb2.ModelReadyResponse(ready=self.server.ready)
+        return service_pb2.ModelReadyResponse(ready=await self.server.group_ready())
 
     @_rpc
     async def ServerMetadata(self, request, context):  # noqa: N802
@@ -135,7 +135,7 @@ class GrpcService:
         """All models' statistics (no name), or the named model's (and version's)."""
         if request.name:
             self.routes.check_model(request.name, request.version or None)
-        return message(self.routes.stats(), service_pb2.ModelStatisticsResponse)
+        return message(await self.routes.stats(), service_pb2.ModelStatisticsResponse)
 
     # -- model repository -------------------------------------------------------------------------------
 

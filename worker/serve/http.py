@@ -109,6 +109,12 @@ class HttpServer:
         self._sweeper = loop.create_task(self._sweep_idle())
         return self._server.sockets[0].getsockname()[1]
 
+    async def start_unix(self, path: str) -> None:
+        """Listen on a Unix socket at `path` instead (the private channel between a pod's server processes)."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _Connection(self), path)
+        self._sweeper = loop.create_task(self._sweep_idle())
+
     async def _sweep_idle(self) -> None:
         interval = max(0.5, min(10.0, self.idle_timeout / 4))
         while True:

@@ -2,34 +2,35 @@
 
 Nothing is recorded through prometheus_client on the request path: ParallelInference keeps its own counters
 and histograms (one lock per batch) and the server counts HTTP outcomes on its event loop; this collector turns
-them into metric families when /metrics is scraped. Each server has its own CollectorRegistry, so several
-servers can live in one process (tests do).
+them into metric families when /metrics is scraped, summed over the pod's server processes (merge_states). Each
+scrape has a CollectorRegistry of its own, so several servers can live in one process (tests do). The process_*
+metrics are those of the process that answered the scrape.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from tandem.worker.serve.stats import LATENCY_BUCKETS, batch_sizes
+from tandem.worker.serve.stats import LATENCY_BUCKETS, batch_sizes, merge_snapshots
 
 OUTCOMES = ("success", "rejected", "failed", "invalid")
 
 
 class ServerCollector:
-    """Reads `state()` at scrape time: a dict with `model`, `outcomes` (HTTP requests by outcome), `stats`
+    """Turns `state` into metric families: a dict with `model`, `outcomes` (requests by outcome), `stats`
     (InferenceStats.snapshot(), or None before the model is loaded), `pending`, `ready`, `batching` (the
     BatchingSettings run with) and `batch_limits` (every batch limit run with: the batch-size histogram has a bucket
     for each, so that a change adds buckets and never moves counts between them)."""
 
-    def __init__(self, state: Callable[[], dict[str, Any]]):
+    def __init__(self, state: dict[str, Any]):
         self._state = state
 
     def collect(self) -> Iterator[Metric]:
-        state = self._state()
+        state = self._state
         model = state["model"]
         requests = CounterMetricFamily(
             "tandem_inference_requests", "Inference requests by outcome: success, rejected (queue full, 429), "
@@ -99,9 +100,28 @@ def _bound(value: float) -> str:
     return repr(float(value))
 
 
-def registry_for(state: Callable[[], dict[str, Any]]) -> CollectorRegistry:
-    """A registry of its own for one server: its metrics and the process's."""
+def registry_for(state: dict[str, Any]) -> CollectorRegistry:
+    """A registry of its own for one scrape: the server's metrics and the process's."""
     registry = CollectorRegistry()
     registry.register(ServerCollector(state))
     ProcessCollector(registry=registry)
     return registry
+
+
+def exposition(state: dict[str, Any]) -> bytes:
+    """/metrics' body (Prometheus' text format) for `state` (ServerCollector's)."""
+    return generate_latest(registry_for(state))
+
+
+def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The states (Routes.local_state) of a pod's server processes as one: requests and pending ones summed, ready
+    when all are, statistics summed over the processes that have loaded their model (None before any has), every
+    batch limit any ran with."""
+    snapshots = [state["stats"] for state in states if state["stats"] is not None]
+    return {
+        "outcomes": {outcome: sum(state["outcomes"][outcome] for state in states) for outcome in OUTCOMES},
+        "pending": sum(state["pending"] for state in states),
+        "ready": all(state["ready"] for state in states),
+        "stats": merge_snapshots(snapshots) if snapshots else None,
+        "batch_limits": sorted({limit for state in states for limit in state["batch_limits"]}),
+    }

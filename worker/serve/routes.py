@@ -40,11 +40,11 @@ orjson, inference requests are submitted to ParallelInference and answered when 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 import tandem
@@ -52,8 +52,9 @@ from tandem.api.inference import BatchingSettings
 from tandem.worker.serve import model_loading, triton
 from tandem.worker.serve.auth import CHALLENGE, path_needs_token, refusal
 from tandem.worker.serve.errors import InferenceTimeout, QueueFullError, ShutDownError
+from tandem.worker.serve.group import PeerError
 from tandem.worker.serve.http import Request
-from tandem.worker.serve.metrics import OUTCOMES, registry_for
+from tandem.worker.serve.metrics import OUTCOMES, exposition, merge_states
 from tandem.worker.serve.model_loading import LOADS_DISABLED, LoadForbidden, ModelLoadError
 from tandem.worker.serve.protocol import HEADER_LENGTH, ProtocolError, decode_request, dumps, encode_response
 from tandem.worker.serve.replicas import warmup_sizes
@@ -90,7 +91,6 @@ class Routes:
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.token = server.token
         self.metrics_protected = server.spec.auth is not None and server.spec.auth.metrics == "protected"
-        self.registry = registry_for(self._metrics_state)
         self._infer_paths = {  # the hot path, matched before any pattern
             f"/v2/models/{self.name}/infer": (self.name, None),
             f"/v2/models/{self.name}/versions/{self.version}/infer": (self.name, self.version),
@@ -105,7 +105,8 @@ class Routes:
         }
 
     def handle(self, request: Request):
-        """Route a request; answer it now, or return a coroutine that will (loads), or let inference answer."""
+        """Route a request; answer it now, or return a coroutine that will (loads, and what asks the pod's other
+        server processes: readiness, statistics, /metrics), or let inference answer."""
         method, path = request.method, request.path
         token = self.token
         if token is not None and path_needs_token(path, self.metrics_protected):
@@ -153,16 +154,24 @@ class Routes:
                 reply = _error(404, f"no endpoint {method} {path}; the inference protocol (v2) is under /v2")
         except ProtocolError as error:
             reply = _error(error.status, str(error), error.headers)
+        if reply.__class__ is not tuple:
+            return self._respond_later(request, reply)
         request.respond(*reply)
         return None
+
+    async def _respond_later(self, request: Request, reply: Coroutine[Any, Any, Reply]) -> None:
+        try:
+            request.respond(*await reply)
+        except ProtocolError as error:
+            request.respond(*_error(error.status, str(error), error.headers))
 
     # -- health and metadata --------------------------------------------------------------------------------
 
     def _live(self) -> Reply:
         return _json({"live": True})
 
-    def _ready(self) -> Reply:
-        ready = self.server.ready
+    async def _ready(self) -> Reply:
+        ready = await self.server.group_ready()
         return _json({"ready": ready}, 200 if ready else 503)
 
     def _server_metadata(self) -> Reply:
@@ -201,10 +210,11 @@ class Routes:
         model = self.server.model
         return {**loaded.parameters(), **model.promotion_parameters(), **model.batching.model_dump()}
 
-    def _model_ready(self) -> Reply:
-        """Whether the model is ready, and in `parameters` what is served (open behind the pool's token, like every
-        readiness endpoint: the operator reads it to know each server's checkpoint)."""
-        ready, loaded = self.server.ready, self.server.model.loaded
+    async def _model_ready(self) -> Reply:
+        """Whether the model is ready (in every server process of the pod), and in `parameters` what is served (open
+        behind the pool's token, like every readiness endpoint: the operator reads it to know each server's
+        checkpoint)."""
+        ready, loaded = await self.server.group_ready(), self.server.model.loaded
         answer = {"name": self.name, "ready": ready}
         if loaded is not None:
             answer["parameters"] = self.served_parameters(loaded)
@@ -225,13 +235,13 @@ class Routes:
             max_queue_delay_us=batching.max_queue_delay_microseconds, preferred=preferred,
             queue_limit=batching.queue_limit, timeout_us=batching.request_timeout_ms * 1000)
 
-    def _stats(self) -> Reply:
-        return _json(self.stats())
+    async def _stats(self) -> Reply:
+        return _json(await self.stats())
 
-    def stats(self) -> dict[str, Any]:
-        """Triton's statistics extension: the served model's counters (none before it is loaded)."""
-        inference = self.server.model.inference
-        stats = inference.stats.snapshot() if inference is not None else None
+    async def stats(self) -> dict[str, Any]:
+        """Triton's statistics extension: the served model's counters, summed over the pod's server processes (none
+        before it is loaded)."""
+        stats = merge_states(await self._states())["stats"]
         return {"model_stats": [] if stats is None else [triton.model_stats(self.name, self.version, stats)]}
 
     def _index(self) -> Reply:
@@ -244,16 +254,25 @@ class Routes:
         reason = loaded.loaded_from if loaded else ""
         return [{"name": self.name, "version": self.version, "state": state, "reason": reason}]
 
-    def _metrics(self) -> Reply:
-        return 200, generate_latest(self.registry), CONTENT_TYPE_LATEST, None
+    async def _metrics(self) -> Reply:
+        state = merge_states(await self._states())
+        state |= {"model": self.name, "batching": self.server.model.batching}
+        return 200, exposition(state), CONTENT_TYPE_LATEST, None
 
-    def _metrics_state(self) -> dict[str, Any]:
+    async def _states(self) -> list[dict[str, Any]]:
+        try:
+            return await self.server.states()
+        except PeerError as error:
+            raise ProtocolError(str(error), 503, {"Retry-After": RETRY_AFTER_SECONDS}) from None
+
+    def local_state(self) -> dict[str, Any]:
+        """This process's counters and readiness (group.py's /peer/state; merge_states sums the pod's)."""
         server = self.server
         inference = server.model.inference
         return {
-            "model": self.name, "outcomes": dict(self.outcomes), "pending": server.pending.count,
-            "ready": server.ready, "stats": None if inference is None else inference.stats.snapshot(),
-            "batching": server.model.batching, "batch_limits": sorted(server.model.batch_limits),
+            "outcomes": dict(self.outcomes), "pending": server.pending.count, "ready": server.ready,
+            "stats": None if inference is None else inference.stats.snapshot(),
+            "batch_limits": sorted(server.model.batch_limits),
         }
 
     # -- batching settings ----------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tandem.api.inference import BatchingSettings, InferencePoolSpec
 from tandem.worker import checkpoint as checkpoints
@@ -22,6 +23,9 @@ from tandem.worker.serve.inference import ParallelInference
 from tandem.worker.serve.model_loading import LoadedModel, ModelLoadError, ModelLocation
 from tandem.worker.serve.promotion import Verdict
 from tandem.worker.serve.tasks import cancel_and_wait
+
+if TYPE_CHECKING:
+    from tandem.worker.serve.group import Peers
 
 log = logging.getLogger("tandem.serve")
 
@@ -34,7 +38,9 @@ class ServedModel:
     """One pool's model (`name` in the API): `loaded` (what is served now) and `inference` (the engine serving it),
     both None until `load()` is done. `on_swap` runs on the event loop after each successful swap.
     `repository_root`: the directory load requests may name checkpoints under (None: none may be named).
-    `batching`: the batching settings it runs with (the spec's until `update_batching`)."""
+    `batching`: the batching settings it runs with (the spec's until `update_batching`). `peers`: the pod's other
+    server processes (group.py), which every swap and skipped candidate reaches too; only the group's leader follows
+    a training job."""
 
     def __init__(self, spec: InferencePoolSpec, location: ModelLocation, *, name: str, follow_interval: float = 2.0,
                  on_swap: Callable[[], None] | None = None):
@@ -54,6 +60,7 @@ class ServedModel:
         self.inference: ParallelInference | None = None
         self.skipped: tuple[str, Verdict] | None = None
         """The latest followed checkpoint the gate did not promote, and the gate's verdict on it."""
+        self.peers: Peers | None = None
         self._swap_lock = asyncio.Lock()
         self._follower: asyncio.Task | None = None
 
@@ -75,18 +82,39 @@ class ServedModel:
         self.loaded = loaded
         log.info("loaded %s from %s in %s, warm-up %s", self.name, loaded.loaded_from, _seconds(built - started),
                  _seconds(time.perf_counter() - built))
-        if location.directory is not None and location.follow:
+        if location.directory is not None and location.follow and (self.peers is None or self.peers.group.leader):
             self._follower = asyncio.create_task(self._follow())
         return loaded
 
     async def swap(self, checkpoint: Path | None = None, cause: str = "load request") -> LoadedModel:
         """Load `checkpoint` (a file or a directory's latest; None: the location's current model), warm it up, and
-        switch to it atomically. Requests keep being served by the old model until the switch and none fails.
-        Raises ModelLoadError (the old model keeps serving). `cause` is for the log line."""
+        switch to it atomically, here and in every peer at once. Requests keep being served by the old model until
+        the switch and none fails. Raises ModelLoadError (the old model keeps serving; peers that had swapped swap
+        back to it). `cause` is for the log line."""
         if self.inference is None or self.loaded is None:
             raise ModelLoadError("the server's first model is still loading")
         if checkpoint is not None and checkpoint.is_dir():
             checkpoint = model_loading.latest_or_load_error(checkpoint)
+        if self.peers is None:
+            return await self.swap_here(checkpoint, cause)
+        previous = self.loaded
+        peers = self.peers.others
+        outcomes = await asyncio.gather(self.swap_here(checkpoint, cause),
+                                        *(peer.swap(checkpoint, cause) for peer in peers), return_exceptions=True)
+        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if not errors:
+            return outcomes[0]
+        if previous.checkpoint is not None:
+            back = Path(previous.checkpoint)
+            swapped = [swap for swap, outcome in zip([self.swap_here, *(peer.swap for peer in peers)], outcomes,
+                                                     strict=True) if not isinstance(outcome, BaseException)]
+            await asyncio.gather(*(swap(back, "the group's swap failed") for swap in swapped), return_exceptions=True)
+        raise errors[0] if isinstance(errors[0], ModelLoadError) else ModelLoadError(str(errors[0]))
+
+    async def swap_here(self, checkpoint: Path | None, cause: str) -> LoadedModel:
+        """`swap` in this process only (a file, or None)."""
+        if self.inference is None or self.loaded is None:
+            raise ModelLoadError("the server's first model is still loading")
         loop = asyncio.get_running_loop()
         async with self._swap_lock:
             started = time.perf_counter()
@@ -168,10 +196,19 @@ class ServedModel:
         metrics = await asyncio.get_running_loop().run_in_executor(None, model_loading.checkpoint_metrics, candidate)
         verdict = promotion.judge(self.promotion, metrics, self.loaded.metrics)
         if not verdict.promote:
-            self.skipped = (str(candidate), verdict)
+            self.record_skip(str(candidate), verdict)
             log.info("not promoting %s to %s, still serving %s: %s", self.name, candidate, self.loaded.loaded_from,
                      verdict.reason)
+            if self.peers is not None:
+                for error in await asyncio.gather(*(peer.record_skip(str(candidate), verdict)
+                                                    for peer in self.peers.others), return_exceptions=True):
+                    if error is not None:
+                        log.warning("%s", error)
         return verdict
+
+    def record_skip(self, checkpoint: str, verdict: Verdict) -> None:
+        """The latest candidate the gate did not promote (this process's leader's verdict, in a group)."""
+        self.skipped = (checkpoint, verdict)
 
     def _best_checkpoint(self) -> Path | None:
         """A gated server's first checkpoint: the best recorded in the directory (None: none has the metric, so the

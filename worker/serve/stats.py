@@ -106,3 +106,27 @@ class InferenceStats:
             state["queue_histogram"] = list(self.queue_histogram)
             state["compute_histogram"] = list(self.compute_histogram)
         return state
+
+
+
+def merge_snapshots(snapshots: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several InferenceStats snapshots (of the server processes of one pod) as one: counts, times and histograms
+    summed, per batch size too; the latest inference is the latest of all."""
+    first, *others = snapshots
+    merged = {**first, "batches": {size: list(values) for size, values in first["batches"].items()}}
+    for snapshot in others:
+        for key, value in snapshot.items():
+            if key == "batches":
+                for size, values in value.items():
+                    merged["batches"][size] = _added(merged["batches"].get(size, [0] * len(values)), values)
+            elif key == "last_inference_ms":
+                merged[key] = max(merged[key], value)
+            elif isinstance(value, list):
+                merged[key] = _added(merged[key], value)
+            else:
+                merged[key] += value
+    return merged
+
+
+def _added(a: list[int], b: list[int]) -> list[int]:
+    return [x + y for x, y in zip(a, b, strict=True)]

@@ -133,6 +133,20 @@ BUGS = [
         "            self.transport.pause_reading()\n", "            pass\n",
         "tests/integration/test_grpc_server.py::"
         "test_a_client_that_sends_pings_without_reading_is_read_no_further_until_it_reads"),
+    Bug("a batching change one server process refuses left in the others", "worker/serve/app.py",
+        "await asyncio.gather(*(change(previous) for change in changed), return_exceptions=True)",
+        "await asyncio.gather(return_exceptions=True)",
+        "tests/integration/test_server_group.py::test_a_batching_change_one_process_refuses_is_undone_in_the_others"),
+    Bug("statistics of the answering server process alone", "worker/serve/routes.py",
+        'stats = merge_states(await self._states())["stats"]',
+        'stats = merge_states((await self._states())[:1])["stats"]',
+        "tests/integration/test_server_group.py::test_statistics_metrics_and_readiness_count_every_process"),
+    Bug("every server process of a pod follows the job on its own", "worker/serve/served_model.py",
+        "and location.follow and (self.peers is None or self.peers.group.leader):", "and location.follow:",
+        "tests/integration/test_server_group.py::test_the_leader_follows_the_job_for_the_group"),
+    Bug("a skipped candidate reported by the leader alone", "worker/serve/served_model.py",
+        "for peer in self.peers.others), return_exceptions=True):", "for peer in []), return_exceptions=True):",
+        "tests/integration/test_server_group.py::test_the_leader_follows_the_job_for_the_group"),
 ]
 
 

@@ -14,7 +14,9 @@ from inference_models import GATES, POISON, Forward, at_most, gated_mlp, recorde
 from tandem import ParallelInference
 from tandem.worker.serve.batching import fuller_batch_wait
 from tandem.worker.serve.inference import InferenceTimeout, ModelError, QueueFullError, ShutDownError
+from tandem.worker.serve.metrics import merge_states
 from tandem.worker.serve.replicas import build_replicas, warmup_sizes
+from tandem.worker.serve.stats import InferenceStats, merge_snapshots
 
 torch.set_num_threads(1)
 MODES = ("batched", "sequential", "inplace")
@@ -586,3 +588,42 @@ def _wait_queued(inference: ParallelInference, count: int) -> None:
 
 def _wait_executions(inference: ParallelInference, count: int) -> None:
     _wait_until(lambda: inference.stats.snapshot()["execution_count"] >= count)
+
+
+def _snapshot(requests: int, rows: int, ms: int) -> dict:
+    stats = InferenceStats()
+    submitted = [type("Request", (), {"submitted": 0})() for _ in range(requests)]
+    stats.batch(submitted, rows, start=1_000, infer=2_000, output=3_000, end=4_000, ok=[True] * requests)
+    snapshot = stats.snapshot()
+    snapshot["last_inference_ms"] = ms
+    return snapshot
+
+
+def test_the_snapshots_of_a_pods_processes_merge_into_one():
+    first, second = _snapshot(2, rows=3, ms=100), _snapshot(1, rows=5, ms=50)
+    second = merge_snapshots([second, _snapshot(1, rows=3, ms=70)])
+    merged = merge_snapshots([first, second])
+    assert (merged["inference_count"], merged["execution_count"], merged["success_count"]) == (11, 3, 4)
+    assert merged["batches"] == {3: [2, 2_000, 2_000, 2_000], 5: [1, 1_000, 1_000, 1_000]}
+    assert merged["last_inference_ms"] == 100
+    assert sum(merged["queue_histogram"]) == sum(merged["compute_histogram"]) == 4
+    assert first["batches"] == {3: [1, 1_000, 1_000, 1_000]}  # the inputs are left as they were
+
+
+MERGED_STATES = [
+    ("all loaded and ready", [(True, 2), (True, 3)], (True, 5, [8, 32])),
+    ("one still loading", [(True, 2), (False, None)], (False, 2, [8, 32])),
+    ("none loaded", [(False, None), (False, None)], (False, None, [8, 32])),
+]
+
+
+@pytest.mark.parametrize(("name", "processes", "expected"), MERGED_STATES, ids=[case[0] for case in MERGED_STATES])
+def test_the_states_of_a_pods_processes_merge_into_one(name, processes, expected):
+    states = [{"outcomes": {"success": 1, "rejected": index, "failed": 0, "invalid": 2}, "pending": 1,
+               "ready": ready, "stats": None if rows is None else _snapshot(1, rows, 0),
+               "batch_limits": [8, 32] if index else [32]} for index, (ready, rows) in enumerate(processes)]
+    merged = merge_states(states)
+    ready, examples, limits = expected
+    assert (merged["ready"], merged["batch_limits"], merged["pending"]) == (ready, limits, 2)
+    assert merged["outcomes"] == {"success": 2, "rejected": 1, "failed": 0, "invalid": 4}
+    assert (None if merged["stats"] is None else merged["stats"]["inference_count"]) == examples

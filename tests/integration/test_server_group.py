@@ -134,3 +134,20 @@ def test_the_leader_follows_the_job_for_the_group(served, group_directory, tmp_p
         parameters = triton.InferenceServerClient(server.url).get_model_metadata("digits")["parameters"]
         assert (parameters["checkpoint"], parameters["skipped_checkpoint"], parameters["skipped_metric"]) == \
             (str(better), str(worse), 0.6)
+
+
+def test_a_swap_one_process_cannot_prepare_switches_none(served, group_directory, tmp_path):
+    """The two processes serve different models here (the second's takes 32 features, so the new 64-feature
+    checkpoint is refused there), so that one prepares the swap and the other fails to: in a pod both load alike."""
+    first = write_checkpoint(tmp_path / "repo", seed=1, step=1)
+    narrow = write_checkpoint(tmp_path / "narrow", seed=1, step=1, features=32)
+    newer = write_checkpoint(tmp_path / "repo", seed=2, step=2)
+    pools = [make_pool(model={"checkpoint": str(path)}, modelRepository={"load": True}) for path in (first, narrow)]
+    leader, other = two_processes(served, group_directory, None, pools=pools)
+    status, _, body = request(leader.port, "POST", "/v2/repository/models/digits/load",
+                              json.dumps({"parameters": {"checkpoint": str(newer)}}).encode())
+    assert status == 400 and "server process 2 of 2" in json.loads(body)["error"], body
+    assert (leader.server.model.loaded.checkpoint, other.server.model.loaded.checkpoint) == (str(first), str(narrow))
+    status, _, body = request(other.port, "POST", "/v2/repository/models/digits/load", b"")  # nothing left held
+    assert (status, json.loads(body)["checkpoint"]) == (200, str(narrow))
+    assert leader.server.model.loaded.checkpoint == str(first)

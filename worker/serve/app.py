@@ -126,17 +126,20 @@ class InferenceServer:
         """Batch, queue and time requests out with `settings` from now on, here and in every peer; no request fails
         (those pending keep their deadlines). Raises ModelLoadError while the first model loads (or a peer does not
         answer), BatchingRefused when the model fails its warm-up at the new batch sizes: then nothing changed
-        anywhere (peers that had changed change back)."""
+        anywhere (peers that had changed change back). In a group the leader makes the change for all."""
         if self.peers is None:
             return await self.update_batching_here(settings)
-        previous = self.model.batching
-        changes = [self.update_batching_here, *(peer.update_batching for peer in self.peers.others)]
-        outcomes = await asyncio.gather(*(change(settings) for change in changes), return_exceptions=True)
-        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        if errors:
-            changed = [change for change, outcome in zip(changes, outcomes, strict=True) if outcome is None]
-            await asyncio.gather(*(change(previous) for change in changed), return_exceptions=True)
-            raise errors[0]
+        if not self.group.leader:
+            return await self.peers.leader.group_batching(settings)
+        async with self.peers.lock:
+            previous = self.model.batching
+            changes = [self.update_batching_here, *(peer.update_batching for peer in self.peers.others)]
+            outcomes = await asyncio.gather(*(change(settings) for change in changes), return_exceptions=True)
+            errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+            if errors:
+                changed = [change for change, outcome in zip(changes, outcomes, strict=True) if outcome is None]
+                await asyncio.gather(*(change(previous) for change in changed), return_exceptions=True)
+                raise errors[0]
         return None
 
     async def update_batching_here(self, settings: BatchingSettings) -> None:

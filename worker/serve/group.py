@@ -3,15 +3,21 @@ InferenceServer with its own event loop and model replicas, all accepting on the
 client's connection lands on any of them. They keep one face to clients and to the operator by talking over Unix
 sockets in the group's private directory (HTTP/1.1, JSON):
 
-    GET  /peer/state       this process's counters (statistics, /metrics' request outcomes, pending requests) and
-                           readiness: the process answering a statistics, /metrics or readiness request sums them
-                           (or, for readiness, asks that every process be ready)
-    PUT  /peer/batching    run with these batching settings (a batching change is made in every process, or in none)
-    POST /peer/swap        swap to this checkpoint (a load request, or a checkpoint the leader followed)
-    POST /peer/skipped     the leader's gate skipped this candidate (so that every process's metadata says so)
+    GET  /peer/state           this process's counters (statistics, /metrics' request outcomes, pending requests)
+                               and readiness: the process answering a statistics, /metrics or readiness request sums
+                               them (for readiness: every process must be ready)
+    PUT  /peer/group/batching  (to the leader) make this batching change in the group
+    POST /peer/group/swap      (to the leader) swap the group to this checkpoint
+    PUT  /peer/batching        (from the leader) run with these batching settings
+    POST /peer/prepare         (from the leader) load and warm up this checkpoint, and hold it
+    POST /peer/commit          (from the leader) switch to the checkpoint held
+    POST /peer/abandon         (from the leader) drop it
+    POST /peer/skipped         (from the leader) its gate skipped this candidate, for every process's metadata
 
-Only process 0, the leader, follows a training job's checkpoints; the checkpoint it swaps to is swapped to by all,
-at once (each loads and warms up, then switches: the processes switch within one load's time of each other).
+Process 0, the leader, makes every change for the group, one at a time: a process asked for a batching change or a
+load hands it to the leader, and only the leader follows a training job's checkpoints. A batching change is made in
+every process or (one refusing, the others changing back) in none. A swap is prepared everywhere first, then every
+process switches at once (within a request's round trip of each other), or none does when one fails to prepare.
 """
 
 from __future__ import annotations
@@ -82,16 +88,28 @@ class Peer:
     async def update_batching(self, settings: BatchingSettings) -> None:
         await self._call("PUT", "/peer/batching", settings.to_dict())
 
-    async def swap(self, checkpoint: Path | None, cause: str) -> None:
-        await self._call("POST", "/peer/swap", {"checkpoint": None if checkpoint is None else str(checkpoint),
-                                                "cause": cause})
+    async def group_batching(self, settings: BatchingSettings) -> None:
+        await self._call("PUT", "/peer/group/batching", settings.to_dict(), label=False)
+
+    async def group_swap(self, checkpoint: Path | None, cause: str) -> None:
+        await self._call("POST", "/peer/group/swap", {"checkpoint": _path(checkpoint), "cause": cause}, label=False)
+
+    async def prepare_swap(self, checkpoint: Path | None) -> None:
+        await self._call("POST", "/peer/prepare", {"checkpoint": _path(checkpoint)})
+
+    async def commit_swap(self, cause: str) -> None:
+        await self._call("POST", "/peer/commit", {"cause": cause})
+
+    async def abandon_swap(self) -> None:
+        await self._call("POST", "/peer/abandon", {})
 
     async def record_skip(self, checkpoint: str, verdict: Verdict) -> None:
         await self._call("POST", "/peer/skipped", {"checkpoint": checkpoint, **dataclasses.asdict(verdict)})
 
-    async def _call(self, method: str, path: str, body: Any, timeout: float | None = None) -> Any:
+    async def _call(self, method: str, path: str, body: Any, timeout: float | None = None, label: bool = True) -> Any:
         """The peer's JSON answer. Raises BatchingRefused for a refused batching change (400), PeerError for any
-        other refusal or no answer."""
+        other refusal (its message after this peer's name, unless not `label`: the leader's answers name the process
+        that refused) or no answer."""
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self._path))
         try:
@@ -100,10 +118,10 @@ class Peer:
                 answer = orjson.loads(await response.read())
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as error:
             raise PeerError(f"{self.label} did not answer: {type(error).__name__}: {error}") from error
-        if response.status == 400 and path == "/peer/batching":
-            raise BatchingRefused(f"{self.label}: {answer['error']}")
         if response.status != 200:
-            raise PeerError(f"{self.label}: {answer.get('error', answer)}")
+            message = f"{self.label}: {answer.get('error')}" if label else answer.get("error")
+            raise BatchingRefused(message) if response.status == 400 and path.endswith("/batching") else \
+                PeerError(message)
         return answer
 
     async def close(self) -> None:
@@ -118,6 +136,12 @@ class Peers:
     def __init__(self, group: Group):
         self.group = group
         self.others = [Peer(group, index) for index in range(group.size) if index != group.index]
+        self.lock = asyncio.Lock()
+        """Held by the leader while it makes a change for the group."""
+
+    @property
+    def leader(self) -> Peer:
+        return self.others[0]
 
     async def states(self) -> list[dict[str, Any] | PeerError]:
         """Each peer's state, or the error of one that did not answer."""
@@ -133,6 +157,12 @@ class PeerRoutes:
     def __init__(self, server: InferenceServer):
         self.server = server
         self.http = HttpServer(self.handle, lambda: MAX_PEER_BODY, on_error=_log_crash)
+        self._changes = {
+            ("PUT", "/peer/group/batching"): self._group_batching, ("POST", "/peer/group/swap"): self._group_swap,
+            ("PUT", "/peer/batching"): self._update_batching, ("POST", "/peer/prepare"): self._prepare,
+            ("POST", "/peer/commit"): self._commit, ("POST", "/peer/abandon"): self._abandon,
+            ("POST", "/peer/skipped"): self._record_skip,
+        }
 
     async def start(self, path: Path) -> None:
         await self.http.start_unix(str(path))
@@ -144,8 +174,7 @@ class PeerRoutes:
         if (request.method, request.path) == ("GET", "/peer/state"):
             request.respond(200, orjson.dumps(self.server.routes.local_state(), option=orjson.OPT_NON_STR_KEYS))
             return None
-        handler = {("PUT", "/peer/batching"): self._update_batching, ("POST", "/peer/swap"): self._swap,
-                   ("POST", "/peer/skipped"): self._record_skip}.get((request.method, request.path))
+        handler = self._changes.get((request.method, request.path))
         if handler is None:
             request.respond(404, dumps({"error": f"no peer endpoint {request.method} {request.path}"}))
             return None
@@ -161,16 +190,35 @@ class PeerRoutes:
         else:
             request.respond(200, b"{}")
 
+    async def _group_batching(self, body: dict[str, Any]) -> None:
+        await self.server.update_batching(BatchingSettings.model_validate(body))
+
+    async def _group_swap(self, body: dict[str, Any]) -> None:
+        await self.server.model.swap(_checkpoint(body), body["cause"])
+
     async def _update_batching(self, body: dict[str, Any]) -> None:
         await self.server.update_batching_here(BatchingSettings.model_validate(body))
 
-    async def _swap(self, body: dict[str, Any]) -> None:
-        checkpoint = body["checkpoint"]
-        await self.server.model.swap_here(None if checkpoint is None else Path(checkpoint), body["cause"])
+    async def _prepare(self, body: dict[str, Any]) -> None:
+        await self.server.model.prepare_swap(_checkpoint(body))
+
+    async def _commit(self, body: dict[str, Any]) -> None:
+        self.server.model.commit_swap(body["cause"])
+
+    async def _abandon(self, body: dict[str, Any]) -> None:
+        self.server.model.abandon_swap()
 
     async def _record_skip(self, body: dict[str, Any]) -> None:
         checkpoint = body.pop("checkpoint")
         self.server.model.record_skip(checkpoint, Verdict(**body))
+
+
+def _path(checkpoint: Path | None) -> str | None:
+    return None if checkpoint is None else str(checkpoint)
+
+
+def _checkpoint(body: dict[str, Any]) -> Path | None:
+    return None if body["checkpoint"] is None else Path(body["checkpoint"])
 
 
 def _log_crash(request: Request, error: BaseException) -> None:

@@ -153,13 +153,21 @@ class ParallelInference:
         queued ones run on the new one; none fails. If building or warming up the new model raises, the old
         model keeps serving and the error propagates."""
         with self._swap_lock:
-            replicas = self._build_replicas(model, self.batch_limit)
-            with self._cond:
-                self._replicas = replicas
-                self._generation += 1
-                if self.mode == "inplace":
-                    self._free = list(range(self.workers))
-                    self._cond.notify_all()
+            self.switch_to(self.prepare(model))
+
+    def prepare(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """`update_model`'s first half: `model`'s replicas, built and warmed up, for `switch_to` (the server
+        processes of a pod prepare, then all switch)."""
+        return self._build_replicas(model, self.batch_limit)
+
+    def switch_to(self, replicas: list[torch.nn.Module]) -> None:
+        """`update_model`'s second half: serve these prepared replicas from now on."""
+        with self._cond:
+            self._replicas = replicas
+            self._generation += 1
+            if self.mode == "inplace":
+                self._free = list(range(self.workers))
+                self._cond.notify_all()
 
     def update(self, batch_limit: int | None = None, queue_limit: int | None = None,
                max_delay_us: int | None = None) -> None:

@@ -30,6 +30,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.serve")
 
 
+PREPARED_SECONDS = 120.0
+"""How long a process holds a model prepared for a group swap before dropping it (its leader is gone)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A model loaded and warmed up, not serving yet."""
+
+    loaded: LoadedModel
+    replicas: list
+    load_seconds: float
+    warmup_seconds: float
+
+
 class BatchingRefused(Exception):
     """New batching settings the model cannot run with (its warm-up at the new batch sizes failed)."""
 
@@ -62,6 +76,7 @@ class ServedModel:
         """The latest followed checkpoint the gate did not promote, and the gate's verdict on it."""
         self.peers: Peers | None = None
         self._swap_lock = asyncio.Lock()
+        self._prepared: tuple[Prepared, asyncio.TimerHandle] | None = None
         self._follower: asyncio.Task | None = None
 
     async def load(self) -> LoadedModel:
@@ -88,56 +103,97 @@ class ServedModel:
 
     async def swap(self, checkpoint: Path | None = None, cause: str = "load request") -> LoadedModel:
         """Load `checkpoint` (a file or a directory's latest; None: the location's current model), warm it up, and
-        switch to it atomically, here and in every peer at once. Requests keep being served by the old model until
-        the switch and none fails. Raises ModelLoadError (the old model keeps serving; peers that had swapped swap
-        back to it). `cause` is for the log line."""
-        if self.inference is None or self.loaded is None:
-            raise ModelLoadError("the server's first model is still loading")
+        switch to it atomically. Requests keep being served by the old model until the switch and none fails.
+        Raises ModelLoadError (the old model keeps serving). `cause` is for the log line.
+
+        In a group the leader makes the swap for all: every process loads and warms up, then all switch, or none
+        does when one fails; a process other than the leader asks the leader to."""
+        self._check_loaded()
+        if self.peers is not None and not self.peers.group.leader:
+            await self.peers.leader.group_swap(checkpoint, cause)
+            return self.loaded
         if checkpoint is not None and checkpoint.is_dir():
             checkpoint = model_loading.latest_or_load_error(checkpoint)
         if self.peers is None:
             return await self.swap_here(checkpoint, cause)
-        previous = self.loaded
         peers = self.peers.others
-        outcomes = await asyncio.gather(self.swap_here(checkpoint, cause),
-                                        *(peer.swap(checkpoint, cause) for peer in peers), return_exceptions=True)
-        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        if not errors:
-            return outcomes[0]
-        if previous.checkpoint is not None:
-            back = Path(previous.checkpoint)
-            swapped = [swap for swap, outcome in zip([self.swap_here, *(peer.swap for peer in peers)], outcomes,
-                                                     strict=True) if not isinstance(outcome, BaseException)]
-            await asyncio.gather(*(swap(back, "the group's swap failed") for swap in swapped), return_exceptions=True)
-        raise errors[0] if isinstance(errors[0], ModelLoadError) else ModelLoadError(str(errors[0]))
+        async with self.peers.lock, self._swap_lock:
+            prepared, *outcomes = await asyncio.gather(
+                self._prepare(checkpoint), *(peer.prepare_swap(checkpoint) for peer in peers), return_exceptions=True)
+            if isinstance(prepared, BaseException) or any(outcome is not None for outcome in outcomes):
+                await asyncio.gather(*(peer.abandon_swap() for peer, outcome in zip(peers, outcomes, strict=True)
+                                       if outcome is None), return_exceptions=True)
+                raise next(error for error in (prepared, *outcomes) if isinstance(error, BaseException))
+            switched = await asyncio.gather(*(peer.commit_swap(cause) for peer in peers), return_exceptions=True)
+            loaded = self._switch(prepared, cause)
+        for error in switched:
+            if error is not None:
+                log.error("the group's swap to %s is incomplete: %s", loaded.loaded_from, error)
+        return loaded
 
     async def swap_here(self, checkpoint: Path | None, cause: str) -> LoadedModel:
         """`swap` in this process only (a file, or None)."""
+        self._check_loaded()
+        async with self._swap_lock:
+            return self._switch(await self._prepare(checkpoint), cause)
+
+    async def prepare_swap(self, checkpoint: Path | None) -> None:
+        """A group swap's first half in this process, asked by the leader: load and warm up `checkpoint`, then hold
+        it (and hold off other changes) until `commit_swap` or `abandon_swap`; abandoned after PREPARED_SECONDS."""
+        self._check_loaded()
+        await self._swap_lock.acquire()
+        try:
+            prepared = await self._prepare(checkpoint)
+        except BaseException:
+            self._swap_lock.release()
+            raise
+        self._prepared = (prepared, asyncio.get_running_loop().call_later(PREPARED_SECONDS, self.abandon_swap))
+
+    def commit_swap(self, cause: str) -> LoadedModel:
+        """Switch to the model `prepare_swap` holds. Raises ModelLoadError when none is held."""
+        if self._prepared is None:
+            raise ModelLoadError("no swap is prepared (it was abandoned, or never asked for)")
+        prepared = self._prepared[0]
+        self.abandon_swap()
+        return self._switch(prepared, cause)
+
+    def abandon_swap(self) -> None:
+        """Drop the model `prepare_swap` holds, if any."""
+        if self._prepared is not None:
+            self._prepared[1].cancel()
+            self._prepared = None
+            self._swap_lock.release()
+
+    def _check_loaded(self) -> None:
         if self.inference is None or self.loaded is None:
             raise ModelLoadError("the server's first model is still loading")
+
+    async def _prepare(self, checkpoint: Path | None) -> Prepared:
         loop = asyncio.get_running_loop()
-        async with self._swap_lock:
-            started = time.perf_counter()
-            loaded = await loop.run_in_executor(None, self._load, checkpoint)
-            model_loading.check_compatible(self.loaded.signature, loaded.signature, loaded.loaded_from)
-            built = time.perf_counter()
-            try:
-                await loop.run_in_executor(None, self.inference.update_model, loaded.module)
-            except Exception as error:  # warm-up of the new replicas failed: the old ones still serve
-                raise ModelLoadError(f"the new model fails its warm-up: {type(error).__name__}: {error}") from error
-            previous, self.loaded = self.loaded, loaded
+        started = time.perf_counter()
+        loaded = await loop.run_in_executor(None, self._load, checkpoint)
+        model_loading.check_compatible(self.loaded.signature, loaded.signature, loaded.loaded_from)
+        built = time.perf_counter()
+        try:
+            replicas = await loop.run_in_executor(None, self.inference.prepare, loaded.module)
+        except Exception as error:  # warm-up of the new replicas failed: the old ones still serve
+            raise ModelLoadError(f"the new model fails its warm-up: {type(error).__name__}: {error}") from error
+        return Prepared(loaded, replicas, built - started, time.perf_counter() - built)
+
+    def _switch(self, prepared: Prepared, cause: str) -> LoadedModel:
+        self.inference.switch_to(prepared.replicas)
+        previous, self.loaded = self.loaded, prepared.loaded
         if self.on_swap is not None:
             self.on_swap()
         log.info("swapped %s from %s to %s (%s): loaded in %s, warm-up %s", self.name, previous.loaded_from,
-                 loaded.loaded_from, cause, _seconds(built - started), _seconds(time.perf_counter() - built))
-        return loaded
+                 self.loaded.loaded_from, cause, _seconds(prepared.load_seconds), _seconds(prepared.warmup_seconds))
+        return self.loaded
 
     async def update_batching(self, settings: BatchingSettings) -> None:
         """Run with `settings` from now on, without failing a request (ParallelInference.update; new batch sizes
         are warmed up first, on an executor thread). A request may then carry up to the new batch limit. Raises
         ModelLoadError while the first model loads, BatchingRefused (nothing changed) when the warm-up fails."""
-        if self.inference is None or self.loaded is None:
-            raise ModelLoadError("the server's first model is still loading")
+        self._check_loaded()
         async with self._swap_lock:  # a swap loads with the batch limit, so never both at once
             try:
                 await asyncio.get_running_loop().run_in_executor(None, lambda: self.inference.update(

@@ -116,15 +116,18 @@ class Server:
 
 
 def tandem_server(mode: str, workers: int, directory: Path, source: Path | None = None,
-                  grpc_port: int | None = None, variables: dict[str, str] | None = None) -> Server:
+                  grpc_port: int | None = None, variables: dict[str, str] | None = None, processes: int = 1) -> Server:
     """`tandem serve` with the pool below; from the code in `source` (a `checkout`) instead of this tree's when
-    given; with gRPC on `grpc_port` when given; with the environment `variables` added."""
-    manifest = directory / f"pool-{mode}.yaml"
-    manifest.write_text(json.dumps({
-        "apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool", "metadata": {"name": "mlp"},
-        "spec": {"model": {"callable": "tandem.examples.digits:mlp", "args": {"hidden": HIDDEN}, "inputShape": [64]},
-                 "inferenceMode": mode, "workersPerReplica": workers, "batchLimit": BATCH_LIMIT, "queueLimit": 256,
-                 "gpusPerReplica": 1 if DEVICE == "cuda" else 0}}))
+    given; with gRPC on `grpc_port` when given; with the environment `variables` added; as `processes` server
+    processes of workers / processes workers each (processesPerReplica)."""
+    manifest = directory / f"pool-{mode}-{processes}.yaml"
+    spec = {"model": {"callable": "tandem.examples.digits:mlp", "args": {"hidden": HIDDEN}, "inputShape": [64]},
+            "inferenceMode": mode, "workersPerReplica": max(1, workers // processes), "batchLimit": BATCH_LIMIT,
+            "queueLimit": 256, "gpusPerReplica": 1 if DEVICE == "cuda" else 0}
+    if processes > 1:  # only then: the code at a git ref older than processesPerReplica still reads the manifest
+        spec["processesPerReplica"] = processes
+    manifest.write_text(json.dumps({"apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool",
+                                    "metadata": {"name": "mlp"}, "spec": spec}))
     port = free_port()
     grpc = ["--no-grpc"] if grpc_port is None else ["--grpc-port", str(grpc_port)]
     return Server([sys.executable, "-m", "tandem.cli", "serve", str(manifest), "--port", str(port), *grpc], port,
@@ -289,20 +292,23 @@ def run_loadgen(server: Server, request: bytes, connections: int, seconds: float
     return Point(result.rps, result.p99, statistics.fmean(result.latencies_ms), failed, costs.result)
 
 
-def bench_wrk(seconds: float, workers: int, directory: Path, against: str | None, rounds: int) -> None:
+def bench_wrk(seconds: float, workers: int, directory: Path, against: str | None, rounds: int,
+              processes: int = 1) -> None:
     """wrk and bench/loadgen.py at each point, `rounds` times; with `against` (a git ref), the server as it is at that
-    ref too, alternating with this tree's (the order flips each round), and the ratios printed."""
+    ref too, or with processes > 1 the server as one process, alternating with this tree's (the order flips each
+    round), and the ratios printed."""
     if shutil.which("wrk") is None:
         print("wrk: skipped: wrk is not installed (Debian: apt-get install wrk)")
         return
     body = directory / "request.json"
     body.write_text(json.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
                                             "data": EXAMPLE.tolist()}]}))
-    variants = _variants(against, directory)
+    variants = _variants(against, directory, processes, workers)
     points: dict[tuple[str, str, int], list[Point]] = {}
     for round_ in range(rounds):
-        for label, source in _in_turn(variants, round_):
-            with tandem_server("batched", workers, directory, source) as server:
+        for variant in _in_turn(variants, round_):
+            label = variant.label
+            with tandem_server("batched", workers, directory, variant.source, processes=variant.processes) as server:
                 request = tandem_request(server.port)
                 drive(server.port, request, 8, 1.0, check_tandem)  # warm-up, with answers checked
                 for connections in WRK_CONNECTIONS:
@@ -314,7 +320,7 @@ def bench_wrk(seconds: float, workers: int, directory: Path, against: str | None
     ceiling = bench_ceiling(seconds, workers)
     for size in FORWARD_SIZES:
         _forward_rate(seconds / 2, workers, max(1, cores() // workers), size, shared=True)
-    for label, _ in variants:
+    for label in (variant.label for variant in variants):
         best = {key: max(found, key=lambda p: p.rate) for key, found in points.items() if key[0] == label}
         print(f"\n{label} (best of {rounds} round(s)); the rows of bench/RESULTS.md's table:")
         print("| connections | wrk req/s (p99 ms) | wrk / ceiling | loadgen req/s (p99 ms) | loadgen / ceiling |")
@@ -330,12 +336,13 @@ def bench_wrk(seconds: float, workers: int, directory: Path, against: str | None
                 point = best[label, client, connections]
                 print(f"| {client} | {connections} | {point.costs.row()} | {point.past_output_ms:.1f} |")
     print(f"ceiling (raw forward, batch {BATCH_LIMIT}, {workers} replicas): {ceiling:.0f} examples/s")
-    if against:
-        print(f"\nthis tree / {against}, medians over {rounds} round(s) (req/s: higher is better; CPU per request: "
+    if len(variants) > 1:
+        mine, other = (variant.label for variant in variants)
+        print(f"\n{mine} / {other}, medians over {rounds} round(s) (req/s: higher is better; CPU per request: "
               "lower is better):")
         for client in ("wrk", "loadgen"):
             for connections in WRK_CONNECTIONS:
-                ours, theirs = points["this tree", client, connections], points[against, client, connections]
+                ours, theirs = points[mine, client, connections], points[other, client, connections]
                 print(f"  {client:7s} c={connections:<3d} req/s {_median_ratio(ours, theirs, lambda p: p.rate):.2f}x, "
                       f"p99 {_median_ratio(ours, theirs, lambda p: p.p99_ms):.2f}x, loop CPU "
                       f"{_median_ratio(ours, theirs, lambda p: p.costs.loop_us):.2f}x, workers' CPU "
@@ -343,15 +350,28 @@ def bench_wrk(seconds: float, workers: int, directory: Path, against: str | None
                       f"{_median_ratio(ours, theirs, lambda p: p.costs.mean_batch):.2f}x")
 
 
-def _variants(against: str | None, directory: Path) -> list[tuple[str, Path | None]]:
-    """The servers to measure, labelled: this tree's, and the code at git ref `against` when given."""
-    variants: list[tuple[str, Path | None]] = [("this tree", None)]
+@dataclass(frozen=True)
+class Variant:
+    """A server to measure: its label, the code it runs (None: this tree's) and its number of processes."""
+
+    label: str
+    source: Path | None
+    processes: int
+
+
+def _variants(against: str | None, directory: Path, processes: int, workers: int) -> list[Variant]:
+    """The servers to measure: this tree's as `processes` processes; beside it the code at git ref `against` as
+    many processes when given, else, with processes > 1, this tree's as one process of all the workers."""
+    label = "this tree" if processes == 1 else f"{processes} processes x {max(1, workers // processes)} worker(s)"
+    variants = [Variant(label, None, processes)]
     if against:
-        variants.append((against, checkout(against, directory / "against")))
+        variants.append(Variant(against, checkout(against, directory / "against"), processes))
+    elif processes > 1:
+        variants.append(Variant(f"1 process x {workers} workers", None, 1))
     return variants
 
 
-def _in_turn(variants: list[tuple[str, Path | None]], round_: int) -> list[tuple[str, Path | None]]:
+def _in_turn(variants: list[Variant], round_: int) -> list[Variant]:
     """The order of a round: it flips each round, so that neither server always runs first."""
     return variants if round_ % 2 == 0 else variants[::-1]
 
@@ -416,19 +436,21 @@ def run_h2load(server: Server, grpc_port: int, request_file: Path, concurrency: 
     return Point(rate, p99_ms, mean_ms, failed, costs.result)
 
 
-def bench_grpc(seconds: float, workers: int, directory: Path, against: str | None, rounds: int) -> None:
-    """h2load at each point, `rounds` times; with `against` (a git ref), the server as it is at that ref too,
-    alternating with this tree's, and the ratios printed."""
+def bench_grpc(seconds: float, workers: int, directory: Path, against: str | None, rounds: int,
+               processes: int = 1) -> None:
+    """h2load at each point, `rounds` times; with `against` (a git ref) or processes > 1, a second server as for
+    bench_wrk, alternating with this tree's, and the ratios printed."""
     if shutil.which("h2load") is None:
         print("grpc: skipped: h2load is not installed (Debian: apt-get install nghttp2-client)")
         return
     request_file = grpc_request_file(directory)
-    variants = _variants(against, directory)
+    variants = _variants(against, directory, processes, workers)
     points: dict[tuple[str, int], list[Point]] = {}
     for round_ in range(rounds):
-        for label, source in _in_turn(variants, round_):
-            grpc_port = free_port()
-            with tandem_server("batched", workers, directory, source, grpc_port=grpc_port) as server:
+        for variant in _in_turn(variants, round_):
+            label, grpc_port = variant.label, free_port()
+            with tandem_server("batched", workers, directory, variant.source, grpc_port=grpc_port,
+                               processes=variant.processes) as server:
                 check_grpc(grpc_port, request_file)
                 for concurrency in WRK_CONNECTIONS:
                     point = run_h2load(server, grpc_port, request_file, concurrency, seconds, workers, directory)
@@ -436,7 +458,7 @@ def bench_grpc(seconds: float, workers: int, directory: Path, against: str | Non
                     print(f"{label}: h2load  c={concurrency:<3d} {point.rate:8.0f} req/s  p99 {point.p99_ms:6.1f} ms  "
                           f"not answered OK {point.failed}\n    {point.costs.line()}", flush=True)
     ceiling = bench_ceiling(seconds, workers)
-    for label, _ in variants:
+    for label in (variant.label for variant in variants):
         best = {concurrency: max(points[label, concurrency], key=lambda p: p.rate) for concurrency in WRK_CONNECTIONS}
         print(f"\n{label}: gRPC (h2load, {GRPC_CONNECTIONS} connections, streams on them for the rest; best of "
               f"{rounds} round(s)); the rows of bench/RESULTS.md's table:")
@@ -449,11 +471,12 @@ def bench_grpc(seconds: float, workers: int, directory: Path, against: str | Non
         for concurrency, point in best.items():
             print(f"| {concurrency} | {point.costs.row()} | {point.past_output_ms:.1f} |")
     print(f"ceiling (raw forward, batch {BATCH_LIMIT}, {workers} replicas): {ceiling:.0f} examples/s")
-    if against:
-        print(f"\nthis tree / {against}, medians over {rounds} round(s) (req/s: higher is better; CPU per call: "
+    if len(variants) > 1:
+        mine, other = (variant.label for variant in variants)
+        print(f"\n{mine} / {other}, medians over {rounds} round(s) (req/s: higher is better; CPU per call: "
               "lower is better):")
         for concurrency in WRK_CONNECTIONS:
-            ours, theirs = points["this tree", concurrency], points[against, concurrency]
+            ours, theirs = points[mine, concurrency], points[other, concurrency]
             print(f"  h2load c={concurrency:<3d} req/s {_median_ratio(ours, theirs, lambda p: p.rate):.2f}x, "
                   f"p99 {_median_ratio(ours, theirs, lambda p: p.p99_ms):.2f}x, loop CPU "
                   f"{_median_ratio(ours, theirs, lambda p: p.costs.loop_us):.2f}x, workers' CPU "
@@ -509,6 +532,9 @@ def main() -> None:
     parser.add_argument("--against", metavar="GIT_REF",
                         help="wrk, grpc: also serve the code as it is at this git ref, alternating with this tree's, "
                              "and print this tree's figures over its")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="wrk, grpc: serve as this many processes of workers/N workers each (processesPerReplica), "
+                             "beside one process of all the workers (or the --against ref as as many processes)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="wrk, grpc: rounds over every point (best one tabled)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -532,10 +558,10 @@ def main() -> None:
         bench_litserve(args.seconds, args.workers, tandem)
     if "wrk" in parts:
         with tempfile.TemporaryDirectory() as tmp:
-            bench_wrk(args.seconds, args.workers, Path(tmp), args.against, args.rounds)
+            bench_wrk(args.seconds, args.workers, Path(tmp), args.against, args.rounds, args.processes)
     if "grpc" in parts:
         with tempfile.TemporaryDirectory() as tmp:
-            bench_grpc(args.seconds, args.workers, Path(tmp), args.against, args.rounds)
+            bench_grpc(args.seconds, args.workers, Path(tmp), args.against, args.rounds, args.processes)
 
 if __name__ == "__main__":
     main()

@@ -9,7 +9,9 @@ waited in its queue (from its statistics endpoint, `GET /v2/models/{m}/stats`).
 
 Threads are told apart by what Linux reports (/proc/PID/task/TID/schedstat: time on a CPU, time runnable but
 waiting for one): the event loop runs on the process's main thread (TID == PID); the inference workers are the
-busiest other threads, `workers` of them. A worker's wall time that is neither is time it was blocked: waiting for
+busiest other threads, `workers` of them. A `tandem serve --processes N` supervisor serves nothing itself: its
+children are measured instead, their event loops summed, and `workers` counts the workers of all of them. A
+worker's wall time that is neither is time it was blocked: waiting for
 the GIL or a lock, or for work.
 """
 
@@ -38,6 +40,12 @@ def thread_times(pid: int) -> dict[int, tuple[float, float]]:
             continue
         times[int(tid)] = (int(running) / 1e9, int(waiting) / 1e9)
     return times
+
+
+def server_processes(pid: int) -> list[int]:
+    """The processes that serve for `pid`: its children when it has any (a supervisor's), else itself."""
+    with open(f"/proc/{pid}/task/{pid}/children") as children:
+        return [int(child) for child in children.read().split()] or [pid]
 
 
 def children_cpu() -> float:
@@ -135,20 +143,24 @@ class ServeCosts:
         self.result: Costs | None = None
 
     def __enter__(self) -> ServeCosts:
-        self._stats, self._threads, self._client = model_stats(self.port, self.model), thread_times(self.pid), \
+        self.pids = server_processes(self.pid)
+        self._stats, self._threads, self._client = model_stats(self.port, self.model), self._thread_times(), \
             self.client()
         self._started = time.perf_counter()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         wall = time.perf_counter() - self._started
-        client, threads, stats = self.client(), thread_times(self.pid), model_stats(self.port, self.model)
-        self.result = costs(self._stats, stats, self._threads, threads, self.pid, client - self._client,
+        client, threads, stats = self.client(), self._thread_times(), model_stats(self.port, self.model)
+        self.result = costs(self._stats, stats, self._threads, threads, self.pids, client - self._client,
                             self.batch_limit, self.workers, wall)
+
+    def _thread_times(self) -> dict[int, tuple[float, float]]:
+        return {tid: times for pid in self.pids for tid, times in thread_times(pid).items()}
 
 
 def costs(stats_before: dict, stats_after: dict, threads_before: dict[int, tuple[float, float]],
-          threads_after: dict[int, tuple[float, float]], pid: int, client_seconds: float, batch_limit: int,
+          threads_after: dict[int, tuple[float, float]], pids: list[int], client_seconds: float, batch_limit: int,
           workers: int, wall: float) -> Costs:
     def delta(key: str, field: str) -> int:
         return stats_after["inference_stats"][key][field] - stats_before["inference_stats"][key][field]
@@ -157,7 +169,7 @@ def costs(stats_before: dict, stats_after: dict, threads_before: dict[int, tuple
     per_request = 1e6 / requests
     used = {tid: (running - threads_before.get(tid, (0.0, 0.0))[0], waiting - threads_before.get(tid, (0.0, 0.0))[1])
             for tid, (running, waiting) in threads_after.items()}
-    loop = used.pop(pid, (0.0, 0.0))[0]
+    loop = sum(used.pop(pid, (0.0, 0.0))[0] for pid in pids)
     ranked = sorted(used.values(), reverse=True)
     busiest = [running for running, _ in ranked]
     runnable = sum(waiting for _, waiting in ranked[:workers])

@@ -219,6 +219,7 @@ ROLLS = [
     ({"replicas": 3}, False),
     ({"inferenceMode": "sequential"}, True),
     ({"workersPerReplica": 2}, True),
+    ({"processesPerReplica": 2}, True),
     ({"port": 9000}, True),
     ({"image": "registry.example/other:2"}, True),
     ({"resources": {"limits": {"cpu": "2"}}}, True),

@@ -58,39 +58,58 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """`tandem serve [FILE] [--port P] [--grpc-port P | --no-grpc] [--host H] [--checkpoint PATH] [--grace-period S]
-    [--auth-token-file PATH] [--allow-batching-changes]`: FILE, or else the
+    [--auth-token-file PATH] [--allow-batching-changes] [--processes N]`: FILE, or else the
     InferencePool at $TANDEM_SPEC (the worker contract: what an InferencePool's pods run)."""
     import asyncio
     import logging
 
     from tandem.api.inference import InferencePool
     from tandem.manifest import load_one
+    from tandem.worker.serve.processes import member_from_environment, supervise
 
     path = args.file or os.environ.get(contract.SPEC)
     if not path:
         print(f"tandem serve: no InferencePool to serve: give its manifest FILE, or set {contract.SPEC} to its path "
               "(the worker contract, tandem/contract.py)", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="tandem serve: %(message)s", stream=sys.stderr)
-    from tandem.worker.process_exit import exit_without_teardown
-    from tandem.worker.serve.app import InferenceServer  # imports torch
-    from tandem.worker.serve.auth import AuthTokenError
-    from tandem.worker.serve.http import new_event_loop
-    from tandem.worker.serve.model_loading import ModelLoadError
-
+    member = member_from_environment()
+    prefix = "tandem serve" if member is None else f"tandem serve [{member.index + 1}/{member.size}]"
+    logging.basicConfig(level=logging.INFO, format=f"{prefix}: %(message)s", stream=sys.stderr)
     try:
         pool = load_one(path, InferencePool)
-        server = InferenceServer(pool, args.checkpoint, grace_seconds=args.grace_period,
-                                 auth_token_file=args.auth_token_file,
-                                 allow_batching_changes=args.allow_batching_changes)
-    except (ManifestError, ModelLoadError, AuthTokenError) as error:
+    except ManifestError as error:
         print(error, file=sys.stderr)
         return 1
     port = pool.spec.port if args.port is None else args.port
     grpc_port = None if args.no_grpc else pool.spec.grpc_port if args.grpc_port is None else args.grpc_port
+    processes = pool.spec.processes_per_replica if args.processes is None else args.processes
+    if member is None and processes > 1:
+        return supervise(args.command_line, args.host, port, grpc_port, processes)  # imports no torch
+    from tandem.worker.process_exit import exit_without_teardown
+    from tandem.worker.serve.app import InferenceServer  # imports torch
+    from tandem.worker.serve.auth import AuthTokenError
+    from tandem.worker.serve.group import Group
+    from tandem.worker.serve.http import new_event_loop
+    from tandem.worker.serve.model_loading import ModelLoadError
+
+    try:
+        server = InferenceServer(pool, args.checkpoint, grace_seconds=args.grace_period,
+                                 auth_token_file=args.auth_token_file,
+                                 allow_batching_changes=args.allow_batching_changes,
+                                 group=None if member is None else Group(member.directory, member.index, member.size))
+    except (ModelLoadError, AuthTokenError) as error:
+        print(error, file=sys.stderr)
+        return 1
+    listen = (port, grpc_port) if member is None else (member.http, member.grpc)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        code = runner.run(server.run(args.host, port, grpc_port))
+        code = runner.run(server.run(args.host, *listen))
     exit_without_teardown(code)  # a forward still running past the grace period would abort the teardown
+
+
+def _process_count(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of processes: give a whole number, 1 or more")
+    return int(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="take PUT /v2/models/{m}/batching: new batchLimit, queueLimit, maxQueueDelayMicroseconds "
                             "or requestTimeoutMs while serving (the operator starts its servers so, to push a "
                             "pool's changes; off by default)")
+    serve.add_argument("--processes", type=_process_count, metavar="N",
+                       help="server processes sharing the ports, each with its own event loop and the pool's "
+                            "workersPerReplica model replicas, under a supervisor (default: the manifest's "
+                            "spec.processesPerReplica, 1)")
     serve.set_defaults(handler=_serve)
 
     from tandem.operator import main as operator_main  # its options only: kopf is imported when it runs
@@ -155,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.command_line = sys.argv[1:] if argv is None else argv  # what `tandem serve --processes N` starts N of
     return args.handler(args)
 
 

@@ -151,6 +151,21 @@ BUGS = [
     Bug("a skipped candidate reported by the leader alone", "worker/serve/served_model.py",
         "for peer in self.peers.others), return_exceptions=True):", "for peer in []), return_exceptions=True):",
         "tests/integration/test_server_group.py::test_the_leader_follows_the_job_for_the_group"),
+    Bug("a server process that dies leaves the others serving", "worker/serve/processes.py",
+        "            signal_all(signal.SIGTERM)\n        codes", "            pass\n        codes",
+        "tests/integration/test_serve_processes.py::"
+        "test_a_process_that_ends_on_its_own_stops_the_group_and_the_supervisor_exits_1[killed]"),
+    Bug("a server process that stopped alone counted as a clean stop", "worker/serve/processes.py",
+        "return 1 if failed or any(codes) else 0", "return 1 if any(codes) else 0",
+        "tests/integration/test_serve_processes.py::"
+        "test_a_process_that_ends_on_its_own_stops_the_group_and_the_supervisor_exits_1[stopped-alone]"),
+    Bug("a killed supervisor's server processes left serving", "worker/serve/processes.py",
+        "    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)\n", "",
+        "tests/integration/test_serve_processes.py::test_a_supervisor_killed_outright_leaves_no_process_serving"),
+    Bug("a group's processes each take the cores as if alone", "worker/serve/app.py",
+        "share_cores(self.spec.workers_per_replica * (1 if self.group is None else self.group.size))",
+        "share_cores(self.spec.workers_per_replica)",
+        "tests/integration/test_serve_processes.py::test_the_cores_are_shared_by_every_replica_of_the_group"),
 ]
 
 

@@ -42,7 +42,7 @@ from tandem.worker.serve.background import BackgroundServer
 from tandem.worker.serve.group import Group, PeerRoutes, Peers
 from tandem.worker.serve.grpc_server import GrpcServer
 from tandem.worker.serve.grpc_service import MAX_MESSAGE_BYTES, GrpcCall, GrpcService
-from tandem.worker.serve.http import HttpServer, Request
+from tandem.worker.serve.http import HttpServer, Listen, Request
 from tandem.worker.serve.model_loading import LoadedModel
 from tandem.worker.serve.pending import PendingRequests
 from tandem.worker.serve.routes import Routes
@@ -96,10 +96,10 @@ class InferenceServer:
         self._grpc: GrpcServer | None = None
         self._owns_process = False  # run() (tandem serve): process-wide tuning such as freezing the heap
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0, grpc_port: int | None = None) -> int:
-        """Listen for HTTP on `port` and, unless `grpc_port` is None, for gRPC on it (0: any free port; the ports
-        are in self.port and self.grpc_port; the HTTP port is returned), then load and warm up the model in the
-        background (`self.loading`); live at once, ready once loaded."""
+    async def start(self, host: str = "127.0.0.1", port: Listen = 0, grpc_port: Listen | None = None) -> int:
+        """Listen for HTTP on `port` and, unless `grpc_port` is None, for gRPC on it (0: any free port; a socket:
+        serve on it, already listening; the ports are in self.port and self.grpc_port; the HTTP port is returned),
+        then load and warm up the model in the background (`self.loading`); live at once, ready once loaded."""
         self.pending.start()
         if self._peer_routes is not None:
             await self._peer_routes.start(self.group.socket_path(self.group.index))
@@ -210,7 +210,7 @@ class InferenceServer:
             await self._peer_routes.close()
             await self.peers.close()
 
-    async def run(self, host: str, port: int, grpc_port: int | None = None) -> int:
+    async def run(self, host: str, port: Listen, grpc_port: Listen | None = None) -> int:
         """The `tandem serve` process: serve until SIGTERM or SIGINT, then drain; 0 after a drain, 1 when the
         model cannot be loaded."""
         loop = asyncio.get_running_loop()
@@ -244,10 +244,10 @@ class InferenceServer:
         return 0
 
     def _share_cores(self) -> None:
-        """On CPU, split the cores between the worker replicas (unless OMP_NUM_THREADS says otherwise), so that N
-        replicas running at once do not oversubscribe the cores."""
+        """On CPU, split the cores between the worker replicas of every process in the group (unless
+        OMP_NUM_THREADS says otherwise), so that the replicas running at once do not oversubscribe the cores."""
         if not (self.spec.gpus_per_replica and torch.cuda.is_available()):
-            share_cores(self.spec.workers_per_replica)
+            share_cores(self.spec.workers_per_replica * (1 if self.group is None else self.group.size))
 
     def start_in_thread(self, host: str = "127.0.0.1", port: int = 0, ready_timeout: float = 120.0,
                         grpc_port: int | None = None) -> BackgroundServer:

@@ -35,7 +35,7 @@ import hpack
 from google.protobuf.message import DecodeError, Message
 
 from tandem.worker.serve.grpc_protocol import status_code
-from tandem.worker.serve.http import DecompressError, decompress
+from tandem.worker.serve.http import DecompressError, Listen, decompress, listen
 
 log = logging.getLogger("tandem.serve")
 
@@ -239,11 +239,10 @@ class GrpcServer:
         self._connections: set[_Connection] = set()
         self.closing = False
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0: any free port); the port."""
-        loop = asyncio.get_running_loop()
+    async def start(self, host: str, port: Listen) -> int:
+        """Listen on host:port (0: any free port), or on the socket `port`; the port."""
         try:
-            self._server = await loop.create_server(lambda: _Connection(self), host, port)
+            self._server = await listen(lambda: _Connection(self), host, port)
         except OSError as error:
             raise OSError(f"cannot listen for gRPC on {host}:{port}: {error}") from error
         return self._server.sockets[0].getsockname()[1]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 import zlib
 from collections import deque
@@ -36,6 +37,19 @@ MAX_PIPELINED = 16  # requests parsed ahead of the one being answered before rea
 LINGER_SECONDS = 10.0  # after refusing a body, read and drop the rest for this long, so the client sees the answer
 LINGER_BYTES = 64 << 20
 REASONS = {status.value: status.phrase for status in HTTPStatus}
+
+
+Listen = int | socket.socket
+"""Where a server listens: a port (0: any free port), or a socket already listening (a process group's,
+processes.py)."""
+
+
+async def listen(protocol: Callable[[], asyncio.Protocol], host: str, port: Listen, **options) -> asyncio.Server:
+    """Serve `protocol` on host:port, or on the socket `port` (host is then only its name)."""
+    loop = asyncio.get_running_loop()
+    if isinstance(port, socket.socket):
+        return await loop.create_server(protocol, sock=port, **options)
+    return await loop.create_server(protocol, host, port, **options)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -102,11 +116,10 @@ class HttpServer:
         self._sweeper: asyncio.Task | None = None
         self.closing = False
 
-    async def start(self, host: str, port: int) -> int:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True,
-                                                backlog=1024)
-        self._sweeper = loop.create_task(self._sweep_idle())
+    async def start(self, host: str, port: Listen) -> int:
+        """Listen on host:port, or on the socket `port`; the port."""
+        self._server = await listen(lambda: _Connection(self), host, port, reuse_address=True, backlog=1024)
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_idle())
         return self._server.sockets[0].getsockname()[1]
 
     async def start_unix(self, path: str) -> None:

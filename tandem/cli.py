@@ -73,7 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
               "(the worker contract, tandem/contract.py)", file=sys.stderr)
         return 2
     member = member_from_environment()
-    prefix = "tandem serve" if member is None else f"tandem serve [{member.index + 1}/{member.size}]"
+    prefix = "tandem serve" if member is None else f"tandem serve [{member.group.index + 1}/{member.group.size}]"
     logging.basicConfig(level=logging.INFO, format=f"{prefix}: %(message)s", stream=sys.stderr)
     try:
         pool = load_one(path, InferencePool)
@@ -88,7 +88,6 @@ def _serve(args: argparse.Namespace) -> int:
     from tandem.worker.process_exit import exit_without_teardown
     from tandem.worker.serve.app import InferenceServer  # imports torch
     from tandem.worker.serve.auth import AuthTokenError
-    from tandem.worker.serve.group import Group
     from tandem.worker.serve.http import new_event_loop
     from tandem.worker.serve.model_loading import ModelLoadError
 
@@ -96,7 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
         server = InferenceServer(pool, args.checkpoint, grace_seconds=args.grace_period,
                                  auth_token_file=args.auth_token_file,
                                  allow_batching_changes=args.allow_batching_changes,
-                                 group=None if member is None else Group(member.directory, member.index, member.size))
+                                 group=None if member is None else member.group)
     except (ModelLoadError, AuthTokenError) as error:
         print(error, file=sys.stderr)
         return 1

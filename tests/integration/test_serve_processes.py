@@ -21,8 +21,7 @@ from serving import WAIT_S, inputs, json_body, make_pool, reference, request, se
 from tandem.cli import main as cli_main
 from tandem.worker import cores
 from tandem.worker.serve.app import InferenceServer
-from tandem.worker.serve.group import Group
-from tandem.worker.serve.processes import MEMBER, exit_description, listening_sockets
+from tandem.worker.serve.processes import MEMBER, Group, exit_description, listening_sockets
 
 
 def write_pool(tmp_path: Path, **spec) -> Path:

@@ -16,7 +16,7 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton
 from serving import inputs, make_pool, reference, request, wait_until, write_checkpoint
 
-from tandem.worker.serve.group import Group
+from tandem.worker.serve.processes import Group
 
 
 @pytest.fixture

@@ -39,12 +39,13 @@ from tandem.worker.cores import share_cores
 from tandem.worker.serve import model_loading
 from tandem.worker.serve.auth import AuthTokenError, BearerToken
 from tandem.worker.serve.background import BackgroundServer
-from tandem.worker.serve.group import Group, PeerRoutes, Peers
+from tandem.worker.serve.group import PeerRoutes, Peers
 from tandem.worker.serve.grpc_server import GrpcServer
 from tandem.worker.serve.grpc_service import MAX_MESSAGE_BYTES, GrpcCall, GrpcService
 from tandem.worker.serve.http import HttpServer, Listen, Request
 from tandem.worker.serve.model_loading import LoadedModel
 from tandem.worker.serve.pending import PendingRequests
+from tandem.worker.serve.processes import Group
 from tandem.worker.serve.routes import Routes
 from tandem.worker.serve.served_model import ServedModel
 from tandem.worker.serve.tasks import cancel_and_wait

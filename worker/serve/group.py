@@ -34,6 +34,7 @@ import orjson
 from tandem.api.inference import BatchingSettings
 from tandem.worker.serve.http import HttpServer, Request
 from tandem.worker.serve.model_loading import ModelLoadError
+from tandem.worker.serve.processes import Group
 from tandem.worker.serve.promotion import Verdict
 from tandem.worker.serve.protocol import dumps
 from tandem.worker.serve.served_model import BatchingRefused
@@ -46,24 +47,6 @@ log = logging.getLogger("tandem.serve")
 STATE_TIMEOUT_SECONDS = 5.0
 """A peer that does not say its state within this is counted not ready (and a statistics request fails)."""
 MAX_PEER_BODY = 1 << 20
-
-
-@dataclasses.dataclass(frozen=True)
-class Group:
-    """One server process's place in its pod's group: `index` of `size`, sharing `directory` (mode 0700)."""
-
-    directory: Path
-    index: int
-    size: int
-
-    def socket_path(self, index: int) -> Path:
-        """Where process `index` listens for its peers."""
-        return self.directory / f"peer-{index}.sock"
-
-    @property
-    def leader(self) -> bool:
-        """Process 0 follows the training job's checkpoints for the whole group."""
-        return self.index == 0
 
 
 class PeerError(ModelLoadError):

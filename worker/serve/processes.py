@@ -6,9 +6,9 @@ with SO_REUSEPORT, so that the kernel spreads new connections over them. It then
 serve` with the supervisor's own arguments: child i inherits its HTTP and gRPC sockets (pass_fds; the supervisor
 closes its copies once they are started) and finds its place in $TANDEM_SERVE_MEMBER, a JSON object of the group's
 directory, its index, the group's size, those sockets' file descriptors and the supervisor's pid
-(`member_from_environment`). Each child is an InferenceServer with a Group (group.py, which this module does not
-import: it imports torch), serving on the sockets it inherited. The group's directory (mode 0700, for the processes'
-Unix sockets) lasts as long as the supervisor.
+(`member_from_environment`). Each child is an InferenceServer with its Group, serving on the sockets it inherited
+and talking to the others through group.py (which this module does not import: it imports torch). The group's
+directory (mode 0700, for the processes' Unix sockets) lasts as long as the supervisor.
 
 SIGTERM and SIGINT are forwarded to every child, which drains as a lone server does; the supervisor exits once they
 all have, 0 when they all exit 0. A child that exits on its own (a crash, a kill, a model that cannot be loaded)
@@ -40,13 +40,29 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 @dataclass(frozen=True)
-class Member:
-    """A child's place in its group (group.Group's fields), and the sockets it serves on (gRPC: None with
-    --no-grpc)."""
+class Group:
+    """One server process's place in its pod's group: `index` of `size`, sharing `directory` (mode 0700) with the
+    others, where each listens on a Unix socket for its peers (group.py)."""
 
     directory: Path
     index: int
     size: int
+
+    def socket_path(self, index: int) -> Path:
+        """Where process `index` listens for its peers."""
+        return self.directory / f"peer-{index}.sock"
+
+    @property
+    def leader(self) -> bool:
+        """Process 0 makes the group's changes and follows the training job's checkpoints for it."""
+        return self.index == 0
+
+
+@dataclass(frozen=True)
+class Member:
+    """A child's place in its group, and the sockets it serves on (gRPC: None with --no-grpc)."""
+
+    group: Group
     http: socket.socket
     grpc: socket.socket | None
 
@@ -61,8 +77,8 @@ def member_from_environment() -> Member | None:
     fields = json.loads(value)
     _stop_with(fields["supervisor"])
     grpc = None if fields["grpc_fd"] is None else socket.socket(fileno=fields["grpc_fd"])
-    return Member(Path(fields["directory"]), fields["index"], fields["size"], socket.socket(fileno=fields["http_fd"]),
-                  grpc)
+    group = Group(Path(fields["directory"]), fields["index"], fields["size"])
+    return Member(group, socket.socket(fileno=fields["http_fd"]), grpc)
 
 
 def _stop_with(supervisor: int) -> None:
@@ -158,7 +174,7 @@ async def _run_group(arguments: list[str], directory: Path, host: str,
     try:
         try:
             for index, (http, grpc) in enumerate(sockets):
-                children.append(await _start_child(arguments, Member(directory, index, size, http, grpc)))
+                children.append(await _start_child(arguments, Member(Group(directory, index, size), http, grpc)))
         finally:
             for listeners in sockets:
                 for listener in listeners:
@@ -188,7 +204,8 @@ async def _run_group(arguments: list[str], directory: Path, host: str,
 
 
 async def _start_child(arguments: list[str], member: Member) -> asyncio.subprocess.Process:
-    fields = {"directory": str(member.directory), "index": member.index, "size": member.size,
+    group = member.group
+    fields = {"directory": str(group.directory), "index": group.index, "size": group.size,
               "http_fd": member.http.fileno(), "grpc_fd": None if member.grpc is None else member.grpc.fileno(),
               "supervisor": os.getpid()}
     return await asyncio.create_subprocess_exec(

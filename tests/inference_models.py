@@ -94,6 +94,13 @@ def slow_to_build(name: str, seed: int = 0) -> nn.Module:
     return seeded_mlp(seed)
 
 
+def unbuildable_once(flag: str, seed: int = 0) -> nn.Module:
+    """seeded_mlp, until the file `flag` exists: then building it raises (a load that fails in one process)."""
+    if Path(flag).exists():
+        raise RuntimeError(f"{flag} exists: this model will not be built")
+    return seeded_mlp(seed)
+
+
 class FileGated(nn.Module):
     """For a server in another process: forwards after the first wait until the file `gate` exists."""
 

@@ -215,11 +215,12 @@ def batch_sizes(host: str) -> dict[str, float]:
 
 
 def test_a_batching_change_reaches_the_running_servers_under_load_without_a_new_pod_or_a_failed_request(cluster):
-    """batchLimit and maxQueueDelayMicroseconds patched while eight clients keep two servers busy: the operator sends
-    the new settings to each server; the Deployment is not changed, no pod is replaced or restarted, every request
-    succeeds, the servers batch by the new limit (their /metrics) and the pool's status shows what they run."""
+    """batchLimit and maxQueueDelayMicroseconds patched while eight clients keep two servers busy, each of two
+    processes (processesPerReplica): the operator sends the new settings to each server, whose processes all take
+    them; the Deployment is not changed, no pod is replaced or restarted, every request succeeds, the servers batch by
+    the new limit (their /metrics, summed over a pod's processes) and the pool's status shows what they run."""
     create(cluster, POOLS, pool_manifest("live", {"callable": "tandem.examples.digits:mlp", "inputShape": [64],
-                                                  "name": "digits"}, replicas=2))
+                                                  "name": "digits"}, replicas=2, processesPerReplica=2))
     ready = wait_pool(cluster, "live", lambda s: s.get("phase") == "Ready" and s.get("batching"), "Ready")
     assert ready["batching"] == {"batchLimit": 8, "queueLimit": 64, "maxQueueDelayMicroseconds": 0,
                                  "requestTimeoutMs": 30000}

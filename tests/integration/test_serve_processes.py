@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from serving import WAIT_S, inputs, json_body, make_pool, reference, request, se
 from tandem.cli import main as cli_main
 from tandem.worker import cores
 from tandem.worker.serve.app import InferenceServer
-from tandem.worker.serve.processes import MEMBER, Group, exit_description, listening_sockets
+from tandem.worker.serve.processes import MEMBER, Group, exit_description, listening_sockets, new_group_directory
 
 
 def write_pool(tmp_path: Path, **spec) -> Path:
@@ -90,8 +91,8 @@ def stop(process: subprocess.Popen, children: list[int]) -> None:
 
 def test_two_processes_share_the_ports_answer_every_connection_and_stop_together(tmp_path):
     """The pool's processesPerReplica: 2, no flag: a supervisor that never loads torch and two children, both
-    accepting on the ports; a fresh connection each time, every request answered right, over HTTP and gRPC;
-    SIGTERM stops both (each drains), exit 0, nothing left behind."""
+    accepting on the ports and mapping one file of weights; a fresh connection each time, every request answered
+    right, over HTTP and gRPC; SIGTERM stops both (each drains), exit 0, nothing left behind."""
     process = serve_process(write_pool(tmp_path, processesPerReplica=2))
     pids: list[int] = []
     try:
@@ -100,6 +101,8 @@ def test_two_processes_share_the_ports_answer_every_connection_and_stop_together
         assert "libtorch" not in Path(f"/proc/{process.pid}/maps").read_text()
         directory = group_directory(pids[0])
         assert group_directory(pids[1]) == directory and directory.stat().st_mode & 0o777 == 0o700
+        weights = str(directory / "weights-1.pt")  # the leader's, which both map: one copy in memory
+        assert all(weights in Path(f"/proc/{pid}/maps").read_text() for pid in pids)
         x = inputs(32, seed=3)
         expected = reference(x)
         connections = []
@@ -248,3 +251,19 @@ def test_the_cores_are_shared_by_every_replica_of_the_group(torch_threads, tmp_p
     group = None if group_size is None else Group(tmp_path, 0, group_size)
     InferenceServer(make_pool(workersPerReplica=workers), group=group)._share_cores()
     assert torch.get_num_threads() == threads
+
+
+def test_a_group_directory_has_room_for_its_socket_paths(tmp_path, monkeypatch):
+    """Under $TMPDIR, unless it is too deep for a Unix socket's path (as the emulated cluster's pods' is): then under
+    /tmp."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    for temporary, parent in ((tmp_path, tmp_path), (deep, Path("/tmp"))):
+        monkeypatch.setenv("TMPDIR", str(temporary))
+        monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile reads $TMPDIR once, then keeps it
+        directory = new_group_directory(2)
+        try:
+            assert directory.parent == parent and directory.stat().st_mode & 0o777 == 0o700
+            assert len(bytes(Group(directory, 0, 2).socket_path(1))) < 108
+        finally:
+            directory.rmdir()

@@ -68,6 +68,45 @@ def test_statistics_metrics_and_readiness_count_every_process(served, group_dire
     assert request(leader.port, "GET", "/v2/health/live")[0] == 200
 
 
+def mapped_file(tensor) -> str | None:
+    """The file the memory of `tensor` is mapped from (None: anonymous memory), from /proc/self/maps."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(bound, 16) for bound in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5] if len(fields) == 6 else None
+    return None
+
+
+def test_the_processes_serve_the_leaders_weights_from_one_file(served, group_directory):
+    """A model whose weights are random (built again, differently, by each process) answers alike in both: the
+    leader's weights are every process's, each mapping the one file (in a pod: one copy in memory), also after a
+    batching change brings new replicas."""
+    pool = make_pool(model={"callable": "tandem.examples.digits:mlp", "args": {"hidden": 16}, "inputShape": [64]})
+    leader, other = two_processes(served, group_directory, pool, allow_batching_changes=True)
+    x = inputs(3)
+
+    def answers(server) -> np.ndarray:
+        client = triton.InferenceServerClient(server.url)
+        tensor = triton.InferInput("input", [3, 64], "FP32")
+        tensor.set_data_from_numpy(x)
+        answer = client.infer("digits", [tensor]).as_numpy("output")
+        client.close()
+        return answer
+
+    def mapped(server) -> set[str | None]:
+        return {mapped_file(weight) for replica in server.server.model.inference.replicas
+                for weight in replica.state_dict().values()}
+
+    np.testing.assert_array_equal(answers(leader), answers(other))
+    weights = str(group_directory / "weights-1.pt")
+    assert mapped(leader) == mapped(other) == {weights}
+    assert request(other.port, "PUT", "/v2/models/digits/batching", b'{"batchLimit": 64}')[0] == 200
+    np.testing.assert_array_equal(answers(leader), answers(other))
+    assert mapped(leader) == mapped(other) == {weights}
+
+
 def test_a_batching_change_reaches_every_process(served, group_directory):
     leader, other = two_processes(served, group_directory, make_pool(), allow_batching_changes=True)
     status, _, body = request(other.port, "PUT", "/v2/models/digits/batching", b'{"batchLimit": 8, "queueLimit": 50}')
@@ -137,17 +176,19 @@ def test_the_leader_follows_the_job_for_the_group(served, group_directory, tmp_p
 
 
 def test_a_swap_one_process_cannot_prepare_switches_none(served, group_directory, tmp_path):
-    """The two processes serve different models here (the second's takes 32 features, so the new 64-feature
-    checkpoint is refused there), so that one prepares the swap and the other fails to: in a pod both load alike."""
-    first = write_checkpoint(tmp_path / "repo", seed=1, step=1)
-    narrow = write_checkpoint(tmp_path / "narrow", seed=1, step=1, features=32)
-    newer = write_checkpoint(tmp_path / "repo", seed=2, step=2)
-    pools = [make_pool(model={"checkpoint": str(path)}, modelRepository={"load": True}) for path in (first, narrow)]
+    """The second process's model cannot be built again once a flag file exists (its pool names the file, the
+    leader's another), so that a reload is prepared by the leader and fails in the other: in a pod both load alike."""
+    flag = tmp_path / "flag"
+    pools = [make_pool(model={"callable": "inference_models:unbuildable_once", "args": {"flag": str(path)},
+                              "inputShape": [64]}, modelRepository={"load": True}) for path in (tmp_path / "no", flag)]
     leader, other = two_processes(served, group_directory, None, pools=pools)
-    status, _, body = request(leader.port, "POST", "/v2/repository/models/digits/load",
-                              json.dumps({"parameters": {"checkpoint": str(newer)}}).encode())
+    served_before = [server.server.model.loaded for server in (leader, other)]
+    flag.touch()
+    status, _, body = request(leader.port, "POST", "/v2/repository/models/digits/load", b"")
     assert status == 400 and "server process 2 of 2" in json.loads(body)["error"], body
-    assert (leader.server.model.loaded.checkpoint, other.server.model.loaded.checkpoint) == (str(first), str(narrow))
+    assert [server.server.model.loaded for server in (leader, other)] == served_before
+    flag.unlink()
     status, _, body = request(other.port, "POST", "/v2/repository/models/digits/load", b"")  # nothing left held
-    assert (status, json.loads(body)["checkpoint"]) == (200, str(narrow))
-    assert leader.server.model.loaded.checkpoint == str(first)
+    assert status == 200, body
+    now = [server.server.model.loaded for server in (leader, other)]
+    assert all(loaded is not before for loaded, before in zip(now, served_before, strict=True))

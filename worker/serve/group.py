@@ -18,13 +18,20 @@ Process 0, the leader, makes every change for the group, one at a time: a proces
 load hands it to the leader, and only the leader follows a training job's checkpoints. A batching change is made in
 every process or (one refusing, the others changing back) in none. A swap is prepared everywhere first, then every
 process switches at once (within a request's round trip of each other), or none does when one fails to prepare.
+
+On CPU the processes serve one copy of the weights (SharedWeights): the leader saves its model's weights in the
+group's directory and every process maps that file in place of its own copy, so that the processes neither compete
+for the caches with copies of the same weights nor take N times the memory, and a model built with random weights
+answers alike in every process. The leader's first model is every process's first model (`first.json`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +44,7 @@ from tandem.worker.serve.model_loading import ModelLoadError
 from tandem.worker.serve.processes import Group
 from tandem.worker.serve.promotion import Verdict
 from tandem.worker.serve.protocol import dumps
+from tandem.worker.serve.replicas import map_weights, on_cpu, save_weights
 from tandem.worker.serve.served_model import BatchingRefused
 
 if TYPE_CHECKING:
@@ -77,8 +85,8 @@ class Peer:
     async def group_swap(self, checkpoint: Path | None, cause: str) -> None:
         await self._call("POST", "/peer/group/swap", {"checkpoint": _path(checkpoint), "cause": cause}, label=False)
 
-    async def prepare_swap(self, checkpoint: Path | None) -> None:
-        await self._call("POST", "/peer/prepare", {"checkpoint": _path(checkpoint)})
+    async def prepare_swap(self, checkpoint: Path | None, weights: Path | None) -> None:
+        await self._call("POST", "/peer/prepare", {"checkpoint": _path(checkpoint), "weights": _path(weights)})
 
     async def commit_swap(self, cause: str) -> None:
         await self._call("POST", "/peer/commit", {"cause": cause})
@@ -113,6 +121,53 @@ class Peer:
             await session.close()
 
 
+class SharedWeights:
+    """The weights file the group's processes map (replicas.map_weights), which the leader writes: one per model
+    served, in the group's directory."""
+
+    def __init__(self, group: Group):
+        self.group = group
+        self._first = group.directory / "first.json"
+        self._written = 0
+
+    async def publish(self, replicas: list) -> Path | None:
+        """(The leader) `replicas`' weights saved in a new file and mapped from it; None where they are not on the
+        CPU (each GPU keeps its own copy)."""
+        if not on_cpu(replicas[0]):
+            return None
+        self._written += 1
+        path = self.group.directory / f"weights-{self._written}.pt"
+        await asyncio.to_thread(save_weights, replicas[0], path)
+        await asyncio.to_thread(map_weights, replicas, path)
+        return path
+
+    async def publish_first(self, checkpoint: str | None, replicas: list) -> Path | None:
+        """(The leader) `publish`, then tell the others which checkpoint it loaded first (`leaders_first`)."""
+        path = await self.publish(replicas)
+        partial = self._first.with_name("first.partial")
+        partial.write_text(json.dumps({"checkpoint": checkpoint, "weights": _path(path)}))
+        os.replace(partial, self._first)
+        return path
+
+    async def leaders_first(self) -> tuple[Path | None, Path | None]:
+        """The checkpoint the leader loaded first (None: its model's source, a callable) and its weights file, once it
+        has (while it waits for a training job's first checkpoint, so do the others)."""
+        while not self._first.exists():
+            await asyncio.sleep(0.05)
+        first = json.loads(self._first.read_text())
+        return _optional_path(first["checkpoint"]), _optional_path(first["weights"])
+
+    @staticmethod
+    async def map(replicas: list, path: Path | None) -> None:
+        if path is not None:
+            await asyncio.to_thread(map_weights, replicas, path)
+
+    def discard(self, path: Path | None) -> None:
+        """(The leader) a weights file no longer served (the processes that mapped it keep their mapping)."""
+        if path is not None and self.group.leader:
+            path.unlink(missing_ok=True)
+
+
 class Peers:
     """The other server processes of the pod, each asked at once."""
 
@@ -121,6 +176,7 @@ class Peers:
         self.others = [Peer(group, index) for index in range(group.size) if index != group.index]
         self.lock = asyncio.Lock()
         """Held by the leader while it makes a change for the group."""
+        self.weights = SharedWeights(group)
 
     @property
     def leader(self) -> Peer:
@@ -183,7 +239,7 @@ class PeerRoutes:
         await self.server.update_batching_here(BatchingSettings.model_validate(body))
 
     async def _prepare(self, body: dict[str, Any]) -> None:
-        await self.server.model.prepare_swap(_checkpoint(body))
+        await self.server.model.prepare_swap(_checkpoint(body), _optional_path(body["weights"]))
 
     async def _commit(self, body: dict[str, Any]) -> None:
         self.server.model.commit_swap(body["cause"])
@@ -201,7 +257,11 @@ def _path(checkpoint: Path | None) -> str | None:
 
 
 def _checkpoint(body: dict[str, Any]) -> Path | None:
-    return None if body["checkpoint"] is None else Path(body["checkpoint"])
+    return _optional_path(body["checkpoint"])
+
+
+def _optional_path(value: str | None) -> Path | None:
+    return None if value is None else Path(value)
 
 
 def _log_crash(request: Request, error: BaseException) -> None:

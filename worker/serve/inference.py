@@ -155,6 +155,11 @@ class ParallelInference:
         with self._swap_lock:
             self.switch_to(self.prepare(model))
 
+    @property
+    def replicas(self) -> list[torch.nn.Module]:
+        """The model replicas serving now, one per worker (workers on one device share one)."""
+        return list(self._replicas)
+
     def prepare(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """`update_model`'s first half: `model`'s replicas, built and warmed up, for `switch_to` (the server
         processes of a pod prepare, then all switch)."""

@@ -37,6 +37,7 @@ log = logging.getLogger("tandem.serve")
 MEMBER = "TANDEM_SERVE_MEMBER"
 BACKLOG = 1024  # as http.py's
 PR_SET_PDEATHSIG = 1  # prctl(2)
+SOCKET_PATH_BYTES = 108  # sun_path, with its terminating NUL
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,17 @@ def listening_sockets(host: str, port: int, count: int, protocol: str) -> list[s
     return sockets
 
 
+def new_group_directory(size: int) -> Path:
+    """A new private directory (mode 0700) for a group of `size`: under $TMPDIR, or under /tmp where $TMPDIR is so
+    deep that a peer's socket path there would pass the length a Unix socket's path may have."""
+    for parent in (None, "/tmp"):
+        directory = Path(tempfile.mkdtemp(prefix="tandem-serve-", dir=parent))
+        if len(bytes(Group(directory, 0, size).socket_path(size - 1))) < SOCKET_PATH_BYTES:
+            return directory
+        directory.rmdir()
+    raise OSError(f"no directory for the server processes' sockets: {directory} is too deep for a Unix socket's path")
+
+
 def exit_description(code: int) -> str:
     """A child's exit as a person says it (a negative code is the signal that ended it, as subprocess has it)."""
     if code >= 0:
@@ -129,7 +141,7 @@ def supervise(arguments: list[str], host: str, port: int, grpc_port: int | None,
     except OSError as error:
         log.error("%s", error)
         return 1
-    directory = Path(tempfile.mkdtemp(prefix="tandem-serve-"))
+    directory = new_group_directory(size)
     try:
         return asyncio.run(_run_group(arguments, directory, host, sockets))
     finally:

@@ -5,8 +5,10 @@ a row per example); `run_batch` runs a batch of requests through one and answers
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +55,27 @@ def build_replicas(model: torch.nn.Module, devices: Sequence[torch.device], exam
             for device, replica in copies.items():
                 forward(replica, batch.to(device), size)
     return [copies[device] for device in devices]
+
+
+def save_weights(replica: torch.nn.Module, path: Path) -> None:
+    """`replica`'s parameters and buffers in `path` (written whole, then renamed into place), for `map_weights`."""
+    partial = path.with_name(path.name + ".partial")
+    torch.save(replica.state_dict(), partial)
+    os.replace(partial, path)
+
+
+def map_weights(replicas: Sequence[torch.nn.Module], path: Path) -> None:
+    """Make the CPU replicas' parameters and buffers the tensors saved in `path`, mapped from the file: processes
+    that map one file read one copy of the weights in memory (a copy each would compete for the caches and take N
+    times the memory). `path` must hold the state of the same architecture (save_weights of a replica of it)."""
+    state = torch.load(path, mmap=True, weights_only=True)
+    for replica in {id(replica): replica for replica in replicas}.values():
+        if on_cpu(replica):
+            replica.load_state_dict(state, assign=True)
+
+
+def on_cpu(replica: torch.nn.Module) -> bool:
+    return all(tensor.device.type == "cpu" for tensor in replica.state_dict().values())
 
 
 def forward(replica: torch.nn.Module, x: torch.Tensor, rows: int) -> torch.Tensor:

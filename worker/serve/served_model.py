@@ -22,6 +22,7 @@ from tandem.worker.serve import model_loading, promotion
 from tandem.worker.serve.inference import ParallelInference
 from tandem.worker.serve.model_loading import LoadedModel, ModelLoadError, ModelLocation
 from tandem.worker.serve.promotion import Verdict
+from tandem.worker.serve.replicas import map_weights
 from tandem.worker.serve.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ class Prepared:
     replicas: list
     load_seconds: float
     warmup_seconds: float
+    weights: Path | None = None
+    """In a group on CPU: the file the replicas' weights are mapped from (group.SharedWeights)."""
 
 
 class BatchingRefused(Exception):
@@ -75,6 +78,8 @@ class ServedModel:
         self.skipped: tuple[str, Verdict] | None = None
         """The latest followed checkpoint the gate did not promote, and the gate's verdict on it."""
         self.peers: Peers | None = None
+        self.weights: Path | None = None
+        """In a group on CPU: the file the served replicas' weights are mapped from (group.SharedWeights)."""
         self._swap_lock = asyncio.Lock()
         self._prepared: tuple[Prepared, asyncio.TimerHandle] | None = None
         self._follower: asyncio.Task | None = None
@@ -84,16 +89,25 @@ class ServedModel:
         ParallelInference on it; then follow the directory for new checkpoints when the pool says so."""
         loop = asyncio.get_running_loop()
         location = self.location
-        if location.directory is not None and location.follow \
+        joining = self.peers is not None and not self.peers.group.leader
+        if joining:  # the leader's first model, weights included
+            first, weights = await self.peers.weights.leaders_first()
+        elif location.directory is not None and location.follow \
                 and model_loading.checkpoint_to_serve(location) is None:
             log.info("waiting for the first checkpoint in %s", location.directory)
             while model_loading.checkpoint_to_serve(location) is None:
                 await asyncio.sleep(self.follow_interval)
         started = time.perf_counter()
-        first = await loop.run_in_executor(None, self._best_checkpoint) if self.promotion is not None else None
+        if not joining:
+            first = await loop.run_in_executor(None, self._best_checkpoint) if self.promotion is not None else None
         loaded = await loop.run_in_executor(None, self._load, first)
         built = time.perf_counter()
         self.inference = await loop.run_in_executor(None, self._start_inference, loaded)
+        if joining:
+            await self.peers.weights.map(self.inference.replicas, weights)
+            self.weights = weights
+        elif self.peers is not None:
+            self.weights = await self.peers.weights.publish_first(loaded.checkpoint, self.inference.replicas)
         self.loaded = loaded
         log.info("loaded %s from %s in %s, warm-up %s", self.name, loaded.loaded_from, _seconds(built - started),
                  _seconds(time.perf_counter() - built))
@@ -118,14 +132,17 @@ class ServedModel:
             return await self.swap_here(checkpoint, cause)
         peers = self.peers.others
         async with self.peers.lock, self._swap_lock:
-            prepared, *outcomes = await asyncio.gather(
-                self._prepare(checkpoint), *(peer.prepare_swap(checkpoint) for peer in peers), return_exceptions=True)
-            if isinstance(prepared, BaseException) or any(outcome is not None for outcome in outcomes):
+            prepared = await self._prepare(checkpoint)
+            weights = await self.peers.weights.publish(prepared.replicas)
+            outcomes = await asyncio.gather(*(peer.prepare_swap(checkpoint, weights) for peer in peers),
+                                            return_exceptions=True)
+            if any(outcome is not None for outcome in outcomes):
                 await asyncio.gather(*(peer.abandon_swap() for peer, outcome in zip(peers, outcomes, strict=True)
                                        if outcome is None), return_exceptions=True)
-                raise next(error for error in (prepared, *outcomes) if isinstance(error, BaseException))
+                self.peers.weights.discard(weights)
+                raise next(error for error in outcomes if isinstance(error, BaseException))
             switched = await asyncio.gather(*(peer.commit_swap(cause) for peer in peers), return_exceptions=True)
-            loaded = self._switch(prepared, cause)
+            loaded = self._switch(dataclasses.replace(prepared, weights=weights), cause)
         for error in switched:
             if error is not None:
                 log.error("the group's swap to %s is incomplete: %s", loaded.loaded_from, error)
@@ -137,13 +154,16 @@ class ServedModel:
         async with self._swap_lock:
             return self._switch(await self._prepare(checkpoint), cause)
 
-    async def prepare_swap(self, checkpoint: Path | None) -> None:
-        """A group swap's first half in this process, asked by the leader: load and warm up `checkpoint`, then hold
-        it (and hold off other changes) until `commit_swap` or `abandon_swap`; abandoned after PREPARED_SECONDS."""
+    async def prepare_swap(self, checkpoint: Path | None, weights: Path | None) -> None:
+        """A group swap's first half in this process, asked by the leader: load and warm up `checkpoint` (its weights
+        mapped from the leader's `weights` file, if any), then hold it (and hold off other changes) until
+        `commit_swap` or `abandon_swap`; abandoned after PREPARED_SECONDS."""
         self._check_loaded()
         await self._swap_lock.acquire()
         try:
             prepared = await self._prepare(checkpoint)
+            await self.peers.weights.map(prepared.replicas, weights)
+            prepared = dataclasses.replace(prepared, weights=weights)
         except BaseException:
             self._swap_lock.release()
             raise
@@ -183,6 +203,9 @@ class ServedModel:
     def _switch(self, prepared: Prepared, cause: str) -> LoadedModel:
         self.inference.switch_to(prepared.replicas)
         previous, self.loaded = self.loaded, prepared.loaded
+        retired, self.weights = self.weights, prepared.weights
+        if self.peers is not None:
+            self.peers.weights.discard(retired)
         if self.on_swap is not None:
             self.on_swap()
         log.info("swapped %s from %s to %s (%s): loaded in %s, warm-up %s", self.name, previous.loaded_from,
@@ -199,6 +222,8 @@ class ServedModel:
                 await asyncio.get_running_loop().run_in_executor(None, lambda: self.inference.update(
                     batch_limit=settings.batch_limit, queue_limit=settings.queue_limit,
                     max_delay_us=settings.max_queue_delay_microseconds))
+                if self.weights is not None:  # new batch sizes bring new replicas: map them again
+                    await asyncio.to_thread(map_weights, self.inference.replicas, self.weights)
             except Exception as error:  # the warm-up at the new batch sizes failed: nothing changed
                 raise BatchingRefused(f"the model fails its warm-up at the new batch sizes: {type(error).__name__}: "
                                       f"{error}") from error

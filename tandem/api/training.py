@@ -75,7 +75,8 @@ class TrainerSpec(ApiModel):
     """bf16 autocast, or fp16 autocast with a gradient scaler."""
     seed: Annotated[int, Field(ge=0)] = 0
     deterministic: bool = False
-    """torch.use_deterministic_algorithms(True) and no data-loader nondeterminism."""
+    """torch.use_deterministic_algorithms(True), MKL's strict reproducibility on CPUs (MKL_CBWR=AUTO,STRICT unless
+    set) and no data-loader nondeterminism."""
     require_gpu: bool = Field(False, alias="requireGPU")
     """Fail before training when CUDA is unavailable, instead of falling back to CPU."""
     prefetch_buffer: Annotated[int, Field(ge=0)] | None = None

@@ -66,6 +66,10 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         # cuBLAS is deterministic only with a fixed workspace, which it reads when it starts: without it,
         # deterministic mode makes the first matrix product on a GPU raise.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # MKL's matrix products give bitwise the same results whatever the buffers' alignment only in its strict
+        # reproducibility mode, which it reads when it first runs: without it two layouts of the same ranks (their
+        # allocations differ) ended with different weights on an AMD EPYC (tests/integration/test_ranks_per_pod.py).
+        os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
 

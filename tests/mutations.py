@@ -58,6 +58,9 @@ BUGS = [
         "if request.key == key and rows + request.rows <= limit:", "if rows + request.rows <= limit:",
         "tests/unit/test_inference.py::"
         "test_batched_mode_merges_requests_of_one_shape_and_dtype_and_never_mixes_shapes_or_dtypes"),
+    Bug("a worker alone takes the first request back after a forward", "worker/serve/batching.py",
+        "    if queued_rows >= last_rows:\n        return 0", "    return 0",
+        "tests/unit/test_inference.py::test_a_worker_alone_waits_for_as_many_examples_as_its_last_forward_had"),
     Bug("the pool's requestTimeoutMs never swept", "worker/serve/pending.py",
         "while deadlines and (deadlines[0].finished or deadlines[0].deadline <= now):",
         "while deadlines and deadlines[0].finished:",

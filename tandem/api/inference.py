@@ -151,7 +151,8 @@ class BatchingSettings(ApiModel):
     """Most requests waiting; beyond it requests are rejected at once with 429 (DL4J queueLimit)."""
     max_queue_delay_microseconds: Annotated[int, Field(ge=0)] = 0
     """How long a batch may wait to fill (Triton's dynamic batcher). With 0 what is queued goes at once, but beside
-    a forward running on the same device a free replica waits for a full batch, at most about one forward's time."""
+    a forward running on the same device a free replica waits for a full batch, and a replica alone on its device for
+    as many requests as its last forward had, at most about one forward's time."""
     request_timeout_ms: Annotated[int, Field(ge=1)] = 30000
     """How long a request may take, queue and forward together, before it is answered 504."""
 

@@ -116,20 +116,46 @@ def test_under_light_load_a_free_worker_runs_a_partial_batch_beside_a_running_fo
     torch.testing.assert_close(torch.cat(outputs), model.inner(x))
 
 
-@pytest.mark.parametrize(("queued_rows", "running_rows", "shared_device", "waited_ns", "expected_ns"), [
-    (3, 1, True, 0, 1000),              # another forward on the same cores and a partial batch: wait
-    (3, 1, True, 400, 600),             # ... until the oldest has waited as long as the last forward took
-    (3, 1, True, 1500, 0),              # ... and no longer
-    (1, 3, True, 0, 1000),              # queued and running make a full batch: wait
-    (2, 1, True, 0, 0),                 # light load (less than a full batch in all): the partial batch goes at once
-    (4, 2, True, 0, 0),                 # a full batch goes at once
-    (9, 2, True, 0, 0),
-    (3, 0, True, 0, 0),                 # nothing else runs: the partial batch goes at once
-    (3, 1, False, 0, 0),                # the other forward runs on another device
+def test_a_worker_alone_waits_for_as_many_examples_as_its_last_forward_had(gate):
+    """A closed loop of three clients on one worker: after their forward, the first to send again waits for the other
+    two rather than running a forward of one."""
+    model, gate = gate
+    x = _inputs(6)
+    with ParallelInference(model, workers=1, batch_limit=4) as inference, ThreadPoolExecutor(3) as pool:
+        torch.testing.assert_close(inference.output(x[:3]), model.inner(x[:3]))  # the last forward: 3 examples
+        inference._forward_ns = 10**15  # as if it had taken days: only the three queued end the wait
+        futures = [pool.submit(inference.output, x[3:4])]
+        _wait_until(lambda: inference._filling_workers == 1 or len(gate.batches) == 2)
+        futures += [pool.submit(inference.output, x[i:i + 1]) for i in (4, 5)]
+        outputs = [f.result(60) for f in futures]
+    assert gate.batches == [3, 3]  # not a forward of the first to come back
+    torch.testing.assert_close(torch.cat(outputs), model.inner(x[3:]))
+
+
+@pytest.mark.parametrize(("queued_rows", "running_rows", "shared_device", "oldest_waited_ns", "idle_ns", "last_rows",
+                          "expected_ns"), [
+    (3, 1, True, 0, 0, 4, 1000),        # another forward on the same cores and a partial batch: wait
+    (3, 1, True, 400, 0, 4, 600),       # ... until the oldest has waited as long as the last forward took
+    (3, 1, True, 1500, 0, 4, 0),        # ... and no longer
+    (1, 3, True, 0, 0, 4, 1000),        # queued and running make a full batch: wait
+    (2, 1, True, 0, 0, 4, 0),           # light load (less than a full batch in all): the partial batch goes at once
+    (4, 2, True, 0, 0, 4, 0),           # a full batch goes at once
+    (9, 2, True, 0, 0, 4, 0),
+    (3, 0, True, 0, 0, 4, 0),           # nothing else runs: the partial batch goes at once
+    (1, 0, False, 0, 0, 3, 1000),       # a worker alone: fewer queued than its last forward had: wait
+    (1, 2, False, 0, 0, 3, 1000),       # ... whatever runs on other devices
+    (2, 0, False, 700, 700, 3, 300),    # ... until it has idled as long as the last forward took
+    (2, 0, False, 1000, 1000, 3, 0),    # ... and no longer
+    (1, 0, False, 5000, 100, 3, 900),   # ... however long the oldest waited (left over from the last batch)
+    (3, 0, False, 0, 0, 3, 0),          # as many as the last forward had: go
+    (1, 0, False, 0, 0, 1, 0),          # light load: the last forward had one
+    (1, 0, False, 0, 0, 0, 0),          # no forward yet
+    (4, 0, False, 0, 0, 9, 0),          # a full batch goes at once
 ])
-def test_when_a_free_worker_waits_for_a_fuller_batch(queued_rows, running_rows, shared_device, waited_ns,
-                                                     expected_ns):
-    assert fuller_batch_wait(queued_rows, 4, running_rows, shared_device, waited_ns, 1000) == expected_ns
+def test_when_a_free_worker_waits_for_a_fuller_batch(queued_rows, running_rows, shared_device, oldest_waited_ns,
+                                                     idle_ns, last_rows, expected_ns):
+    assert fuller_batch_wait(queued_rows, 4, running_rows, shared_device, oldest_waited_ns, idle_ns, 1000,
+                             last_rows) == expected_ns
 
 
 # Requests queued behind request 1 (held at the gate), in this order: (request id, input shape with the examples

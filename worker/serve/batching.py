@@ -105,20 +105,36 @@ def pop_batch(queue: deque[Ticket], limit: int, batched: bool, scan_limit: int) 
     return batch, expired
 
 
-def fuller_batch_wait(queued_rows: int, batch_limit: int, running_rows: int, shared_device: bool, waited_ns: int,
-                      last_forward_ns: int) -> int:
-    """How long (ns) a free worker waits for a fuller batch before it takes what is queued (0: take it now): while
-    another replica runs a forward on the same device, the queue holds less than a full batch, and the examples
-    queued and running together make at least a full batch (the cores are busy: a full batch will form), until the
-    oldest request has waited as long as the last forward took. Two partial forwards side by side on the same
-    cores each cost more per example than one fuller forward after the other (measured in bench/RESULTS.md); under
-    light load (queued and running less than a full batch) the partial forwards run side by side, each on a core
-    that would otherwise idle. The bound keeps a slow or stuck forward from holding the other replicas back for
-    longer."""
-    if queued_rows >= batch_limit or not running_rows or not shared_device or \
-            queued_rows + running_rows < batch_limit:
+def fuller_batch_wait(queued_rows: int, batch_limit: int, running_rows: int, shared_device: bool, oldest_waited_ns: int,
+                      idle_ns: int, last_forward_ns: int, last_rows: int) -> int:
+    """How long (ns) a free worker waits for a fuller batch before it takes what is queued (0: take it now), never
+    once the queue holds a full batch, and at most as long as the last forward took (so a slow or stuck forward holds
+    nothing back for longer): counted from the oldest request's arrival where replicas share the device, from the
+    end of the worker's last forward (`idle_ns` ago) where it is alone.
+
+    Where replicas share the device: while another replica runs a forward there and the examples queued and
+    running together make at least a full batch (the cores are busy: a full batch will form). Two partial forwards
+    side by side on the same cores each cost more per example than one fuller forward after the other (measured in
+    bench/RESULTS.md); under lighter load the partial forwards run side by side, each on a core that would otherwise
+    idle.
+
+    A worker alone on its device (one replica, or one per GPU): while fewer examples are queued than its last
+    forward took (`last_rows`). The clients answered by that forward are likely to send again (a closed loop, each
+    client waiting for its answer), and a forward of the first few of them streams the weights once for little:
+    a server process of one replica under 64 connections ran 116 forwards of 1 example and 190 of 4 in 8 s beside
+    its full ones. Under steady open load the queue already holds as many as the last forward when it ends (they
+    arrived during it), so nothing waits; where the load falls, one forward waits, and the next expects fewer."""
+    if queued_rows >= batch_limit:
         return 0
-    return max(0, last_forward_ns - waited_ns)
+    if shared_device:
+        if not running_rows or queued_rows + running_rows < batch_limit:
+            return 0
+        return max(0, last_forward_ns - oldest_waited_ns)
+    if queued_rows >= last_rows:
+        return 0
+    # Not since the oldest arrived: requests left over from a capped batch arrived during the last forward, and
+    # would otherwise go at once as a small forward of their own (a forward of 32, then one of the 4 left, ...).
+    return max(0, last_forward_ns - idle_ns)
 
 
 def join_inputs(batch: list[Ticket]) -> tuple[torch.Tensor, bool]:

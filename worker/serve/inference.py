@@ -10,7 +10,9 @@ Modes (DL4J's InferenceMode):
   ``max_delay_us`` for the batch to fill), runs one forward on its replica and splits the output back. Where
   the replicas share one device (on CPU: the cores) and the examples queued and running make at least a full
   batch, a free worker beside a running forward waits until the queue holds a full batch, that forward ends, or
-  the oldest request has waited as long as the last forward took; under lighter load it takes what is queued.
+  the oldest request has waited as long as the last forward took; under lighter load it takes what is queued. A
+  worker alone on its device waits, at most as long as its last forward took, for as many examples as that forward
+  had (the clients just answered are likely to send again).
 - ``sequential``: the same queue and workers, one request per forward, first in first out.
 - ``inplace``: the caller's thread runs the forward on a free replica (no queue, no worker threads).
 
@@ -90,6 +92,9 @@ class ParallelInference:
         self._idle_workers = 0
         self._filling_workers = 0  # waiting for a fuller batch while another replica runs (_wait_for_fuller_batch)
         self._forward_ns = 0  # how long the last forward took
+        self._last_rows = 0  # and how many examples it had
+        self._forward_end_ns = 0  # and when it ended
+        self._fill_target = batch_limit  # requests queued that wake a worker waiting for a fuller batch
         self._running = 0
         self._running_rows = 0  # examples in the forwards running (batched mode)
         self._closed = False
@@ -256,10 +261,10 @@ class ParallelInference:
                     f"queue full: {self.queue_limit} requests already waiting (queue_limit={self.queue_limit}); "
                     "retry later")
             self._queue.append(request)
-            fills_a_batch = len(self._queue) == self.batch_limit
+            fills_a_batch = len(self._queue) == self._fill_target
         # Read after the append; a worker counts itself before it looks at the queue. A worker waiting for a fuller
-        # batch is woken once, by the request that brings the queue to batch_limit requests (at least as many
-        # examples), or by a forward's end.
+        # batch is woken once, by the request that brings the queue to the batch it waits for (batch_limit requests,
+        # or as many as its last forward; at least as many examples), or by a forward's end.
         if self._idle_workers or (fills_a_batch and self._filling_workers):
             with self._cond:
                 if self._filling_workers:
@@ -319,10 +324,13 @@ class ParallelInference:
                             if wait > 0:
                                 self._cond.wait(wait)
                                 continue
+                        now = time.perf_counter_ns()
                         wait_ns = fuller_batch_wait(rows, self.batch_limit, self._running_rows, self._shared_device,
-                                                    time.perf_counter_ns() - queue[0].submitted, self._forward_ns)
+                                                    now - queue[0].submitted, now - self._forward_end_ns,
+                                                    self._forward_ns, self._last_rows)
                         if wait_ns:
-                            self._wait_for_fuller_batch(wait_ns / 1e9)
+                            target = self.batch_limit if self._shared_device else self._last_rows
+                            self._wait_for_fuller_batch(wait_ns / 1e9, target)
                             continue
                     batch, expired = pop_batch(queue, self.batch_limit if batched else 1, batched, self.queue_limit)
                     self._running += len(batch)
@@ -331,10 +339,12 @@ class ParallelInference:
             finally:
                 self._idle_workers -= 1
 
-    def _wait_for_fuller_batch(self, timeout: float) -> None:
-        """Wait (under _cond) until the queue holds a full batch, a forward ends, or `timeout` (fuller_batch_wait)."""
-        self._idle_workers -= 1  # a submitter wakes this worker only for a full batch (_enqueue)
+    def _wait_for_fuller_batch(self, timeout: float, target: int) -> None:
+        """Wait (under _cond) until the queue holds `target` requests, a forward ends, or `timeout`
+        (fuller_batch_wait)."""
+        self._idle_workers -= 1  # a submitter wakes this worker only for the batch it waits for (_enqueue)
         self._filling_workers += 1
+        self._fill_target = target
         try:
             self._cond.wait(timeout)
         finally:
@@ -351,6 +361,8 @@ class ParallelInference:
         forward_ns = run_batch(replica, device, batch, self.stats)
         if forward_ns is not None:
             self._forward_ns = forward_ns
+            self._last_rows = sum(r.rows for r in batch)
+            self._forward_end_ns = time.perf_counter_ns()
 
     # -- inplace mode -----------------------------------------------------------------------------------------
 

@@ -68,10 +68,12 @@ def as_input(x: Any) -> torch.Tensor | np.ndarray:
     return x
 
 
-def pop_batch(queue: deque[Ticket], limit: int, batched: bool, scan_limit: int) -> tuple[list[Ticket], list[Ticket]]:
+def pop_batch(queue: deque[Ticket], limit: int, batched: bool,
+              scan_limit: int) -> tuple[list[Ticket], int, list[Ticket]]:
     """Take the next batch from `queue`: the oldest request and, when `batched`, the queued requests of the same
     per-example shape and dtype after it, up to `limit` examples (looking past at most `scan_limit` requests of
-    other shapes, which stay queued in order). Also returns the requests found past their deadline."""
+    other shapes, which stay queued in order). Returns the batch, its examples, and the requests found past their
+    deadline."""
     now = time.monotonic()
     expired: list[Ticket] = []
     batch: list[Ticket] = []
@@ -102,7 +104,7 @@ def pop_batch(queue: deque[Ticket], limit: int, batched: bool, scan_limit: int) 
             break
     if kept:
         queue.extendleft(reversed(kept))
-    return batch, expired
+    return batch, rows, expired
 
 
 def fuller_batch_wait(queued_rows: int, batch_limit: int, running_rows: int, shared_device: bool, oldest_waited_ns: int,

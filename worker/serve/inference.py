@@ -288,7 +288,7 @@ class ParallelInference:
         # than cores beside the other replicas (measured in bench/RESULTS.md).
         torch.set_num_threads(self._torch_threads)
         while True:
-            batch, expired = self._take(index)
+            batch, rows, expired = self._take(index)
             if expired:
                 self._expire(expired)
             if batch is None:
@@ -296,16 +296,17 @@ class ParallelInference:
             if batch:
                 replica = self._replicas[index]
                 try:
-                    self._run(replica, self.devices[index], batch)
+                    self._run(replica, self.devices[index], batch, rows)
                 finally:
                     with self._cond:
                         self._running -= len(batch)
-                        self._running_rows -= sum(r.rows for r in batch)
+                        self._running_rows -= rows
                         if self._filling_workers:
                             self._cond.notify_all()
 
-    def _take(self, index: int) -> tuple[list[Ticket] | None, list[Ticket]]:
-        """The next batch for worker `index` (None: shut down and drained), and requests found expired."""
+    def _take(self, index: int) -> tuple[list[Ticket] | None, int, list[Ticket]]:
+        """The next batch for worker `index` (None: shut down and drained), its examples, and requests found
+        expired."""
         with self._cond:
             self._idle_workers += 1  # before looking at the queue: a submitter that appends after this notifies
             try:
@@ -313,7 +314,7 @@ class ParallelInference:
                     queue = self._queue
                     if not queue:
                         if self._closed:
-                            return None, []
+                            return None, 0, []
                         self._cond.wait()
                         continue
                     batched = self.mode == "batched"
@@ -332,10 +333,11 @@ class ParallelInference:
                             target = self.batch_limit if self._shared_device else self._last_rows
                             self._wait_for_fuller_batch(wait_ns / 1e9, target)
                             continue
-                    batch, expired = pop_batch(queue, self.batch_limit if batched else 1, batched, self.queue_limit)
+                    batch, rows, expired = pop_batch(queue, self.batch_limit if batched else 1, batched,
+                                                     self.queue_limit)
                     self._running += len(batch)
-                    self._running_rows += sum(r.rows for r in batch)
-                    return batch, expired
+                    self._running_rows += rows
+                    return batch, rows, expired
             finally:
                 self._idle_workers -= 1
 
@@ -357,11 +359,11 @@ class ParallelInference:
             waited = (time.perf_counter_ns() - request.submitted) / 1e6
             request.finish(None, InferenceTimeout(f"timed out after waiting {waited:.0f} ms in the queue"))
 
-    def _run(self, replica: torch.nn.Module, device: torch.device, batch: list[Ticket]) -> None:
-        forward_ns = run_batch(replica, device, batch, self.stats)
+    def _run(self, replica: torch.nn.Module, device: torch.device, batch: list[Ticket], rows: int) -> None:
+        forward_ns = run_batch(replica, device, batch, self.stats, rows)
         if forward_ns is not None:
             self._forward_ns = forward_ns
-            self._last_rows = sum(r.rows for r in batch)
+            self._last_rows = rows
             self._forward_end_ns = time.perf_counter_ns()
 
     # -- inplace mode -----------------------------------------------------------------------------------------
@@ -395,7 +397,7 @@ class ParallelInference:
             own.done = allocate_lock()
             own.done.acquire()
         try:
-            self._run(replica, self.devices[index], [own])
+            self._run(replica, self.devices[index], [own], own.rows)
         finally:
             with self._cond:
                 self._running -= 1

@@ -96,12 +96,12 @@ def check_output(out: Any, rows: int) -> None:
                          "row per example")
 
 
-def run_batch(replica: torch.nn.Module, device: torch.device, batch: list[Ticket], stats: InferenceStats) -> int | None:
-    """One forward for `batch` on `replica`, each request answered with its rows of the output; a failing batch of
-    several requests is retried one request at a time so that only the request that breaks the model fails. The
-    forward's time in ns (joining and splitting included), or None where it failed."""
+def run_batch(replica: torch.nn.Module, device: torch.device, batch: list[Ticket], stats: InferenceStats,
+              rows: int) -> int | None:
+    """One forward for `batch` (`rows` examples in all) on `replica`, each request answered with its rows of the
+    output; a failing batch of several requests is retried one request at a time so that only the request that breaks
+    the model fails. The forward's time in ns (joining and splitting included), or None where it failed."""
     start = time.perf_counter_ns()
-    rows = sum(r.rows for r in batch) if len(batch) > 1 else batch[0].rows
     try:
         x, as_numpy = join_inputs(batch)
         if device.type != "cpu":
@@ -117,7 +117,7 @@ def run_batch(replica: torch.nn.Module, device: torch.device, batch: list[Ticket
     except Exception as error:
         if len(batch) > 1:
             for request in batch:
-                run_batch(replica, device, [request], stats)
+                run_batch(replica, device, [request], stats, request.rows)
             return None
         end = time.perf_counter_ns()
         stats.batch(batch, rows, start, end, end, end, (False,))

@@ -88,7 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tandem.worker.process_exit import exit_without_teardown
     from tandem.worker.serve.app import InferenceServer  # imports torch
     from tandem.worker.serve.auth import AuthTokenError
-    from tandem.worker.serve.http import new_event_loop
+    from tandem.worker.serve.http import HandedOver, new_event_loop
     from tandem.worker.serve.model_loading import ModelLoadError
 
     try:
@@ -99,7 +99,11 @@ def _serve(args: argparse.Namespace) -> int:
     except (ModelLoadError, AuthTokenError) as error:
         print(error, file=sys.stderr)
         return 1
-    listen = (port, grpc_port) if member is None else (member.http, member.grpc)
+    if member is None:
+        listen = (port, grpc_port, None)
+    else:  # the supervisor accepts, and hands the connections over
+        listen = (HandedOver(member.http_port), None if member.grpc_port is None else HandedOver(member.grpc_port),
+                  member.channel)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         code = runner.run(server.run(args.host, *listen))
     exit_without_teardown(code)  # a forward still running past the grace period would abort the teardown

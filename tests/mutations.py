@@ -61,6 +61,10 @@ BUGS = [
     Bug("a worker alone takes the first request back after a forward", "worker/serve/batching.py",
         "    if queued_rows >= last_rows:\n        return 0", "    return 0",
         "tests/unit/test_inference.py::test_a_worker_alone_waits_for_as_many_examples_as_its_last_forward_had"),
+    Bug("the supervisor hands every connection to the same process", "worker/serve/processes.py",
+        "self._turns[kind] = index + 1", "self._turns[kind] = index",
+        "tests/integration/test_serve_processes.py::"
+        "test_two_processes_share_the_ports_answer_every_connection_and_stop_together"),
     Bug("the pool's requestTimeoutMs never swept", "worker/serve/pending.py",
         "while deadlines and (deadlines[0].finished or deadlines[0].deadline <= now):",
         "while deadlines and deadlines[0].finished:",

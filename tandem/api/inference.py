@@ -180,10 +180,11 @@ class InferencePoolSpec(BatchingSettings, PodSettings):
     workers_per_replica: Annotated[int, Field(ge=1)] = 1
     """Model replicas in each pod: worker threads, one per GPU; on CPU, threads sharing one copy of the model."""
     processes_per_replica: Annotated[int, Field(ge=1)] = 1
-    """Server processes in each pod (`tandem serve --processes`), all accepting on the pod's ports: each has its own
-    event loop and workersPerReplica model replicas; the pod's cores are shared between them all, and with GPUs every
-    process places its replicas on the same GPUs; on CPU they serve one copy of the weights. On CPU, two processes of
-    one worker serve 1.3-1.5x the requests of one process of two (bench/RESULTS.md, "Fifth pass")."""
+    """Server processes in each pod (`tandem serve --processes`), served the pod's connections in turn by a
+    supervisor: each has its own event loop and workersPerReplica model replicas; the pod's cores are shared between
+    them all, and with GPUs every process places its replicas on the same GPUs; on CPU they serve one copy of the
+    weights. On CPU, two processes of one worker serve 1.3-1.5x the requests of one process of two
+    (bench/RESULTS.md, "Fifth pass")."""
     gpus_per_replica: Annotated[int, Field(ge=0)] = 0
     model: ModelSource
     inference_mode: InferenceMode = "batched"

@@ -1,8 +1,10 @@
 """`tandem serve --processes N` (an InferencePool's processesPerReplica): real `tandem serve` processes on real
-sockets: a supervisor without torch, N children accepting on the same ports (SO_REUSEPORT), one stop for all."""
+sockets: a supervisor without torch that accepts and hands each connection to the next of N children, one stop for
+all."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -22,7 +24,17 @@ from serving import WAIT_S, inputs, json_body, make_pool, reference, request, se
 from tandem.cli import main as cli_main
 from tandem.worker import cores
 from tandem.worker.serve.app import InferenceServer
-from tandem.worker.serve.processes import MEMBER, Group, exit_description, listening_sockets, new_group_directory
+from tandem.worker.serve.processes import (
+    GRPC,
+    HTTP,
+    MEMBER,
+    Dispatcher,
+    Group,
+    exit_description,
+    listening_socket,
+    new_group_directory,
+    receive_connections,
+)
 
 
 def write_pool(tmp_path: Path, **spec) -> Path:
@@ -91,8 +103,9 @@ def stop(process: subprocess.Popen, children: list[int]) -> None:
 
 def test_two_processes_share_the_ports_answer_every_connection_and_stop_together(tmp_path):
     """The pool's processesPerReplica: 2, no flag: a supervisor that never loads torch and two children, both
-    accepting on the ports and mapping one file of weights; a fresh connection each time, every request answered
-    right, over HTTP and gRPC; SIGTERM stops both (each drains), exit 0, nothing left behind."""
+    mapping one file of weights, served the connections in turn (half each, over HTTP and over gRPC); a fresh
+    connection each time, every request answered right; SIGTERM stops both (each drains), exit 0, nothing left
+    behind."""
     process = serve_process(write_pool(tmp_path, processesPerReplica=2))
     pids: list[int] = []
     try:
@@ -114,16 +127,19 @@ def test_two_processes_share_the_ports_answer_every_connection_and_stop_together
             assert response.status == 200
             output = json.loads(response.read())["outputs"][0]["data"]
             np.testing.assert_allclose(output, expected[row], rtol=1e-5, atol=1e-6)
-        held = [connections_held(pid, port) for pid in pids]
-        assert sum(held) == len(connections) and min(held) > 0, held  # one child taking all 32: odds of 2**-31
+        assert [connections_held(pid, port) for pid in pids] == [16, 16]
         for connection in connections:
             connection.close()
-        client = tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        clients = [tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}",  # a connection each, not one shared
+                                               channel_args=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(4)]
         tensor = tgrpc.InferInput("input", [4, 64], "FP32")
         tensor.set_data_from_numpy(x[:4])
-        np.testing.assert_allclose(client.infer("digits", [tensor]).as_numpy("output"), expected[:4], rtol=1e-5,
-                                   atol=1e-6)
-        client.close()
+        for client in clients:
+            np.testing.assert_allclose(client.infer("digits", [tensor]).as_numpy("output"), expected[:4], rtol=1e-5,
+                                       atol=1e-6)
+        assert [connections_held(pid, grpc_port) for pid in pids] == [2, 2]
+        for client in clients:
+            client.close()
         process.send_signal(signal.SIGTERM)
         assert process.wait(WAIT_S) == 0
     finally:
@@ -212,15 +228,76 @@ def test_a_port_in_use_is_a_clear_error_and_exit_1(tmp_path, flag):
                                      "[Errno 98] Address already in use\n")
 
 
-def test_listening_sockets_share_the_port_the_first_one_took():
-    sockets = listening_sockets("127.0.0.1", 0, 3, "HTTP")
+class Receiver:
+    """A child's side of the hand-over, on an event loop in this process: the connections it was handed, by what
+    they are for."""
+
+    def __init__(self, channel: socket.socket):
+        self.received: list[tuple[bytes, socket.socket]] = []
+        self.channel = channel
+
+    def take(self, kind: bytes, connection: socket.socket) -> None:
+        self.received.append((kind, connection))
+
+    def payloads(self) -> list[tuple[bytes, bytes]]:
+        """What each connection was for, and what its client sent on it."""
+        read = []
+        for kind, connection in self.received:
+            with connection:
+                connection.setblocking(True)
+                read.append((kind, connection.recv(16)))
+        return read
+
+
+def test_the_supervisor_hands_connections_to_each_process_in_turn_per_port_and_passes_over_one_that_is_gone():
+    """The Dispatcher and receive_connections over real sockets, one event loop standing for the supervisor and the
+    children: 6 HTTP and 2 gRPC connections to 3 children go 2+2+2 and 1+1+0 (round robin per port); once a child's
+    end is closed (it stopped), the others take its turns."""
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
+    receivers = [Receiver(theirs) for _, theirs in pairs]
+    http, grpc = listening_socket("127.0.0.1", 0, "HTTP"), listening_socket("127.0.0.1", 0, "gRPC")
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        for receiver in receivers:
+            receive_connections(receiver.channel, {HTTP: lambda c, r=receiver: r.take(HTTP, c),
+                                                   GRPC: lambda c, r=receiver: r.take(GRPC, c)})
+        dispatcher = Dispatcher([ours for ours, _ in pairs])
+        dispatcher.start(http, HTTP)
+        dispatcher.start(grpc, GRPC)
+
+        async def connect(listener: socket.socket, payload: bytes) -> None:
+            count = sum(len(r.received) for r in receivers)
+            _, writer = await asyncio.open_connection(*listener.getsockname())
+            writer.write(payload)
+            await writer.drain()
+            while sum(len(r.received) for r in receivers) == count:  # handed over
+                await asyncio.sleep(0.01)
+            writer.close()
+
+        for number in range(6):
+            await connect(http, b"http %d" % number)
+        for number in range(2):
+            await connect(grpc, b"grpc %d" % number)
+        loop.remove_reader(receivers[1].channel)
+        receivers[1].channel.close()
+        for number in range(6, 8):
+            await connect(http, b"http %d" % number)
+        dispatcher.stop()
+        with pytest.raises(OSError):
+            await asyncio.open_connection(*http.getsockname())
+
     try:
-        ports = {listener.getsockname()[1] for listener in sockets}
-        assert len(sockets) == 3 and len(ports) == 1 and 0 not in ports
-        assert all(listener.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) for listener in sockets)
+        asyncio.run(asyncio.wait_for(scenario(), WAIT_S))
     finally:
-        for listener in sockets:
-            listener.close()
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+    assert [r.payloads() for r in receivers] == [
+        [(HTTP, b"http 0"), (HTTP, b"http 3"), (GRPC, b"grpc 0"), (HTTP, b"http 6")],
+        [(HTTP, b"http 1"), (HTTP, b"http 4"), (GRPC, b"grpc 1")],
+        [(HTTP, b"http 2"), (HTTP, b"http 5"), (HTTP, b"http 7")],
+    ]
 
 
 @pytest.mark.parametrize(("code", "said"), [

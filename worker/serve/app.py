@@ -31,6 +31,7 @@ import gc
 import logging
 import math
 import signal
+import socket
 
 import torch
 
@@ -45,7 +46,7 @@ from tandem.worker.serve.grpc_service import MAX_MESSAGE_BYTES, GrpcCall, GrpcSe
 from tandem.worker.serve.http import HttpServer, Listen, Request
 from tandem.worker.serve.model_loading import LoadedModel
 from tandem.worker.serve.pending import PendingRequests
-from tandem.worker.serve.processes import Group
+from tandem.worker.serve.processes import GRPC, HTTP, Group, receive_connections
 from tandem.worker.serve.routes import Routes
 from tandem.worker.serve.served_model import ServedModel
 from tandem.worker.serve.tasks import cancel_and_wait
@@ -97,10 +98,12 @@ class InferenceServer:
         self._grpc: GrpcServer | None = None
         self._owns_process = False  # run() (tandem serve): process-wide tuning such as freezing the heap
 
-    async def start(self, host: str = "127.0.0.1", port: Listen = 0, grpc_port: Listen | None = None) -> int:
+    async def start(self, host: str = "127.0.0.1", port: Listen = 0, grpc_port: Listen | None = None,
+                    channel: socket.socket | None = None) -> int:
         """Listen for HTTP on `port` and, unless `grpc_port` is None, for gRPC on it (0: any free port; a socket:
-        serve on it, already listening; the ports are in self.port and self.grpc_port; the HTTP port is returned),
-        then load and warm up the model in the background (`self.loading`); live at once, ready once loaded."""
+        serve on it, already listening; HandedOver: serve the connections a process group's supervisor hands over on
+        `channel`; the ports are in self.port and self.grpc_port; the HTTP port is returned), then load and warm up
+        the model in the background (`self.loading`); live at once, ready once loaded."""
         self.pending.start()
         if self._peer_routes is not None:
             await self._peer_routes.start(self.group.socket_path(self.group.index))
@@ -109,6 +112,8 @@ class InferenceServer:
         if grpc_port is not None:
             self._grpc = GrpcServer(GrpcService(self, self.token).methods(), MAX_MESSAGE_BYTES)
             self.grpc_port = await self._grpc.start(host, grpc_port)
+        if channel is not None:
+            receive_connections(channel, {HTTP: self._http.adopt, **({GRPC: self._grpc.adopt} if self._grpc else {})})
         self.loading = asyncio.create_task(self._load())
         return self.port
 
@@ -211,7 +216,8 @@ class InferenceServer:
             await self._peer_routes.close()
             await self.peers.close()
 
-    async def run(self, host: str, port: Listen, grpc_port: Listen | None = None) -> int:
+    async def run(self, host: str, port: Listen, grpc_port: Listen | None = None,
+                  channel: socket.socket | None = None) -> int:
         """The `tandem serve` process: serve until SIGTERM or SIGINT, then drain; 0 after a drain, 1 when the
         model cannot be loaded."""
         loop = asyncio.get_running_loop()
@@ -220,7 +226,7 @@ class InferenceServer:
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        await self.start(host, port, grpc_port)
+        await self.start(host, port, grpc_port, channel)
         grpc_address = "" if self.grpc_port is None else f" and grpc://{host}:{self.grpc_port}"
         log.info("listening on http://%s:%d%s (live; ready once the model is loaded and warmed up)%s", host,
                  self.port, grpc_address, "; clients need the bearer token" if self.token else "")

@@ -1,7 +1,7 @@
 """The server processes of one pod (an InferencePool's processesPerReplica, `tandem serve --processes N`): each is an
-InferenceServer with its own event loop and model replicas, all accepting on the pod's ports (SO_REUSEPORT), so a
-client's connection lands on any of them. They keep one face to clients and to the operator by talking over Unix
-sockets in the group's private directory (HTTP/1.1, JSON):
+InferenceServer with its own event loop and model replicas, serving the connections to the pod's ports that the
+supervisor hands it in turn (processes.py), so a client's connection lands on any of them. They keep one face to
+clients and to the operator by talking over Unix sockets in the group's private directory (HTTP/1.1, JSON):
 
     GET  /peer/state           this process's counters (statistics, /metrics' request outcomes, pending requests)
                                and readiness: the process answering a statistics, /metrics or readiness request sums

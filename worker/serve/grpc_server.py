@@ -35,7 +35,7 @@ import hpack
 from google.protobuf.message import DecodeError, Message
 
 from tandem.worker.serve.grpc_protocol import status_code
-from tandem.worker.serve.http import DecompressError, Listen, decompress, listen
+from tandem.worker.serve.http import Adoptions, DecompressError, Listen, decompress, listen, port_of
 
 log = logging.getLogger("tandem.serve")
 
@@ -237,23 +237,27 @@ class GrpcServer:
         self.max_message = max_message
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
-        self.closing = False
+        self.started = self.closing = False
+        self.adopt = Adoptions(lambda: _Connection(self), lambda: self.closing).adopt
 
     async def start(self, host: str, port: Listen) -> int:
-        """Listen on host:port (0: any free port), or on the socket `port`; the port."""
+        """Listen on host:port (0: any free port), on the socket `port`, or nowhere (HandedOver: see `adopt`); the
+        port."""
         try:
             self._server = await listen(lambda: _Connection(self), host, port)
         except OSError as error:
             raise OSError(f"cannot listen for gRPC on {host}:{port}: {error}") from error
-        return self._server.sockets[0].getsockname()[1]
+        self.started = True
+        return port_of(self._server, port)
 
     async def close(self, grace_seconds: float = 1.0) -> None:
         """Stop listening and taking calls; calls still running get `grace_seconds` to write their answers."""
-        server, self._server = self._server, None
-        if server is None:
+        if not self.started or self.closing:
             return
         self.closing = True
-        server.close()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         for connection in list(self._connections):
             connection.go_away()
         running = [task for connection in self._connections for task in connection.tasks()]

@@ -25,6 +25,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from urllib.parse import unquote
 
@@ -39,17 +40,57 @@ LINGER_BYTES = 64 << 20
 REASONS = {status.value: status.phrase for status in HTTPStatus}
 
 
-Listen = int | socket.socket
-"""Where a server listens: a port (0: any free port), or a socket already listening (a process group's,
-processes.py)."""
+@dataclass(frozen=True)
+class HandedOver:
+    """Connections to `port` accepted by another process and handed over (a process group's supervisor,
+    processes.py): the server listens on nothing and serves what its `adopt` is given."""
+
+    port: int
 
 
-async def listen(protocol: Callable[[], asyncio.Protocol], host: str, port: Listen, **options) -> asyncio.Server:
-    """Serve `protocol` on host:port, or on the socket `port` (host is then only its name)."""
+Listen = int | socket.socket | HandedOver
+"""Where a server listens: a port (0: any free port), a socket already listening, or nowhere (HandedOver)."""
+
+
+async def listen(protocol: Callable[[], asyncio.Protocol], host: str, port: Listen,
+                 **options) -> asyncio.Server | None:
+    """Serve `protocol` on host:port, or on the socket `port` (host is then only its name); None for HandedOver."""
     loop = asyncio.get_running_loop()
+    if isinstance(port, HandedOver):
+        return None
     if isinstance(port, socket.socket):
         return await loop.create_server(protocol, sock=port, **options)
     return await loop.create_server(protocol, host, port, **options)
+
+
+def port_of(server: asyncio.Server | None, port: Listen) -> int:
+    """The port a server started by `listen` serves."""
+    return port.port if isinstance(port, HandedOver) else server.sockets[0].getsockname()[1]
+
+
+class Adoptions:
+    """Connections accepted elsewhere (HandedOver), made a server's by `adopt`, each with `protocol()` on the running
+    loop; while `closing()` they are closed instead."""
+
+    def __init__(self, protocol: Callable[[], asyncio.Protocol], closing: Callable[[], bool]):
+        self.protocol = protocol
+        self.closing = closing
+        self._starting: set[asyncio.Task] = set()  # held until started: the loop keeps only weak references
+
+    def adopt(self, connection: socket.socket) -> None:
+        if self.closing():
+            connection.close()
+            return
+        task = asyncio.get_running_loop().create_task(self._start(connection))
+        self._starting.add(task)
+        task.add_done_callback(self._starting.discard)
+
+    async def _start(self, connection: socket.socket) -> None:
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(self.protocol, connection)
+        except OSError as error:  # the client left while it was handed over
+            log.debug("a connection handed over ended before it was served: %s", error)
+            connection.close()
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -115,12 +156,13 @@ class HttpServer:
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.Task | None = None
         self.closing = False
+        self.adopt = Adoptions(lambda: _Connection(self), lambda: self.closing).adopt
 
     async def start(self, host: str, port: Listen) -> int:
-        """Listen on host:port, or on the socket `port`; the port."""
+        """Listen on host:port, on the socket `port`, or nowhere (HandedOver: see `adopt`); the port."""
         self._server = await listen(lambda: _Connection(self), host, port, reuse_address=True, backlog=1024)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_idle())
-        return self._server.sockets[0].getsockname()[1]
+        return port_of(self._server, port)
 
     async def start_unix(self, path: str) -> None:
         """Listen on a Unix socket at `path` instead (the private channel between a pod's server processes)."""

@@ -1,20 +1,24 @@
 """`tandem serve --processes N` (an InferencePool's processesPerReplica): the pod's N server processes, started and
 watched by a supervisor that imports no torch.
 
-The supervisor binds the ports itself: N sockets on the HTTP address and N on the gRPC one (unless --no-grpc), each
-with SO_REUSEPORT, so that the kernel spreads new connections over them. It then starts N children, each `tandem
-serve` with the supervisor's own arguments: child i inherits its HTTP and gRPC sockets (pass_fds; the supervisor
-closes its copies once they are started) and finds its place in $TANDEM_SERVE_MEMBER, a JSON object of the group's
-directory, its index, the group's size, those sockets' file descriptors and the supervisor's pid
-(`member_from_environment`). Each child is an InferenceServer with its Group, serving on the sockets it inherited
-and talking to the others through group.py (which this module does not import: it imports torch). The group's
-directory (mode 0700, for the processes' Unix sockets) lasts as long as the supervisor.
+The supervisor listens on the ports itself (HTTP, and gRPC unless --no-grpc), accepts every connection and hands it
+to the children in turn (`Dispatcher`: round robin per port, the connection's descriptor sent over a Unix socket
+pair, SCM_RIGHTS), as Node.js's cluster module does: with SO_REUSEPORT the kernel spread connections by a hash of
+their addresses, and 8 connections landed 5 and 3 or 6 and 2 as often as 4 and 4, so one process ran short
+batches while the other queued (measured in bench/RESULTS.md). It then starts N children, each `tandem serve`
+with the supervisor's own arguments: child i inherits its end of its socket pair (pass_fds) and finds its place in
+$TANDEM_SERVE_MEMBER, a JSON object of the group's directory, its index, the group's size, that descriptor, the
+ports and the supervisor's pid (`member_from_environment`). Each child is an InferenceServer with its Group,
+serving the connections it is handed (`receive_connections`) and talking to the others through group.py (which
+this module does not import: it imports torch). The group's directory (mode 0700, for the processes' Unix
+sockets) lasts as long as the supervisor.
 
-SIGTERM and SIGINT are forwarded to every child, which drains as a lone server does; the supervisor exits once they
-all have, 0 when they all exit 0. A child that exits on its own (a crash, a kill, a model that cannot be loaded)
-stops the group: the others are sent SIGTERM and drain, and the supervisor exits 1, so that the kubelet restarts
-the container rather than the pod serving at part of its capacity without saying so. On Linux a child is also sent
-SIGTERM when the supervisor dies (PR_SET_PDEATHSIG): a supervisor killed outright leaves no process serving.
+SIGTERM and SIGINT are forwarded to every child, which drains as a lone server does (a connection handed to a child
+that has stopped is closed); the supervisor exits once they all have, 0 when they all exit 0. A child that exits on
+its own (a crash, a kill, a model that cannot be loaded) stops the group: the others are sent SIGTERM and drain,
+and the supervisor exits 1, so that the kubelet restarts the container rather than the pod serving at part of its
+capacity without saying so. On Linux a child is also sent SIGTERM when the supervisor dies (PR_SET_PDEATHSIG): a
+supervisor killed outright leaves no process serving.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +43,7 @@ MEMBER = "TANDEM_SERVE_MEMBER"
 BACKLOG = 1024  # as http.py's
 PR_SET_PDEATHSIG = 1  # prctl(2)
 SOCKET_PATH_BYTES = 108  # sun_path, with its terminating NUL
+HTTP, GRPC = b"h", b"g"  # what a connection handed over is for: the message its descriptor comes with
 
 
 @dataclass(frozen=True)
@@ -61,11 +67,13 @@ class Group:
 
 @dataclass(frozen=True)
 class Member:
-    """A child's place in its group, and the sockets it serves on (gRPC: None with --no-grpc)."""
+    """A child's place in its group, the socket its connections are handed over on, and the ports they come to
+    (gRPC: None with --no-grpc)."""
 
     group: Group
-    http: socket.socket
-    grpc: socket.socket | None
+    channel: socket.socket
+    http_port: int
+    grpc_port: int | None
 
 
 def member_from_environment() -> Member | None:
@@ -77,9 +85,34 @@ def member_from_environment() -> Member | None:
         return None
     fields = json.loads(value)
     _stop_with(fields["supervisor"])
-    grpc = None if fields["grpc_fd"] is None else socket.socket(fileno=fields["grpc_fd"])
     group = Group(Path(fields["directory"]), fields["index"], fields["size"])
-    return Member(group, socket.socket(fileno=fields["http_fd"]), grpc)
+    return Member(group, socket.socket(fileno=fields["channel_fd"]), fields["http_port"], fields["grpc_port"])
+
+
+def receive_connections(channel: socket.socket, adopt: dict[bytes, Callable[[socket.socket], None]]) -> None:
+    """On the running event loop, from now on: each connection the supervisor hands over on `channel` goes to
+    adopt[what it is for] (HTTP or GRPC)."""
+    loop = asyncio.get_running_loop()
+    channel.setblocking(False)
+
+    def readable() -> None:
+        while True:
+            try:
+                kind, descriptors, _, _ = socket.recv_fds(channel, 1, 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            if not kind:  # the supervisor closed its end
+                loop.remove_reader(channel)
+                return
+            for descriptor in descriptors:
+                connection = socket.socket(fileno=descriptor)
+                take = adopt.get(kind)
+                if take is None:
+                    connection.close()
+                else:
+                    take(connection)
+
+    loop.add_reader(channel, readable)
 
 
 def _stop_with(supervisor: int) -> None:
@@ -90,26 +123,70 @@ def _stop_with(supervisor: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def listening_sockets(host: str, port: int, count: int, protocol: str) -> list[socket.socket]:
-    """`count` sockets listening on host:port, all with SO_REUSEPORT (port 0: the first takes a free port, the
-    others the same). Raises OSError naming the protocol, the address and the reason."""
-    sockets: list[socket.socket] = []
+def listening_socket(host: str, port: int, protocol: str) -> socket.socket:
+    """A non-blocking socket listening on host:port (0: a free port). Raises OSError naming the protocol, the address
+    and the reason."""
+    listener = None
     try:
         family, kind, number, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                               flags=socket.AI_PASSIVE)[0]
-        for _ in range(count):
-            listener = socket.socket(family, kind, number)
-            sockets.append(listener)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            listener.bind(address)
-            listener.listen(BACKLOG)
-            address = listener.getsockname()
+        listener = socket.socket(family, kind, number)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(BACKLOG)
+        listener.setblocking(False)
     except OSError as error:
-        for listener in sockets:
+        if listener is not None:
             listener.close()
         raise OSError(f"cannot listen for {protocol} on {host}:{port}: {error}") from error
-    return sockets
+    return listener
+
+
+class Dispatcher:
+    """The supervisor's side: accepts on its listening sockets (on the running event loop) and hands each connection
+    to the next child in turn, per socket, over the children's `channels`; a child that cannot take one (stopped, or
+    not reading) is passed over for the next."""
+
+    def __init__(self, channels: list[socket.socket]):
+        self.channels = channels
+        self.listeners: list[socket.socket] = []
+        self._turns: dict[bytes, int] = {}
+
+    def start(self, listener: socket.socket, kind: bytes) -> None:
+        self.listeners.append(listener)
+        asyncio.get_running_loop().add_reader(listener, self._accept, listener, kind)
+
+    def stop(self) -> None:
+        """Stop accepting (new connections are refused) and close the listening sockets."""
+        loop = asyncio.get_running_loop()
+        for listener in self.listeners:
+            loop.remove_reader(listener)
+            listener.close()
+        self.listeners.clear()
+
+    def _accept(self, listener: socket.socket, kind: bytes) -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as error:  # out of descriptors, say: the connection waits in the backlog
+                log.warning("cannot accept a connection: %s", error)
+                return
+            with connection:  # the child served has its own copy
+                self._hand_over(connection, kind)
+
+    def _hand_over(self, connection: socket.socket, kind: bytes) -> None:
+        turn = self._turns.get(kind, 0)
+        for offset in range(len(self.channels)):
+            index = (turn + offset) % len(self.channels)
+            try:
+                socket.send_fds(self.channels[index], [kind], [connection.fileno()])
+            except OSError:
+                continue
+            self._turns[kind] = index + 1
+            return
+        log.warning("no server process could take a connection: closed")
 
 
 def new_group_directory(size: int) -> Path:
@@ -137,37 +214,35 @@ def supervise(arguments: list[str], host: str, port: int, grpc_port: int | None,
     """Serve as `size` processes of `tandem ARGUMENTS` on host:port (and grpc_port, unless None) until SIGTERM or
     SIGINT, or until one of them exits; the supervisor's exit code (1 as well when a port cannot be listened on)."""
     try:
-        sockets = _group_sockets(host, port, grpc_port, size)
+        http = listening_socket(host, port, "HTTP")
     except OSError as error:
+        log.error("%s", error)
+        return 1
+    try:
+        grpc = None if grpc_port is None else listening_socket(host, grpc_port, "gRPC")
+    except OSError as error:
+        http.close()
         log.error("%s", error)
         return 1
     directory = new_group_directory(size)
     try:
-        return asyncio.run(_run_group(arguments, directory, host, sockets))
+        return asyncio.run(_run_group(arguments, directory, host, size, http, grpc))
     finally:
+        http.close()
+        if grpc is not None:
+            grpc.close()
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _group_sockets(host: str, port: int, grpc_port: int | None,
-                   size: int) -> list[tuple[socket.socket, socket.socket | None]]:
-    """Each process's HTTP and gRPC sockets."""
-    http = listening_sockets(host, port, size, "HTTP")
-    try:
-        grpc = [None] * size if grpc_port is None else listening_sockets(host, grpc_port, size, "gRPC")
-    except OSError:
-        for listener in http:
-            listener.close()
-        raise
-    return list(zip(http, grpc, strict=True))
-
-
-async def _run_group(arguments: list[str], directory: Path, host: str,
-                     sockets: list[tuple[socket.socket, socket.socket | None]]) -> int:
-    size = len(sockets)
-    first_http, first_grpc = sockets[0]
-    address = f"http://{host}:{first_http.getsockname()[1]}"
-    if first_grpc is not None:
-        address += f" and grpc://{host}:{first_grpc.getsockname()[1]}"
+async def _run_group(arguments: list[str], directory: Path, host: str, size: int, http: socket.socket,
+                     grpc: socket.socket | None) -> int:
+    http_port = http.getsockname()[1]
+    grpc_port = None if grpc is None else grpc.getsockname()[1]
+    address = f"http://{host}:{http_port}" + ("" if grpc_port is None else f" and grpc://{host}:{grpc_port}")
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(size)]
+    for ours, _ in pairs:
+        ours.setblocking(False)
+    dispatcher = Dispatcher([ours for ours, _ in pairs])
     children: list[asyncio.subprocess.Process] = []
     stop = asyncio.Event()
 
@@ -185,15 +260,17 @@ async def _run_group(arguments: list[str], directory: Path, host: str,
         loop.add_signal_handler(signum, forward, signum)
     try:
         try:
-            for index, (http, grpc) in enumerate(sockets):
-                children.append(await _start_child(arguments, Member(Group(directory, index, size), http, grpc)))
+            for index, (_, theirs) in enumerate(pairs):
+                member = Member(Group(directory, index, size), theirs, http_port, grpc_port)
+                children.append(await _start_child(arguments, member))
         finally:
-            for listeners in sockets:
-                for listener in listeners:
-                    if listener is not None:
-                        listener.close()
+            for _, theirs in pairs:
+                theirs.close()
         if stop.is_set():
             signal_all(signal.SIGTERM)  # for the children started after the signal
+        dispatcher.start(http, HTTP)
+        if grpc is not None:
+            dispatcher.start(grpc, GRPC)
         log.info("%d processes listening on %s (pids %s)", size, address,
                  ", ".join(str(child.pid) for child in children))
         exits = {asyncio.ensure_future(child.wait()): index for index, child in enumerate(children)}
@@ -209,6 +286,9 @@ async def _run_group(arguments: list[str], directory: Path, host: str,
         codes = await asyncio.gather(*exits)
         return 1 if failed or any(codes) else 0
     finally:
+        dispatcher.stop()
+        for ours, _ in pairs:
+            ours.close()
         for child in children:
             if child.returncode is None:
                 child.kill()
@@ -218,8 +298,8 @@ async def _run_group(arguments: list[str], directory: Path, host: str,
 async def _start_child(arguments: list[str], member: Member) -> asyncio.subprocess.Process:
     group = member.group
     fields = {"directory": str(group.directory), "index": group.index, "size": group.size,
-              "http_fd": member.http.fileno(), "grpc_fd": None if member.grpc is None else member.grpc.fileno(),
+              "channel_fd": member.channel.fileno(), "http_port": member.http_port, "grpc_port": member.grpc_port,
               "supervisor": os.getpid()}
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tandem.cli", *arguments, env={**os.environ, MEMBER: json.dumps(fields)},
-        pass_fds=[listener.fileno() for listener in (member.http, member.grpc) if listener is not None])
+        pass_fds=[member.channel.fileno()])

@@ -183,8 +183,8 @@ class InferencePoolSpec(BatchingSettings, PodSettings):
     """Server processes in each pod (`tandem serve --processes`), served the pod's connections in turn by a
     supervisor: each has its own event loop and workersPerReplica model replicas; the pod's cores are shared between
     them all, and with GPUs every process places its replicas on the same GPUs; on CPU they serve one copy of the
-    weights. On CPU, two processes of one worker serve 1.3-1.5x the requests of one process of two
-    (bench/RESULTS.md, "Fifth pass")."""
+    weights. On CPU, two processes of one worker serve 1.1-1.7x the requests of one process of two
+    (bench/RESULTS.md, "Sixth pass")."""
     gpus_per_replica: Annotated[int, Field(ge=0)] = 0
     model: ModelSource
     inference_mode: InferenceMode = "batched"

@@ -91,7 +91,8 @@ async def echo(request: service_pb2.ModelInferRequest, context: CallContext) -> 
     """Each raw input back, `id` times over (id "" once), and what the call's context holds in the model's name."""
     times = int(request.id or 1)
     remaining = context.time_remaining()
-    deadline = "none" if remaining is None else "within 10 s" if 0 < remaining <= 10 else f"{remaining}"
+    # grpc-core rounds a timeout of 10 s or more up to its next 100 ms on the wire (up to 10.1 s seen from here)
+    deadline = "none" if remaining is None else "within 10 s" if 0 < remaining <= 10.2 else f"{remaining}"
     return service_pb2.ModelInferResponse(
         model_name=f"{context.metadata('authorization')} / {deadline}",
         raw_output_contents=[raw * times for raw in request.raw_input_contents])

@@ -166,5 +166,10 @@ def ports_from_log(process: subprocess.Popen) -> tuple[int, int | None]:
     grpc://127.0.0.1:PORT ...` (None: no gRPC)."""
     line = process.stderr.readline()
     assert "listening on http://127.0.0.1:" in line, line
+    return ports_in(line)
+
+
+def ports_in(line: str) -> tuple[int, int | None]:
+    """The HTTP and gRPC ports a `listening on http://127.0.0.1:PORT [and grpc://127.0.0.1:PORT]` line names."""
     grpc = int(line.split("grpc://127.0.0.1:")[1].split()[0]) if "grpc://" in line else None
     return int(line.split("http://127.0.0.1:")[1].split()[0]), grpc

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as tgrpc
-from serving import WAIT_S, inputs, json_body, make_pool, reference, request, serve_process, wait_until
+from serving import WAIT_S, inputs, json_body, make_pool, ports_in, reference, request, serve_process, wait_until
 
 from tandem.cli import main as cli_main
 from tandem.worker import cores
@@ -55,9 +55,8 @@ def group_started(process: subprocess.Popen) -> tuple[int, int | None, list[int]
         lines.append(line)
         waiting = {needle for needle in waiting if not line.startswith(needle)}
     [line] = [line for line in lines if "processes listening on" in line]
-    grpc = int(line.split("grpc://127.0.0.1:")[1].split()[0]) if "grpc://" in line else None
     pids = [int(pid) for pid in line.split("(pids ")[1].rstrip(")\n").split(", ")]
-    return int(line.split("http://127.0.0.1:")[1].split()[0]), grpc, pids
+    return *ports_in(line), pids
 
 
 def running(pid: int) -> bool:

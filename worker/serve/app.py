@@ -100,10 +100,10 @@ class InferenceServer:
 
     async def start(self, host: str = "127.0.0.1", port: Listen = 0, grpc_port: Listen | None = None,
                     channel: socket.socket | None = None) -> int:
-        """Listen for HTTP on `port` and, unless `grpc_port` is None, for gRPC on it (0: any free port; a socket:
-        serve on it, already listening; HandedOver: serve the connections a process group's supervisor hands over on
-        `channel`; the ports are in self.port and self.grpc_port; the HTTP port is returned), then load and warm up
-        the model in the background (`self.loading`); live at once, ready once loaded."""
+        """Listen for HTTP on `port` and, unless `grpc_port` is None, for gRPC on it (0: any free port; HandedOver:
+        serve the connections a process group's supervisor hands over on `channel`; the ports are in self.port and
+        self.grpc_port; the HTTP port is returned), then load and warm up the model in the background
+        (`self.loading`); live at once, ready once loaded."""
         self.pending.start()
         if self._peer_routes is not None:
             await self._peer_routes.start(self.group.socket_path(self.group.index))

@@ -233,13 +233,13 @@ class PeerRoutes:
         await self.server.update_batching(BatchingSettings.model_validate(body))
 
     async def _group_swap(self, body: dict[str, Any]) -> None:
-        await self.server.model.swap(_checkpoint(body), body["cause"])
+        await self.server.model.swap(_optional_path(body["checkpoint"]), body["cause"])
 
     async def _update_batching(self, body: dict[str, Any]) -> None:
         await self.server.update_batching_here(BatchingSettings.model_validate(body))
 
     async def _prepare(self, body: dict[str, Any]) -> None:
-        await self.server.model.prepare_swap(_checkpoint(body), _optional_path(body["weights"]))
+        await self.server.model.prepare_swap(_optional_path(body["checkpoint"]), _optional_path(body["weights"]))
 
     async def _commit(self, body: dict[str, Any]) -> None:
         self.server.model.commit_swap(body["cause"])
@@ -254,10 +254,6 @@ class PeerRoutes:
 
 def _path(checkpoint: Path | None) -> str | None:
     return None if checkpoint is None else str(checkpoint)
-
-
-def _checkpoint(body: dict[str, Any]) -> Path | None:
-    return _optional_path(body["checkpoint"])
 
 
 def _optional_path(value: str | None) -> Path | None:

@@ -241,8 +241,7 @@ class GrpcServer:
         self.adopt = Adoptions(lambda: _Connection(self), lambda: self.closing).adopt
 
     async def start(self, host: str, port: Listen) -> int:
-        """Listen on host:port (0: any free port), on the socket `port`, or nowhere (HandedOver: see `adopt`); the
-        port."""
+        """Listen on host:port (0: any free port), or nowhere (HandedOver: see `adopt`); the port."""
         try:
             self._server = await listen(lambda: _Connection(self), host, port)
         except OSError as error:

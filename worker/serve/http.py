@@ -48,19 +48,16 @@ class HandedOver:
     port: int
 
 
-Listen = int | socket.socket | HandedOver
-"""Where a server listens: a port (0: any free port), a socket already listening, or nowhere (HandedOver)."""
+Listen = int | HandedOver
+"""Where a server listens: a port (0: any free port), or nowhere (HandedOver)."""
 
 
 async def listen(protocol: Callable[[], asyncio.Protocol], host: str, port: Listen,
                  **options) -> asyncio.Server | None:
-    """Serve `protocol` on host:port, or on the socket `port` (host is then only its name); None for HandedOver."""
-    loop = asyncio.get_running_loop()
+    """Serve `protocol` on host:port; None for HandedOver."""
     if isinstance(port, HandedOver):
         return None
-    if isinstance(port, socket.socket):
-        return await loop.create_server(protocol, sock=port, **options)
-    return await loop.create_server(protocol, host, port, **options)
+    return await asyncio.get_running_loop().create_server(protocol, host, port, **options)
 
 
 def port_of(server: asyncio.Server | None, port: Listen) -> int:
@@ -159,7 +156,7 @@ class HttpServer:
         self.adopt = Adoptions(lambda: _Connection(self), lambda: self.closing).adopt
 
     async def start(self, host: str, port: Listen) -> int:
-        """Listen on host:port, on the socket `port`, or nowhere (HandedOver: see `adopt`); the port."""
+        """Listen on host:port, or nowhere (HandedOver: see `adopt`); the port."""
         self._server = await listen(lambda: _Connection(self), host, port, reuse_address=True, backlog=1024)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_idle())
         return port_of(self._server, port)

@@ -22,7 +22,6 @@ from tandem.worker.serve import model_loading, promotion
 from tandem.worker.serve.inference import ParallelInference
 from tandem.worker.serve.model_loading import LoadedModel, ModelLoadError, ModelLocation
 from tandem.worker.serve.promotion import Verdict
-from tandem.worker.serve.replicas import map_weights
 from tandem.worker.serve.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -222,8 +221,8 @@ class ServedModel:
                 await asyncio.get_running_loop().run_in_executor(None, lambda: self.inference.update(
                     batch_limit=settings.batch_limit, queue_limit=settings.queue_limit,
                     max_delay_us=settings.max_queue_delay_microseconds))
-                if self.weights is not None:  # new batch sizes bring new replicas: map them again
-                    await asyncio.to_thread(map_weights, self.inference.replicas, self.weights)
+                if self.peers is not None:  # new batch sizes bring new replicas: map them again
+                    await self.peers.weights.map(self.inference.replicas, self.weights)
             except Exception as error:  # the warm-up at the new batch sizes failed: nothing changed
                 raise BatchingRefused(f"the model fails its warm-up at the new batch sizes: {type(error).__name__}: "
                                       f"{error}") from error

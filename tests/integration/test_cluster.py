@@ -538,8 +538,8 @@ def test_unschedulable_and_image_pull_failures_stay_pending_with_reasons(cluster
     gpu = pod("wants-gpu")
     gpu["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
     cluster.core.create_namespaced_pod(NS, gpu)
-    condition = cluster.wait_for(lambda: next(c for c in cluster.get("pods", NS, "wants-gpu")["status"]["conditions"]
-                                              if c["type"] == "PodScheduled"), 5, "the scheduler's verdict")
+    condition = cluster.wait_for(lambda: next((c for c in cluster.get("pods", NS, "wants-gpu")["status"]["conditions"]
+                                               if c["type"] == "PodScheduled"), None), 5, "the scheduler's verdict")
     assert (condition["status"], condition["reason"]) == ("False", "Unschedulable")
     assert condition["message"] == "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
 
@@ -629,8 +629,8 @@ def _run_the_operator(cluster, tmp_path):
     assert running["metadata"]["finalizers"] == ["kopf.zalando.org/KopfFinalizerMarker"]
     child = cluster.get("configmaps", "ops", "kopf-job-spec")
     assert child["metadata"]["ownerReferences"][0]["uid"] == running["metadata"]["uid"]
-    event = cluster.wait_for(lambda: next(e for e in cluster.list("events", "ops")
-                                          if e["involvedObject"]["name"] == "kopf-job"), 5, "kopf's event")
+    event = cluster.wait_for(lambda: next((e for e in cluster.list("events", "ops")
+                                           if e["involvedObject"]["name"] == "kopf-job"), None), 5, "kopf's event")
     assert event["reason"] == "Created" and event["metadata"]["name"].startswith("kopf-event-")
 
     cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, "ops", PTJ, "kopf-job")

@@ -8,6 +8,9 @@ loop, keep-alive connections) drives them all from this process, on the same cor
 2. ceiling: the same model's raw batched forward in process (batch = batchLimit, the same threads), in
    examples/s. Ratios printed: the batched server's throughput at concurrency 64, and at 256 (where it stops
    growing: its capacity), over the ceiling (target >= 0.6).
+   step: the raw forward of replicas sharing one model in step and out of step (each pausing a random time up to
+   its last forward's after each, as replicas fed by separate queues run), beside a copy each, alternating over
+   rounds. Ratio printed: CPU per example out of step / in step (what reading the weights together saves).
 3. LitServe serving the same model with its batching on (max_batch_size = 32), at concurrency 64 (and 8),
    best of its configurations tried. Ratio printed: tandem / LitServe throughput, and both p99s (target >= 1.5x
    at equal or lower p99).
@@ -26,6 +29,7 @@ loop, keep-alive connections) drives them all from this process, on the same cor
 
     .venv/bin/python bench/bench_inference.py                 # parts 1-3, about 2 minutes on 2 cores
     .venv/bin/python bench/bench_inference.py --only modes --seconds 5
+    .venv/bin/python bench/bench_inference.py --only step --seconds 1.5 --rounds 6   # in step against out of step
     .venv/bin/python bench/bench_inference.py --only wrk        # wrk and loadgen side by side, and the ceiling
     .venv/bin/python bench/bench_inference.py --only wrk --rounds 3 --against main   # A/B against main
     .venv/bin/python bench/bench_inference.py --only grpc       # h2load over gRPC
@@ -190,14 +194,44 @@ def bench_ceiling(seconds: float, workers: int) -> float:
     if workers != 1:
         results.append(_forward_rate(seconds, workers, threads))
         results.append(_forward_rate(seconds, 1, cores()))
-    return max(results)
+    return max(forward.rate for forward in results)
+
+
+def bench_step(seconds: float, workers: int, rounds: int) -> None:
+    """The raw forward of `workers` replicas sharing one model, in step (each starts its next forward at once, so
+    they read the weights together) and out of step (each pauses a random time up to its last forward's after each,
+    as replicas fed by separate queues do), beside a copy each; the three alternate for `rounds` rounds of `seconds`.
+    Printed: the medians of CPU per example, and out of step / in step."""
+    threads = max(1, cores() // workers)
+    kinds = {"in step, sharing one model": {"shared": True}, "out of step, sharing one model": {"shared": True,
+             "out_of_step": True}, "in step, a copy each": {}}
+    cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for _ in range(rounds):
+        for kind, options in kinds.items():
+            cpu[kind].append(_forward_rate(seconds, workers, threads, **options).cpu_us)
+    medians = {kind: statistics.median(found) for kind, found in cpu.items()}
+    for kind, median in medians.items():
+        print(f"step: {kind}: median {median:.0f} us of CPU per example over {rounds} rounds "
+              f"({', '.join(f'{found:.0f}' for found in cpu[kind])})")
+    in_step = medians["in step, sharing one model"]
+    print(f"step: out of step / in step, sharing one model: {medians['out of step, sharing one model'] / in_step:.2f}x "
+          f"the CPU per example; a copy each / in step: {medians['in step, a copy each'] / in_step:.2f}x")
 
 
 FORWARD_SIZES = (8, 16, 24)  # beside BATCH_LIMIT: what a smaller batch costs per example
 
 
+@dataclass
+class Forward:
+    rate: float
+    """examples/s"""
+    cpu_us: float
+    """the replicas' own threads' CPU per example (with one torch thread each: all of the forward's)"""
+
+
 def _forward_rate(seconds: float, replicas: int, threads: int, batch: int = BATCH_LIMIT,
-                  shared: bool = False) -> float:
+                  shared: bool = False, out_of_step: bool = False) -> Forward:
+    import random
     import threading
 
     import torch
@@ -216,11 +250,14 @@ def _forward_rate(seconds: float, replicas: int, threads: int, batch: int = BATC
     stop = threading.Event()
 
     def run(index: int) -> None:
-        started = time.thread_time_ns()
+        started, pauses = time.thread_time_ns(), random.Random(index)
         with torch.no_grad():
             while not stop.is_set():  # as the server does: the batch to the device, the answer back to the host
+                forward_started = time.perf_counter()
                 models[index](example.to(devices[index])).cpu()
                 counts[index] += 1
+                if out_of_step:
+                    time.sleep(pauses.uniform(0, time.perf_counter() - forward_started))
         cpu[index] = time.thread_time_ns() - started
 
     runners = [threading.Thread(target=run, args=(i,)) for i in range(replicas)]
@@ -233,13 +270,15 @@ def _forward_rate(seconds: float, replicas: int, threads: int, batch: int = BATC
     stop.set()
     for runner in runners:
         runner.join()
-    rate = done * batch / elapsed
+    forward = Forward(done * batch / elapsed, sum(cpu) / sum(counts) / batch / 1e3)
     # A replica's own thread's CPU: all of its forward's with one torch thread (with more, torch's others work too).
-    cpu_per_example = f", {sum(cpu) / sum(counts) / batch / 1e3:.0f} us of CPU per example" if threads == 1 else ""
+    cpu_per_example = f", {forward.cpu_us:.0f} us of CPU per example" if threads == 1 else ""
     sharing = " sharing one model" if shared and replicas > 1 else ""
+    paused = ", out of step" if out_of_step else ""
     print(f"{'ceiling' if batch == BATCH_LIMIT else 'forward'}: raw forward in process, batch {batch}, {replicas} "
-          f"replica(s) x {threads} thread(s){sharing}: {rate:.0f} examples/s{cpu_per_example}", flush=True)
-    return rate
+          f"replica(s) x {threads} thread(s){sharing}{paused}: {forward.rate:.0f} examples/s{cpu_per_example}",
+          flush=True)
+    return forward
 
 
 WRK_CONNECTIONS = (8, 64, SATURATED)
@@ -540,7 +579,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per point (after 0.5 s warm-up)")
     parser.add_argument("--workers", type=int, default=cores(), help="model replicas (default: one per core)")
-    parser.add_argument("--only", choices=("modes", "ceiling", "litserve", "wrk", "grpc"), action="append")
+    parser.add_argument("--only", choices=("modes", "ceiling", "step", "litserve", "wrk", "grpc"), action="append")
     parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"the MLP's hidden units (default {HIDDEN})")
     parser.add_argument("--against", metavar="GIT_REF",
                         help="wrk, grpc: also serve the code as it is at this git ref, alternating with this tree's, "
@@ -549,7 +588,7 @@ def main() -> None:
                         help="wrk, grpc: serve as this many processes of workers/N workers each (processesPerReplica), "
                              "beside one process of all the workers (or the --against ref as as many processes)")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="wrk, grpc: rounds over every point (best one tabled)")
+                        help="wrk, grpc: rounds over every point (best one tabled); step: rounds (at least 3)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one replica per GPU in the server (gpusPerReplica 1) and in the ceiling")
     args = parser.parse_args()
@@ -567,6 +606,8 @@ def main() -> None:
                 served = tandem["batched", concurrency].rps
                 print(f"server (batched, c={concurrency}) / raw in-process ceiling: {served:.0f} / {ceiling:.0f} = "
                       f"{served / ceiling:.2f}")
+    if "step" in parts:
+        bench_step(args.seconds, args.workers, max(args.rounds, 3))
     if "litserve" in parts:
         bench_litserve(args.seconds, args.workers, tandem)
     if "wrk" in parts:

@@ -22,7 +22,8 @@ loop, keep-alive connections) drives them all from this process, on the same cor
    per request of the event loop, the workers and the load generator, batch sizes, queue wait). wrk comes from the
    Debian archive (`apt-get install wrk`); the part is skipped, saying so, where it is missing. With --against REF
    the server as it is at git REF runs too, alternating with this tree's, and this tree's figures over REF's are
-   printed.
+   printed. With --client-cpus LIST the load generators run on those CPUs and the servers and the ceiling on the
+   others, which takes the client's CPU out of the comparison.
 5. grpc: the same over gRPC, driven by h2load (C; Debian's nghttp2-client) posting a pre-serialised
    ModelInferRequest at 8, 64 and 256 concurrent calls; skipped, saying so, where h2load is missing. --against and
    --rounds as for wrk.
@@ -32,6 +33,7 @@ loop, keep-alive connections) drives them all from this process, on the same cor
     .venv/bin/python bench/bench_inference.py --only step --seconds 1.5 --rounds 6   # in step against out of step
     .venv/bin/python bench/bench_inference.py --only wrk        # wrk and loadgen side by side, and the ceiling
     .venv/bin/python bench/bench_inference.py --only wrk --rounds 3 --against main   # A/B against main
+    .venv/bin/python bench/bench_inference.py --only wrk --client-cpus 1   # wrk on CPU 1, the server on the others
     .venv/bin/python bench/bench_inference.py --only grpc       # h2load over gRPC
     .venv/bin/python bench/bench_inference.py --only grpc --rounds 2 --against main   # A/B against main
 
@@ -71,6 +73,7 @@ SATURATED = 256  # concurrency at which the batched server's throughput stops gr
 HOST = "127.0.0.1"
 DEVICE = "cpu"
 EXAMPLE = np.random.default_rng(0).random(64, dtype=np.float32)
+CLIENT_CPUS: set[int] | None = None  # --client-cpus: where the load generators run (the servers and ceiling elsewhere)
 
 
 def free_port() -> int:
@@ -166,7 +169,28 @@ def check_tandem(body: bytes) -> None:
 
 
 def drive(port: int, request: bytes, concurrency: int, seconds: float, check=None) -> LoadResult:
-    return load(HOST, port, request, concurrency=concurrency, seconds=seconds, warmup=0.5, check=check)
+    with _on_client_cpus():
+        return load(HOST, port, request, concurrency=concurrency, seconds=seconds, warmup=0.5, check=check)
+
+
+@contextlib.contextmanager
+def _on_client_cpus():
+    """This thread (bench/loadgen.py's event loop) on the client's CPUs meanwhile, where --client-cpus gave them."""
+    if CLIENT_CPUS is None:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, CLIENT_CPUS)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
+
+
+def run_client(command: list[str], **options) -> subprocess.CompletedProcess:
+    """A load generator's command (wrk, h2load), on the client's CPUs where --client-cpus gave them."""
+    pin = None if CLIENT_CPUS is None else lambda: os.sched_setaffinity(0, CLIENT_CPUS)
+    return subprocess.run(command, check=True, capture_output=True, preexec_fn=pin, **options)
 
 
 def bench_modes(seconds: float, workers: int, directory: Path) -> dict[tuple[str, int], LoadResult]:
@@ -311,10 +335,9 @@ def run_wrk(server: Server, body: Path, connections: int, seconds: float, worker
     url = f"http://{HOST}:{server.port}/v2/models/mlp/infer"
     script = str(ROOT / "bench" / "wrk_infer.lua")
     base = ["wrk", "-t1", f"-c{connections}", "--latency", "-s", script]
-    subprocess.run([*base, "-d1s", url, "--", str(body)], check=True, capture_output=True)  # warm-up
+    run_client([*base, "-d1s", url, "--", str(body)])  # warm-up
     with ServeCosts(server.process.pid, server.port, "mlp", BATCH_LIMIT, workers) as costs:
-        out = subprocess.run([*base, f"-d{max(1, round(seconds))}s", url, "--", str(body)], check=True,
-                             capture_output=True, text=True).stdout
+        out = run_client([*base, f"-d{max(1, round(seconds))}s", url, "--", str(body)], text=True).stdout
     rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     value, unit = re.search(r"^\s+99%\s+([\d.]+)(us|ms|s)$", out, re.M).groups()
     p99_ms = float(value) * UNIT_MS[unit]
@@ -473,10 +496,9 @@ def run_h2load(server: Server, grpc_port: int, request_file: Path, concurrency: 
     base = ["h2load", "-t1", f"-c{connections}", f"-m{concurrency // connections}", "-d", str(request_file),
             "-H", "content-type: application/grpc", "-H", "te: trailers",
             f"http://{HOST}:{grpc_port}/inference.GRPCInferenceService/ModelInfer"]
-    subprocess.run([*base, "-D", "1"], check=True, capture_output=True)  # warm-up
+    run_client([*base, "-D", "1"])  # warm-up
     with ServeCosts(server.process.pid, server.port, "mlp", BATCH_LIMIT, workers) as costs:
-        out = subprocess.run([*base, "-D", str(max(1, round(seconds))), "--log-file", str(log)], check=True,
-                             capture_output=True, text=True).stdout
+        out = run_client([*base, "-D", str(max(1, round(seconds))), "--log-file", str(log)], text=True).stdout
     rate = float(re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out).group(1))
     durations = sorted(int(line.split("\t")[2]) for line in log.read_text().splitlines() if line.strip())
     p99_ms = durations[min(len(durations) - 1, int(0.99 * len(durations)))] / 1000
@@ -591,10 +613,18 @@ def main() -> None:
                         help="wrk, grpc: rounds over every point (best one tabled); step: rounds (at least 3)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one replica per GPU in the server (gpusPerReplica 1) and in the ceiling")
+    parser.add_argument("--client-cpus", metavar="LIST",
+                        help="run the load generators on these CPUs (e.g. 1 or 2,3) and the servers and the ceiling "
+                             "on the others this process may use, so that the client's CPU is out of the comparison")
     args = parser.parse_args()
     HIDDEN, DEVICE = args.hidden, args.device
+    if args.client_cpus:
+        _split_cpus(args.client_cpus)
+        if args.workers == parser.get_default("workers"):
+            args.workers = cores()
     parts = args.only or ["modes", "ceiling", "litserve"]
-    print(f"model: digits MLP, hidden {HIDDEN}; {cores()} cores; {args.workers} worker(s) on {DEVICE}; "
+    clients = "" if CLIENT_CPUS is None else f" (the servers' and the ceiling's; clients on CPUs {sorted(CLIENT_CPUS)})"
+    print(f"model: digits MLP, hidden {HIDDEN}; {cores()} cores{clients}; {args.workers} worker(s) on {DEVICE}; "
           f"batchLimit {BATCH_LIMIT}",
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -616,6 +646,23 @@ def main() -> None:
     if "grpc" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             bench_grpc(args.seconds, args.workers, Path(tmp), args.against, args.rounds, args.processes)
+
+def _split_cpus(listed: str) -> None:
+    """The load generators on the CPUs `listed`; this process's main thread, and so the servers it starts and the
+    ceiling's threads, on the rest."""
+    global CLIENT_CPUS
+    try:
+        clients = {int(cpu) for cpu in listed.split(",")}
+    except ValueError:
+        raise SystemExit(f"--client-cpus: {listed!r} is not a comma-separated list of CPU numbers (e.g. 1 or "
+                         "2,3)") from None
+    own = os.sched_getaffinity(0)
+    if not clients < own:
+        raise SystemExit(f"--client-cpus: {sorted(clients)} must be some, not all, of the CPUs this process may use "
+                         f"({sorted(own)})")
+    CLIENT_CPUS = clients
+    os.sched_setaffinity(0, own - clients)
+
 
 if __name__ == "__main__":
     main()

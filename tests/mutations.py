@@ -59,7 +59,7 @@ BUGS = [
         "tests/unit/test_inference.py::"
         "test_batched_mode_merges_requests_of_one_shape_and_dtype_and_never_mixes_shapes_or_dtypes"),
     Bug("a worker alone takes the first request back after a forward", "worker/serve/batching.py",
-        "    if queued_rows >= last_rows:\n        return 0", "    return 0",
+        "else min(batch_limit, last_rows)", "else min(batch_limit, 1)",
         "tests/unit/test_inference.py::test_a_worker_alone_waits_for_as_many_examples_as_its_last_forward_had"),
     Bug("the supervisor hands every connection to the same process", "worker/serve/processes.py",
         "self._turns[kind] = index + 1", "self._turns[kind] = index",

@@ -126,17 +126,21 @@ def fuller_batch_wait(queued_rows: int, batch_limit: int, running_rows: int, sha
     a server process of one replica under 64 connections ran 116 forwards of 1 example and 190 of 4 in 8 s beside
     its full ones. Under steady open load the queue already holds as many as the last forward when it ends (they
     arrived during it), so nothing waits; where the load falls, one forward waits, and the next expects fewer."""
-    if queued_rows >= batch_limit:
+    if queued_rows >= fill_target(batch_limit, shared_device, last_rows):
         return 0
     if shared_device:
         if not running_rows or queued_rows + running_rows < batch_limit:
             return 0
         return max(0, last_forward_ns - oldest_waited_ns)
-    if queued_rows >= last_rows:
-        return 0
     # Not since the oldest arrived: requests left over from a capped batch arrived during the last forward, and
     # would otherwise go at once as a small forward of their own (a forward of 32, then one of the 4 left, ...).
     return max(0, last_forward_ns - idle_ns)
+
+
+def fill_target(batch_limit: int, shared_device: bool, last_rows: int) -> int:
+    """The examples a worker waiting for a fuller batch waits for (fuller_batch_wait): a full batch where replicas
+    share its device; as many as its last forward had, up to a full batch, where it is alone."""
+    return batch_limit if shared_device else min(batch_limit, last_rows)
 
 
 def join_inputs(batch: list[Ticket]) -> tuple[torch.Tensor, bool]:

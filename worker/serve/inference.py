@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import torch
 
-from tandem.worker.serve.batching import Callback, Ticket, as_input, fuller_batch_wait, pop_batch
+from tandem.worker.serve.batching import Callback, Ticket, as_input, fill_target, fuller_batch_wait, pop_batch
 from tandem.worker.serve.errors import InferenceError, InferenceTimeout, ModelError, QueueFullError, ShutDownError
 from tandem.worker.serve.replicas import build_replicas, default_devices, run_batch, warmup_sizes
 from tandem.worker.serve.stats import InferenceStats
@@ -330,7 +330,7 @@ class ParallelInference:
                                                     now - queue[0].submitted, now - self._forward_end_ns,
                                                     self._forward_ns, self._last_rows)
                         if wait_ns:
-                            target = self.batch_limit if self._shared_device else self._last_rows
+                            target = fill_target(self.batch_limit, self._shared_device, self._last_rows)
                             self._wait_for_fuller_batch(wait_ns / 1e9, target)
                             continue
                     batch, rows, expired = pop_batch(queue, self.batch_limit if batched else 1, batched,

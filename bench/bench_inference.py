@@ -600,7 +600,7 @@ def main() -> None:
     global HIDDEN, DEVICE  # the model size and device every part below uses
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per point (after 0.5 s warm-up)")
-    parser.add_argument("--workers", type=int, default=cores(), help="model replicas (default: one per core)")
+    parser.add_argument("--workers", type=int, help="model replicas (default: one per core the servers run on)")
     parser.add_argument("--only", choices=("modes", "ceiling", "step", "litserve", "wrk", "grpc"), action="append")
     parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"the MLP's hidden units (default {HIDDEN})")
     parser.add_argument("--against", metavar="GIT_REF",
@@ -620,8 +620,7 @@ def main() -> None:
     HIDDEN, DEVICE = args.hidden, args.device
     if args.client_cpus:
         _split_cpus(args.client_cpus)
-        if args.workers == parser.get_default("workers"):
-            args.workers = cores()
+    args.workers = args.workers or cores()
     parts = args.only or ["modes", "ceiling", "litserve"]
     clients = "" if CLIENT_CPUS is None else f" (the servers' and the ceiling's; clients on CPUs {sorted(CLIENT_CPUS)})"
     print(f"model: digits MLP, hidden {HIDDEN}; {cores()} cores{clients}; {args.workers} worker(s) on {DEVICE}; "

@@ -140,6 +140,10 @@ BUGS = [
         "            self.transport.pause_reading()\n", "            pass\n",
         "tests/integration/test_grpc_server.py::"
         "test_a_client_that_sends_pings_without_reading_is_read_no_further_until_it_reads"),
+    Bug("each gRPC answer written on its own (no write per turn of the event loop)", "worker/serve/grpc_server.py",
+        "            if self.unsent_bytes > FLUSH_BYTES:", "            if True:",
+        "tests/integration/test_grpc_server.py::"
+        "test_the_answers_settled_in_one_turn_on_one_connection_go_out_in_one_write"),
     Bug("a batching change one server process refuses left in the others", "worker/serve/app.py",
         "await asyncio.gather(*(change(previous) for change in changed), return_exceptions=True)",
         "await asyncio.gather(return_exceptions=True)",

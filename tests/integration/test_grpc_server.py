@@ -43,6 +43,7 @@ from tandem.worker.serve.grpc_server import (
     CallContext,
     GrpcError,
     GrpcServer,
+    _Connection,
     frame,
     header_field,
 )
@@ -391,3 +392,112 @@ def test_a_graceful_close_finishes_the_calls_in_flight_and_takes_no_new_ones(loo
         loop.loop.call_soon_threadsafe(held.release.set)
         assert running.result(WAIT_S).id == "in flight"
         closing.result(WAIT_S)
+
+
+class Promised:
+    """A method that returns a future (no task per call, as the inference RPC does): each call's future waits in
+    `futures` for the test to settle it on the loop; id "refuse" fails at once with PERMISSION_DENIED, id "break"
+    raises an unexpected error."""
+
+    def __init__(self):
+        self.futures: list[asyncio.Future] = []
+        self.waiting = threading.Semaphore(0)
+
+    def __call__(self, request, context) -> asyncio.Future:
+        if request.id == "refuse":
+            raise GrpcError(grpc.StatusCode.PERMISSION_DENIED, "not this one")
+        if request.id == "break":
+            raise RuntimeError("a defect in the handler")
+        future = context.loop.create_future()
+        self.futures.append(future)
+        self.waiting.release()
+        return future
+
+    def next_call(self) -> asyncio.Future:
+        assert self.waiting.acquire(timeout=WAIT_S), "no call reached the method"
+        return self.futures[-1]
+
+
+def test_a_method_returning_a_future_is_answered_refused_or_cancelled_by_it(loop, caplog):
+    promised = Promised()
+    _, address = loop.serve({INFER: (service_pb2.ModelInferRequest, promised)})
+    with channel(address) as chan, ThreadPoolExecutor(2) as pool:
+        answered = pool.submit(infer(chan), service_pb2.ModelInferRequest(id="kept"), timeout=WAIT_S)
+        future = promised.next_call()
+        loop.loop.call_soon_threadsafe(future.set_result, service_pb2.ModelInferResponse(id="kept"))
+        assert answered.result(WAIT_S).id == "kept"
+
+        failing = pool.submit(infer(chan), service_pb2.ModelInferRequest(id="fails later"), timeout=WAIT_S)
+        future = promised.next_call()
+        loop.loop.call_soon_threadsafe(future.set_exception, GrpcError(grpc.StatusCode.UNAVAILABLE, "gone"))
+        with pytest.raises(grpc.RpcError) as failed:
+            failing.result(WAIT_S)
+        assert (failed.value.code(), failed.value.details()) == (grpc.StatusCode.UNAVAILABLE, "gone")
+
+        refused = refusal(lambda: infer(chan)(service_pb2.ModelInferRequest(id="refuse"), timeout=WAIT_S))
+        assert (refused.code(), refused.details()) == (grpc.StatusCode.PERMISSION_DENIED, "not this one")
+        with caplog.at_level(logging.ERROR, logger="tandem"):
+            broken = refusal(lambda: infer(chan)(service_pb2.ModelInferRequest(id="break"), timeout=WAIT_S))
+        assert broken.code() == grpc.StatusCode.INTERNAL and "RuntimeError" in broken.details()
+        assert "a defect in the handler" in caplog.text
+
+        expired = refusal(lambda: infer(chan)(service_pb2.ModelInferRequest(id="given up"), timeout=0.5))
+        assert expired.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        future = promised.next_call()
+        wait_until(future.cancelled, what="the call's future cancelled by the client's RST_STREAM")
+
+        again = pool.submit(infer(chan), service_pb2.ModelInferRequest(id="after"), timeout=WAIT_S)
+        future = promised.next_call()
+        loop.loop.call_soon_threadsafe(future.set_result, service_pb2.ModelInferResponse(id="after"))
+        assert again.result(WAIT_S).id == "after"
+
+
+class RecordingTransport(asyncio.Transport):
+    """What a connection writes, write by write (a connection driven without a socket)."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data) -> None:
+        self.writes.append(bytes(data))
+
+    def writelines(self, list_of_data) -> None:
+        self.writes.append(b"".join(list_of_data))
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def test_the_answers_settled_in_one_turn_on_one_connection_go_out_in_one_write():
+    """Four calls open on one connection, answered in one turn of the event loop: one write carries the four answers
+    (one send, not four), each stream's frames whole and in order."""
+
+    async def drive() -> list[bytes]:
+        promised = Promised()
+        connection = _Connection(GrpcServer({INFER: (service_pb2.ModelInferRequest, promised)}, LIMIT))
+        transport = RecordingTransport()
+        connection.connection_made(transport)
+        request = service_pb2.ModelInferRequest().SerializeToString()
+        headers = header_field(b":method", b"POST") + header_field(b":path", INFER.encode()) + \
+            header_field(b"content-type", b"application/grpc")
+        streams = [1, 3, 5, 7]
+        connection.data_received(PREFACE + frame(SETTINGS, 0, 0, b"") + b"".join(
+            frame(HEADERS, END_HEADERS, stream, headers) +
+            frame(DATA, END_STREAM, stream, b"\0" + len(request).to_bytes(4, "big") + request) for stream in streams))
+        await asyncio.sleep(0)  # what the connection owes for the client's SETTINGS goes out first
+        transport.writes.clear()
+        for number, future in enumerate(promised.futures):
+            future.set_result(service_pb2.ModelInferResponse(id=str(number)))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return transport.writes
+
+    writes = asyncio.run(drive())
+    assert len(writes) == 1, f"{len(writes)} writes"
+    frames = _frames(writes[0])
+    assert [(kind, stream) for kind, stream, _ in frames] == [
+        (kind, stream) for stream in (1, 3, 5, 7) for kind in (HEADERS, DATA, HEADERS)]
+    answers = [service_pb2.ModelInferResponse.FromString(payload[5:]).id for kind, _, payload in frames
+               if kind == DATA]
+    assert answers == ["0", "1", "2", "3"]

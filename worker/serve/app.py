@@ -124,7 +124,7 @@ class InferenceServer:
 
     def _answer(self, request, context, output, error: BaseException | None) -> None:
         if request.__class__ is GrpcCall:
-            request.settle(output, error)
+            request.settle(context, output, error)
         else:
             self.routes.answer(request, context, output, error)
 

@@ -18,8 +18,11 @@ does, and all it does:
   call's deadline from `grpc-timeout`; the request's headers as its metadata; the answer, or a status code and its
   message (percent-encoded) in the trailers.
 - back-pressure: while the client reads slower than the server writes, its frames are not read;
-- a client's RST_STREAM cancels its call's task; `close` sends GOAWAY, lets the calls in flight finish within a grace
+- a client's RST_STREAM cancels its call; `close` sends GOAWAY, lets the calls in flight finish within a grace
   period, then cancels the rest.
+
+A handler is a coroutine function, or a function returning an asyncio.Future of the answer (no task per call: the
+inference RPC, whose answer is settled by a callback anyway).
 """
 
 from __future__ import annotations
@@ -207,6 +210,7 @@ def status_block(code: grpc.StatusCode, message: str) -> bytes:
 # -- the server ---------------------------------------------------------------------------------------------
 
 Handler = Callable[[Any, "CallContext"], Awaitable[Message]]
+"""A coroutine function, or a function returning an asyncio.Future; either raises GrpcError to fail the call."""
 Methods = dict[str, tuple[type[Message], Handler]]
 """The service's methods: path (/package.Service/Method) -> (request message type, handler)."""
 
@@ -260,7 +264,7 @@ class GrpcServer:
             self._server = None
         for connection in list(self._connections):
             connection.go_away()
-        running = [task for connection in self._connections for task in connection.tasks()]
+        running = [call for connection in self._connections for call in connection.calls()]
         if running:
             await asyncio.wait(running, timeout=grace_seconds)
         for connection in list(self._connections):
@@ -268,14 +272,14 @@ class GrpcServer:
 
 
 class _Stream:
-    __slots__ = ("id", "headers", "block", "body", "task", "send_window", "outgoing")
+    __slots__ = ("id", "headers", "block", "body", "call", "send_window", "outgoing")
 
     def __init__(self, stream_id: int, send_window: int):
         self.id = stream_id
         self.headers: dict[str, str] | None = None
         self.block = b""  # a header block while its CONTINUATION frames arrive
         self.body = bytearray()
-        self.task: asyncio.Task | None = None
+        self.call: asyncio.Future | None = None  # the handler's task or future, once the request is complete
         self.send_window = send_window
         self.outgoing: memoryview | None = None  # the answer's DATA waiting for the client's window
 
@@ -300,8 +304,8 @@ class _Connection(asyncio.Protocol):
         self.unsent: list[bytes] = []  # frames written in this turn of the event loop (_write)
         self.unsent_bytes = 0
 
-    def tasks(self) -> list[asyncio.Task]:
-        return [stream.task for stream in self.streams.values() if stream.task is not None and not stream.task.done()]
+    def calls(self) -> list[asyncio.Future]:
+        return [stream.call for stream in self.streams.values() if stream.call is not None and not stream.call.done()]
 
     # -- connection life ------------------------------------------------------------------------------------
 
@@ -319,8 +323,8 @@ class _Connection(asyncio.Protocol):
         self.transport = None
         self.server._connections.discard(self)
         for stream in self.streams.values():
-            if stream.task is not None:
-                stream.task.cancel()
+            if stream.call is not None:
+                stream.call.cancel()
         self.streams.clear()
         self.blocked.clear()
 
@@ -446,7 +450,7 @@ class _Connection(asyncio.Protocol):
     def _on_data(self, stream_id: int, flags: int, payload: bytes) -> None:
         self.unacknowledged += len(payload)
         stream = self.streams.get(stream_id)
-        if stream is None or stream.task is not None or stream.headers is None:
+        if stream is None or stream.call is not None or stream.headers is None:
             return  # a stream refused or reset already, or answered: its data is dropped
         stream.body += unpad(payload, flags)
         if len(stream.body) > self.server.max_message + 5:
@@ -497,7 +501,7 @@ class _Connection(asyncio.Protocol):
         if self.streams.get(stream.id) is not stream:
             return  # a stream gone already: its block was decoded only to keep HPACK's table in step
         if stream.headers is not None:  # the client's trailers
-            if flags & END_STREAM and stream.task is None:
+            if flags & END_STREAM and stream.call is None:
                 self._dispatch(stream)
             return
         stream.headers = headers
@@ -539,8 +543,8 @@ class _Connection(asyncio.Protocol):
         stream = self.streams.get(stream_id)
         if stream is not None:
             self._forget(stream)
-            if stream.task is not None:
-                stream.task.cancel()
+            if stream.call is not None:
+                stream.call.cancel()
 
     # -- calls ------------------------------------------------------------------------------------------
 
@@ -568,21 +572,48 @@ class _Connection(asyncio.Protocol):
         except GrpcError as error:
             self._answer_status(stream, error.code, error.message)
             return
-        stream.task = self.loop.create_task(self._call(stream, handler, request,
-                                                       CallContext(headers, deadline, self.loop)))
-
-    async def _call(self, stream: _Stream, handler: Handler, request: Message, context: CallContext) -> None:
         try:
-            answer = (await handler(request, context)).SerializeToString()
+            call = handler(request, CallContext(headers, deadline, self.loop))
+        except Exception as error:
+            self._failed(stream, error)
+            return
+        if isinstance(call, asyncio.Future):
+            stream.call = call
+            call.add_done_callback(lambda done: self._settled(stream, done))
+        else:
+            stream.call = self.loop.create_task(self._call(stream, call))
+
+    async def _call(self, stream: _Stream, call: Awaitable[Message]) -> None:
+        try:
+            answer = await call
+        except Exception as error:
+            self._failed(stream, error)
+            return
+        self._answer(stream, answer)
+
+    def _settled(self, stream: _Stream, call: asyncio.Future) -> None:
+        if call.cancelled():
+            return
+        error = call.exception()
+        if error is None:
+            self._answer(stream, call.result())
+        else:
+            self._failed(stream, error)
+
+    def _failed(self, stream: _Stream, error: BaseException) -> None:
+        if not isinstance(error, GrpcError):  # the handler's own errors are GrpcErrors: this is a defect, not a crash
+            log.error("unexpected error in a gRPC call", exc_info=error)
+            error = GrpcError(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}")
+        self._answer_status(stream, error.code, error.message)
+
+    def _answer(self, stream: _Stream, message: Message) -> None:
+        try:
+            answer = message.SerializeToString()
             if len(answer) > self.server.max_message:
                 raise GrpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the answer of {len(answer)} bytes is larger "
                                 f"than the server's limit of {self.server.max_message} bytes")
-        except GrpcError as error:
-            self._answer_status(stream, error.code, error.message)
-            return
-        except Exception as error:  # the handler's own errors are GrpcErrors: this is a defect, not a crash
-            log.error("unexpected error in a gRPC call", exc_info=error)
-            self._answer_status(stream, grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}")
+        except Exception as error:
+            self._failed(stream, error)
             return
         if self.streams.get(stream.id) is not stream:
             return  # reset by the client meanwhile

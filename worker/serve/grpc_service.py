@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -44,41 +44,73 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 
 class GrpcCall:
-    """An inference call between submit and answer, as PendingRequests holds it: `settle` hands the answer to the
-    coroutine awaiting `answered`; `on_abort` (set by PendingRequests) withdraws it when the client goes away."""
+    """An inference call between submit and answer, as PendingRequests holds it: `settle` resolves `answered`, the
+    call's future (the ModelInferResponse, or the GrpcError it fails with); `on_abort` (set by PendingRequests)
+    withdraws the request when the future is cancelled (the client went away, or the server stopped waiting)."""
 
-    __slots__ = ("answered", "on_abort")
+    __slots__ = ("answered", "on_abort", "service")
 
-    def __init__(self, answered: asyncio.Future):
+    def __init__(self, answered: asyncio.Future, service: GrpcService):
         self.answered = answered
         self.on_abort: Callable[[], None] | None = None
+        self.service = service
+        answered.add_done_callback(self._withdraw_if_cancelled)
 
-    def settle(self, output: Any, error: BaseException | None) -> None:
-        if not self.answered.done():
-            self.answered.set_result((output, error))
+    def settle(self, context: Any, output: Any, error: BaseException | None) -> None:
+        if self.answered.done():
+            return
+        try:
+            answer = self.service.infer_response(context, output, error)
+        except Exception as failure:
+            self.answered.set_exception(grpc_error(failure, "ModelInfer"))
+        else:
+            self.answered.set_result(answer)
+
+    def _withdraw_if_cancelled(self, answered: asyncio.Future) -> None:
+        if answered.cancelled() and self.on_abort is not None:
+            self.on_abort()
 
 
-def _rpc(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """An RPC of the service: the token checked (unless the method is open), a ProtocolError answered with its
-    status code and message, anything unexpected logged and answered INTERNAL (never a crash)."""
-    needs_token = rpc_needs_token(method.__name__)
+def grpc_error(error: Exception, method: str) -> GrpcError:
+    """The GrpcError a call failing with `error` answers: a ProtocolError's status as its code; anything unexpected
+    logged and INTERNAL (never a crash)."""
+    if isinstance(error, GrpcError):
+        return error
+    if isinstance(error, ProtocolError):
+        return GrpcError(status_code(error.status), str(error))
+    log.error("unexpected error serving gRPC %s", method, exc_info=error)
+    return GrpcError(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
 
-    @functools.wraps(method)
-    async def rpc(self: GrpcService, request: Any, context: CallContext) -> Any:
-        token = self.token
+
+def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An RPC of the service, a coroutine function or a function returning a future (grpc_server.Handler): the token
+    checked (unless the method is open), a failure answered as grpc_error says."""
+    name = method.__name__
+    needs_token = rpc_needs_token(name)
+
+    def check_token(service: GrpcService, context: CallContext) -> None:
+        token = service.token
         if needs_token and token is not None:
             authorization = context.metadata("authorization")
             if not token.allows(authorization):
                 raise GrpcError(grpc.StatusCode.UNAUTHENTICATED, refusal(authorization))
-        try:
-            return await method(self, request, context)
-        except ProtocolError as error:
-            raise GrpcError(status_code(error.status), str(error)) from None
-        except (asyncio.CancelledError, GrpcError):
-            raise
-        except Exception as error:
-            log.error("unexpected error serving gRPC %s", method.__name__, exc_info=error)
-            raise GrpcError(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}") from None
+
+    if asyncio.iscoroutinefunction(method):
+        @functools.wraps(method)
+        async def rpc(self: GrpcService, request: Any, context: CallContext) -> Any:
+            check_token(self, context)
+            try:
+                return await method(self, request, context)
+            except Exception as error:
+                raise grpc_error(error, name) from None
+    else:
+        @functools.wraps(method)
+        def rpc(self: GrpcService, request: Any, context: CallContext) -> Any:
+            check_token(self, context)
+            try:
+                return method(self, request, context)
+            except Exception as error:
+                raise grpc_error(error, name) from None
 
     rpc.is_rpc = True
     return rpc
@@ -158,7 +190,8 @@ class GrpcService:
     # -- inference --------------------------------------------------------------------------------------
 
     @_rpc
-    async def ModelInfer(self, request, context):  # noqa: N802
+    def ModelInfer(self, request, context):  # noqa: N802
+        """Submitted here; answered through the future returned, which GrpcCall settles (no task per call)."""
         routes, server = self.routes, self.server
         outcomes = routes.outcomes
         try:
@@ -179,8 +212,8 @@ class GrpcService:
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(remaining, 0.0))
-        call = GrpcCall(asyncio.get_running_loop().create_future())
-        pending = pending_requests.new(call, None, timeout)
+        call = GrpcCall(context.loop.create_future(), self)
+        pending = pending_requests.new(call, (decoded, signature), timeout)
         try:
             pending.ticket = inference.submit(decoded.x, pending.post, timeout=timeout)
         except QueueFullError as error:
@@ -190,14 +223,15 @@ class GrpcService:
             outcomes["failed"] += 1
             raise ProtocolError(str(error), 503) from None
         pending_requests.track(pending)
-        try:
-            output, error = await call.answered
-        except asyncio.CancelledError:  # the client went away or its deadline passed: withdraw the request
-            if call.on_abort is not None:
-                call.on_abort()
-            raise
+        return call.answered
+
+    def infer_response(self, context: Any, output: Any, error: BaseException | None) -> Any:
+        """The ModelInferResponse of a call whose output came back (`context`: its decoded request and the model's
+        signature); ProtocolError where it failed."""
+        outcomes = self.routes.outcomes
         if error is not None:
             outcomes["failed"] += 1
             raise ProtocolError(str(error), error_status(error))
         outcomes["success"] += 1
-        return encode_infer_response(output, decoded, routes.name, routes.version, signature)
+        decoded, signature = context
+        return encode_infer_response(output, decoded, self.routes.name, self.routes.version, signature)

@@ -140,11 +140,6 @@ BUGS = [
         "            self.transport.pause_reading()\n", "            pass\n",
         "tests/integration/test_grpc_server.py::"
         "test_a_client_that_sends_pings_without_reading_is_read_no_further_until_it_reads"),
-    Bug("each HTTP answer written as it is given (not at the end of the turn)", "worker/serve/http.py",
-        "        if not self._unsent:\n            self.server.write_later(self)\n        self._unsent.append(data)\n",
-        "        self.transport.write(data)\n",
-        "tests/integration/test_http.py::"
-        "test_answers_given_in_one_turn_are_written_at_its_end_one_write_per_connection_in_order"),
     Bug("each gRPC answer written on its own (no write per turn of the event loop)", "worker/serve/grpc_server.py",
         "            if self.unsent_bytes > FLUSH_BYTES:", "            if True:",
         "tests/integration/test_grpc_server.py::"

@@ -14,7 +14,7 @@ import pytest
 from inference_models import GATES
 from serving import WAIT_S, Servers, gated_pool, inputs, json_body, wait_until
 
-from tandem.worker.serve.http import HttpServer, Request, _Connection
+from tandem.worker.serve.http import HttpServer, Request
 
 LIMIT = 1000
 
@@ -225,49 +225,3 @@ def test_a_client_that_goes_away_withdraws_its_queued_request():
         again.sendall(request + body)
         assert read_response(again, bytearray())[0] == 200
         again.close()
-
-
-class RecordingTransport(asyncio.Transport):
-    """What a connection writes, write by write (connections driven without a socket)."""
-
-    def __init__(self):
-        super().__init__()
-        self.writes: list[bytes] = []
-
-    def write(self, data) -> None:
-        self.writes.append(bytes(data))
-
-    def is_closing(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
-
-
-def test_answers_given_in_one_turn_are_written_at_its_end_one_write_per_connection_in_order():
-    """Three connections whose held requests are answered in one turn of the event loop (a batch's answers), one of
-    them with two pipelined requests: nothing is written during the turn; after it each connection has had one
-    write, its answers in order."""
-
-    async def drive() -> tuple[list[list[bytes]], list[list[bytes]]]:
-        held: list[Request] = []
-        http = HttpServer(lambda request: held.append(request), lambda: LIMIT)
-        transports = [RecordingTransport() for _ in range(3)]
-        for number, transport in enumerate(transports):
-            connection = _Connection(http)
-            connection.connection_made(transport)
-            paths = [["/a", "/b"], ["/c"], ["/d"]][number]
-            connection.data_received(b"".join(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode() for path in paths))
-        first = held.pop(0)  # the pipelined /b waits for /a's answer before it reaches the handler
-        first.respond(200, b"a", "text/plain")
-        for request in held:
-            request.respond(200, request.path[1:].encode(), "text/plain")
-        during = [list(transport.writes) for transport in transports]
-        await asyncio.sleep(0)
-        return during, [transport.writes for transport in transports]
-
-    during, after = asyncio.run(drive())
-    assert during == [[], [], []]
-    assert [len(writes) for writes in after] == [1, 1, 1]
-    bodies = [[part.split(b"\r\n\r\n")[1] for part in writes[0].split(b"HTTP/1.1 ")[1:]] for writes in after]
-    assert bodies == [[b"a", b"b"], [b"c"], [b"d"]]

@@ -10,9 +10,7 @@ bench/RESULTS.md). What it does, and all it does:
 - bodies by Content-Length or chunked, `Expect: 100-continue`, gzip/deflate request bodies, a body size
   limit (413 at once, then the connection closes), malformed requests (400, then close);
 - back-pressure from slow readers (reading pauses while the write buffer is full), idle keep-alive
-  connections closed after a timeout, and a graceful close that lets answered-but-unwritten work finish;
-- answers given in one turn of the event loop are written together at its end (the answers of a batch, one
-  connection after another, rather than a write between each answer's Python; measured in bench/RESULTS.md).
+  connections closed after a timeout, and a graceful close that lets answered-but-unwritten work finish.
 
 The application gets a Request and answers it by calling `request.respond(...)` exactly once, now or later
 on the event loop's thread; a handler may also return a coroutine, which runs as a task.
@@ -155,19 +153,7 @@ class HttpServer:
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.Task | None = None
         self.closing = False
-        self._unsent: list[_Connection] = []  # connections with answers to write at the end of this turn
         self.adopt = Adoptions(lambda: _Connection(self), lambda: self.closing).adopt
-
-    def write_later(self, connection: _Connection) -> None:
-        """Write `connection`'s answers at the end of this turn of the event loop, with the others given in it."""
-        if not self._unsent:
-            asyncio.get_running_loop().call_soon(self._write_answers)
-        self._unsent.append(connection)
-
-    def _write_answers(self) -> None:
-        connections, self._unsent = self._unsent, []
-        for connection in connections:
-            connection.flush()
 
     async def start(self, host: str, port: Listen) -> int:
         """Listen on host:port, or nowhere (HandedOver: see `adopt`); the port."""
@@ -226,7 +212,6 @@ class _Connection(asyncio.Protocol):
         self._dropped = 0
         self._failed = False
         self._dispatching = False
-        self._unsent: list[bytes] = []  # answers written at the end of this turn of the event loop (_send)
 
     # -- asyncio.Protocol -----------------------------------------------------------------------------
 
@@ -281,8 +266,8 @@ class _Connection(asyncio.Protocol):
         limit = self._limit = self.server.max_body()
         if length is not None and length.isdigit() and int(length) > limit:
             return self._refuse(413, f"request body too large: {length} bytes; the limit is {limit} bytes")
-        if self._headers.get("expect", "").lower() == "100-continue":
-            self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if self._headers.get("expect", "").lower() == "100-continue" and self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return None
 
     def on_body(self, body: bytes) -> None:
@@ -382,7 +367,7 @@ class _Connection(asyncio.Protocol):
         head = _STATUS_LINES.get(status) or _status_line(status)
         extra = "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode("latin-1") \
             if headers else b""
-        self._send(b"".join((
+        self.transport.write(b"".join((
             head, b"Content-Type: ", content_type.encode("latin-1"), b"\r\nContent-Length: ", length,
             b"\r\n", extra, b"" if keep_alive else b"Connection: close\r\n", b"\r\n", body)))
         self.current = None
@@ -410,8 +395,8 @@ class _Connection(asyncio.Protocol):
         self.current = None
         self.waiting.clear()
         body = _error_body(message)
-        self._send(f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: application/json"
-                   f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode("latin-1") + body)
+        self.transport.write(f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: application/json"
+                             f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode("latin-1") + body)
         if linger:
             asyncio.get_running_loop().call_later(LINGER_SECONDS, self._abort)
         else:
@@ -419,24 +404,11 @@ class _Connection(asyncio.Protocol):
 
     def _abort(self) -> None:
         if not self.closed and self.transport is not None:
-            self.flush()
             self.closed = True
             self.transport.abort()
 
-    def _send(self, data: bytes) -> None:
-        if not self._unsent:
-            self.server.write_later(self)
-        self._unsent.append(data)
-
-    def flush(self) -> None:
-        """Write the answers given in this turn (HttpServer.write_later), in order."""
-        unsent, self._unsent = self._unsent, []
-        if unsent and not self.closed and self.transport is not None:
-            self.transport.write(unsent[0] if len(unsent) == 1 else b"".join(unsent))
-
     def close(self) -> None:
         if not self.closed and self.transport is not None:
-            self.flush()
             self.closed = True
             self.transport.close()  # writes what is buffered, then closes
 

@@ -36,6 +36,8 @@ loop, keep-alive connections) drives them all from this process, on the same cor
     .venv/bin/python bench/bench_inference.py --only wrk --client-cpus 1   # wrk on CPU 1, the server on the others
     .venv/bin/python bench/bench_inference.py --only grpc       # h2load over gRPC
     .venv/bin/python bench/bench_inference.py --only grpc --rounds 2 --against main   # A/B against main
+    .venv/bin/python bench/bench_inference.py --only grpc --connections 64,256 --rounds 6 --against main
+                                                              # fewer points, more rounds: a change of ~5% resolved
 
 Needs the `bench` extra for part 3 (pip install -e '.[bench]').
 """
@@ -408,11 +410,12 @@ def bench_wrk(seconds: float, workers: int, directory: Path, against: str | None
         for client in ("wrk", "loadgen"):
             for connections in WRK_CONNECTIONS:
                 ours, theirs = points[mine, client, connections], points[other, client, connections]
-                print(f"  {client:7s} c={connections:<3d} req/s {_median_ratio(ours, theirs, lambda p: p.rate):.2f}x, "
-                      f"p99 {_median_ratio(ours, theirs, lambda p: p.p99_ms):.2f}x, loop CPU "
-                      f"{_median_ratio(ours, theirs, lambda p: p.costs.loop_us):.2f}x, workers' CPU "
-                      f"{_median_ratio(ours, theirs, lambda p: sum(p.costs.workers_us)):.2f}x, mean batch "
-                      f"{_median_ratio(ours, theirs, lambda p: p.costs.mean_batch):.2f}x")
+                print(f"  {client:7s} c={connections:<3d} req/s {_median_ratio(ours, theirs, lambda p: p.rate)}, "
+                      f"p99 {_median_ratio(ours, theirs, lambda p: p.p99_ms)}, loop CPU "
+                      f"{_median_ratio(ours, theirs, lambda p: p.costs.loop_us)}, workers' CPU "
+                      f"{_median_ratio(ours, theirs, lambda p: sum(p.costs.workers_us))}, client CPU "
+                      f"{_median_ratio(ours, theirs, lambda p: p.costs.client_us)}, mean batch "
+                      f"{_median_ratio(ours, theirs, lambda p: p.costs.mean_batch)}")
 
 
 @dataclass(frozen=True)
@@ -453,8 +456,11 @@ def _rate_cell(point: Point) -> str:
     return f"{point.rate:.0f} ({point.p99_ms:.1f}){' failed ' + str(point.failed) if point.failed else ''}"
 
 
-def _median_ratio(ours: list[Point], theirs: list[Point], value) -> float:
-    return statistics.median(value(a) / value(b) for a, b in zip(ours, theirs, strict=True))
+def _median_ratio(ours: list[Point], theirs: list[Point], value) -> str:
+    """The median over rounds of ours / theirs, with the rounds' range where there are several."""
+    ratios = [value(a) / value(b) for a, b in zip(ours, theirs, strict=True)]
+    spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+    return f"{statistics.median(ratios):.2f}x{spread}"
 
 
 GRPC_CONNECTIONS = 8  # h2load's connections; the rest of each point's concurrency is streams on them
@@ -551,11 +557,12 @@ def bench_grpc(seconds: float, workers: int, directory: Path, against: str | Non
               "lower is better):")
         for concurrency in WRK_CONNECTIONS:
             ours, theirs = points[mine, concurrency], points[other, concurrency]
-            print(f"  h2load c={concurrency:<3d} req/s {_median_ratio(ours, theirs, lambda p: p.rate):.2f}x, "
-                  f"p99 {_median_ratio(ours, theirs, lambda p: p.p99_ms):.2f}x, loop CPU "
-                  f"{_median_ratio(ours, theirs, lambda p: p.costs.loop_us):.2f}x, workers' CPU "
-                  f"{_median_ratio(ours, theirs, lambda p: sum(p.costs.workers_us)):.2f}x, mean batch "
-                  f"{_median_ratio(ours, theirs, lambda p: p.costs.mean_batch):.2f}x")
+            print(f"  h2load c={concurrency:<3d} req/s {_median_ratio(ours, theirs, lambda p: p.rate)}, "
+                  f"p99 {_median_ratio(ours, theirs, lambda p: p.p99_ms)}, loop CPU "
+                  f"{_median_ratio(ours, theirs, lambda p: p.costs.loop_us)}, workers' CPU "
+                  f"{_median_ratio(ours, theirs, lambda p: sum(p.costs.workers_us))}, client CPU "
+                  f"{_median_ratio(ours, theirs, lambda p: p.costs.client_us)}, mean batch "
+                  f"{_median_ratio(ours, theirs, lambda p: p.costs.mean_batch)}")
 
 
 def litserve_server(workers: int, batch_timeout: float, fast_queue: bool) -> Server:
@@ -597,7 +604,7 @@ def bench_litserve(seconds: float, workers: int, tandem: dict[tuple[str, int], L
 
 
 def main() -> None:
-    global HIDDEN, DEVICE  # the model size and device every part below uses
+    global HIDDEN, DEVICE, WRK_CONNECTIONS  # the model size, device and load points every part below uses
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per point (after 0.5 s warm-up)")
     parser.add_argument("--workers", type=int, help="model replicas (default: one per core the servers run on)")
@@ -609,6 +616,9 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=1,
                         help="wrk, grpc: serve as this many processes of workers/N workers each (processesPerReplica), "
                              "beside one process of all the workers (or the --against ref as as many processes)")
+    parser.add_argument("--connections", metavar="LIST", default=",".join(map(str, WRK_CONNECTIONS)),
+                        help="wrk, grpc: the load points, connections (concurrent calls over gRPC), e.g. 256 or "
+                             "64,256: fewer points, more rounds in the same time")
     parser.add_argument("--rounds", type=int, default=1,
                         help="wrk, grpc: rounds over every point (best one tabled); step: rounds (at least 3)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -618,6 +628,7 @@ def main() -> None:
                              "on the others this process may use, so that the client's CPU is out of the comparison")
     args = parser.parse_args()
     HIDDEN, DEVICE = args.hidden, args.device
+    WRK_CONNECTIONS = _connections(args.connections)
     if args.client_cpus:
         _split_cpus(args.client_cpus)
     args.workers = args.workers or cores()
@@ -645,6 +656,17 @@ def main() -> None:
     if "grpc" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             bench_grpc(args.seconds, args.workers, Path(tmp), args.against, args.rounds, args.processes)
+
+def _connections(listed: str) -> tuple[int, ...]:
+    try:
+        points = tuple(int(count) for count in listed.split(","))
+    except ValueError:
+        points = ()
+    if not points or min(points) < 1:
+        raise SystemExit(f"--connections: {listed!r} is not a comma-separated list of positive counts (e.g. 256 or "
+                         "64,256)")
+    return points
+
 
 def _split_cpus(listed: str) -> None:
     """The load generators on the CPUs `listed`; this process's main thread, and so the servers it starts and the

@@ -144,6 +144,10 @@ BUGS = [
         "            if self.unsent_bytes > FLUSH_BYTES:", "            if True:",
         "tests/integration/test_grpc_server.py::"
         "test_the_answers_settled_in_one_turn_on_one_connection_go_out_in_one_write"),
+    Bug("a gRPC call its client cancels left queued until its deadline", "worker/serve/grpc_service.py",
+        "        if answered.cancelled() and self.on_abort is not None:\n            self.on_abort()\n",
+        "        pass\n",
+        "tests/integration/test_grpc.py::test_a_call_its_client_cancels_leaves_the_queue_then_not_at_its_deadline"),
     Bug("a batching change one server process refuses left in the others", "worker/serve/app.py",
         "await asyncio.gather(*(change(previous) for change in changed), return_exceptions=True)",
         "await asyncio.gather(return_exceptions=True)",

@@ -280,6 +280,30 @@ def test_a_deadline_is_deadline_exceeded_and_the_request_leaves_the_queue(served
     client.close()
 
 
+def test_a_call_its_client_cancels_leaves_the_queue_then_not_at_its_deadline(served):
+    """A call cancelled by its client (RST_STREAM) while its request waits behind a held forward is withdrawn from the
+    queue at once: the pool's requestTimeoutMs is a minute, so only the cancellation can take it out."""
+    name = "grpc-cancel"
+    server = served(gated_pool(name, workersPerReplica=1, batchLimit=1, requestTimeoutMs=60_000), grpc=True)
+    gate, inference = GATES[name], server.server.model.inference
+    pool = ThreadPoolExecutor(1)
+    gate.close()
+    running = pool.submit(grpc_infer_in_thread, server.grpc_url, inputs(1), name)
+    gate.wait_entered(1)
+    cancelled = service_pb2.ModelInferRequest(model_name=name)
+    cancelled.inputs.add(name="input", datatype="FP32", shape=[1, 64])
+    cancelled.raw_input_contents.append(inputs(1, seed=2).tobytes())
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer.future(cancelled)
+        wait_until(lambda: inference.queued == 1, what="the second call queued behind the held forward")
+        call.cancel()
+        wait_until(lambda: inference.queued == 0 and server.server.pending.count == 1,
+                   what="the cancelled call withdrawn")
+    gate.open.set()
+    np.testing.assert_allclose(running.result(WAIT_S), reference(inputs(1)), rtol=1e-5, atol=1e-6)
+    pool.shutdown()
+
+
 def test_repository_loads_are_under_the_same_lockdown_as_http(served, tmp_path):
     repo = tmp_path / "models" / "digits"
     good = write_checkpoint(repo, seed=1, step=1)

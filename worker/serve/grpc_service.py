@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -88,32 +88,28 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
     name = method.__name__
     needs_token = rpc_needs_token(name)
 
-    def check_token(service: GrpcService, context: CallContext) -> None:
-        token = service.token
+    @functools.wraps(method)
+    def rpc(self: GrpcService, request: Any, context: CallContext) -> Any:
+        token = self.token
         if needs_token and token is not None:
             authorization = context.metadata("authorization")
             if not token.allows(authorization):
                 raise GrpcError(grpc.StatusCode.UNAUTHENTICATED, refusal(authorization))
-
-    if asyncio.iscoroutinefunction(method):
-        @functools.wraps(method)
-        async def rpc(self: GrpcService, request: Any, context: CallContext) -> Any:
-            check_token(self, context)
-            try:
-                return await method(self, request, context)
-            except Exception as error:
-                raise grpc_error(error, name) from None
-    else:
-        @functools.wraps(method)
-        def rpc(self: GrpcService, request: Any, context: CallContext) -> Any:
-            check_token(self, context)
-            try:
-                return method(self, request, context)
-            except Exception as error:
-                raise grpc_error(error, name) from None
+        try:
+            answer = method(self, request, context)
+        except Exception as error:
+            raise grpc_error(error, name) from None
+        return _answered(answer, name) if asyncio.iscoroutine(answer) else answer
 
     rpc.is_rpc = True
     return rpc
+
+
+async def _answered(answer: Coroutine[Any, Any, Any], method: str) -> Any:
+    try:
+        return await answer
+    except Exception as error:
+        raise grpc_error(error, method) from None
 
 
 class GrpcService:

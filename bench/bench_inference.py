@@ -23,10 +23,12 @@ loop, keep-alive connections) drives them all from this process, on the same cor
    Debian archive (`apt-get install wrk`); the part is skipped, saying so, where it is missing. With --against REF
    the server as it is at git REF runs too, alternating with this tree's, and this tree's figures over REF's are
    printed. With --client-cpus LIST the load generators run on those CPUs and the servers and the ceiling on the
-   others, which takes the client's CPU out of the comparison.
+   others, which takes the client's CPU out of the comparison. Below each table, the bound: the share of the ceiling
+   the cores could reach at the loop's and the client's measured CPU per request if the workers cost no more than
+   the raw forward (`bound`), so that a run says whether a target is out of reach of anything the workers do.
 5. grpc: the same over gRPC, driven by h2load (C; Debian's nghttp2-client) posting a pre-serialised
-   ModelInferRequest at 8, 64 and 256 concurrent calls; skipped, saying so, where h2load is missing. --against and
-   --rounds as for wrk.
+   ModelInferRequest at 8, 64 and 256 concurrent calls; skipped, saying so, where h2load is missing. --against,
+   --rounds and the bound as for wrk.
 
     .venv/bin/python bench/bench_inference.py                 # parts 1-3, about 2 minutes on 2 cores
     .venv/bin/python bench/bench_inference.py --only modes --seconds 5
@@ -396,6 +398,7 @@ def bench_wrk(seconds: float, workers: int, directory: Path, against: str | None
             wrk, python = best[label, "wrk", connections], best[label, "loadgen", connections]
             print(f"| {connections} | {_rate_cell(wrk)} | **{wrk.rate / ceiling:.2f}** | {_rate_cell(python)} | "
                   f"{python.rate / ceiling:.2f} |")
+        print(_bound_line({f"wrk c={c}": best[label, "wrk", c] for c in WRK_CONNECTIONS}, ceiling))
         print(f"\n| client | connections | {COSTS_HEADER} | {PAST_OUTPUT_HEADER} |")
         print("|---|---|" + "---|" * (COSTS_HEADER.count("|") + 2))
         for client in ("wrk", "loadgen"):
@@ -450,6 +453,24 @@ def _ceiling_line(ceilings: list[float], workers: int) -> str:
     measured = ", ".join(f"{ceiling:.0f}" for ceiling in ceilings)
     return (f"ceiling (raw forward, batch {BATCH_LIMIT}, {workers} replicas): {max(ceilings):.0f} examples/s, the best "
             f"of {len(ceilings)} measured after each round ({measured})")
+
+
+def bound(point: Point, ceiling: float, client_shares_cores: bool) -> float:
+    """The most the cores allow, as a share of the ceiling, at `point`'s measured costs per request (the event loops',
+    the server's other threads' and, where it shares the servers' cores, the client's CPU) if the workers cost no
+    more than the raw forward: the ceiling's CPU per example is cores / ceiling, so the cores answer at most
+    cores / (cores / ceiling + the rest) requests a second. A target above this bound needs those costs cut, whatever
+    the workers do."""
+    rest_us = point.costs.loop_us + point.costs.other_us + (point.costs.client_us if client_shares_cores else 0.0)
+    return 1.0 / (1.0 + rest_us * ceiling / (cores() * 1e6))
+
+
+def _bound_line(points: dict[str, Point], ceiling: float) -> str:
+    shares = CLIENT_CPUS is None
+    bounds = ", ".join(f"{name} {bound(point, ceiling, shares):.2f}" for name, point in points.items())
+    client = "the loop's and the client's" if shares else "the loop's (the client on CPUs of its own)"
+    return (f"bound with the workers at the raw forward's cost and {client} CPU per request as measured, share of "
+            f"the ceiling: {bounds}")
 
 
 def _rate_cell(point: Point) -> str:
@@ -546,6 +567,7 @@ def bench_grpc(seconds: float, workers: int, directory: Path, against: str | Non
         print("|---|---|---|")
         for concurrency, point in best.items():
             print(f"| {concurrency} | {_rate_cell(point)} | **{point.rate / ceiling:.2f}** |")
+        print(_bound_line({f"h2load c={c}": point for c, point in best.items()}, ceiling))
         print(f"\n| concurrent calls | {COSTS_HEADER} | {PAST_OUTPUT_HEADER} |")
         print("|---|" + "---|" * (COSTS_HEADER.count("|") + 2))
         for concurrency, point in best.items():

@@ -87,6 +87,7 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
     checked (unless the method is open), a failure answered as grpc_error says."""
     name = method.__name__
     needs_token = rpc_needs_token(name)
+    coroutine = asyncio.iscoroutinefunction(method)  # known here: not asked again of every call's answer
 
     @functools.wraps(method)
     def rpc(self: GrpcService, request: Any, context: CallContext) -> Any:
@@ -99,7 +100,7 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
             answer = method(self, request, context)
         except Exception as error:
             raise grpc_error(error, name) from None
-        return _answered(answer, name) if asyncio.iscoroutine(answer) else answer
+        return _answered(answer, name) if coroutine else answer
 
     rpc.is_rpc = True
     return rpc

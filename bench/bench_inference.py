@@ -679,26 +679,28 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             bench_grpc(args.seconds, args.workers, Path(tmp), args.against, args.rounds, args.processes)
 
-def _connections(listed: str) -> tuple[int, ...]:
+
+def _listed_numbers(listed: str, option: str, what: str, least: int | None = None) -> list[int]:
+    """The integers of a comma-separated option value, each at least `least` when given; SystemExit naming `option`
+    and `what` (with an example) otherwise."""
     try:
-        points = tuple(int(count) for count in listed.split(","))
+        numbers = [int(number) for number in listed.split(",")]
     except ValueError:
-        points = ()
-    if not points or min(points) < 1:
-        raise SystemExit(f"--connections: {listed!r} is not a comma-separated list of positive counts (e.g. 256 or "
-                         "64,256)")
-    return points
+        numbers = []
+    if not numbers or (least is not None and min(numbers) < least):
+        raise SystemExit(f"{option}: {listed!r} is not a comma-separated list of {what}")
+    return numbers
+
+
+def _connections(listed: str) -> tuple[int, ...]:
+    return tuple(_listed_numbers(listed, "--connections", "positive counts (e.g. 256 or 64,256)", least=1))
 
 
 def _split_cpus(listed: str) -> None:
     """The load generators on the CPUs `listed`; this process's main thread, and so the servers it starts and the
     ceiling's threads, on the rest."""
     global CLIENT_CPUS
-    try:
-        clients = {int(cpu) for cpu in listed.split(",")}
-    except ValueError:
-        raise SystemExit(f"--client-cpus: {listed!r} is not a comma-separated list of CPU numbers (e.g. 1 or "
-                         "2,3)") from None
+    clients = set(_listed_numbers(listed, "--client-cpus", "CPU numbers (e.g. 1 or 2,3)"))
     own = os.sched_getaffinity(0)
     if not clients < own:
         raise SystemExit(f"--client-cpus: {sorted(clients)} must be some, not all, of the CPUs this process may use "

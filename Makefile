@@ -7,8 +7,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint setup crds bench clean device-wheels images e2e
 
-# kubectl is not installed here: tests/integration/test_kubectl.py needs kubectl >= 1.27 (it validates `apply` through
-# the OpenAPI v3 documents) and Debian bookworm's kubernetes-client is 1.20; without one those tests skip, saying why.
+# tests/integration/test_kubectl.py needs kubectl >= 1.27 on PATH (it validates `apply` through the OpenAPI v3
+# documents; Debian bookworm's kubernetes-client is 1.20); without one those tests skip, saying why.
 setup: $(STAMP)
 	@command -v kubectl >/dev/null 2>&1 || echo "make setup: no kubectl on PATH: tests/integration/test_kubectl.py will skip (install kubectl >= 1.27)"
 

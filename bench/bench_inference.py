@@ -29,6 +29,11 @@ loop, keep-alive connections) drives them all from this process, on the same cor
 5. grpc: the same over gRPC, driven by h2load (C; Debian's nghttp2-client) posting a pre-serialised
    ModelInferRequest at 8, 64 and 256 concurrent calls; skipped, saying so, where h2load is missing. --against,
    --rounds and the bound as for wrk.
+6. native: `tandem serve` beside bench/native_server.py, a server whose request path is C (no Python per request;
+   built with cc at the start, skipped, saying why, where it cannot be), both as one process per worker, under wrk at
+   each point, alternating over --rounds, the ceiling after each round. Printed: each one's share of the ceiling and
+   its bound, CPU per request (loops, workers, wrk), and native / tandem: how much of the gap is the interpreter's,
+   and what no server's request path on these cores takes back.
 
     .venv/bin/python bench/bench_inference.py                 # parts 1-3, about 2 minutes on 2 cores
     .venv/bin/python bench/bench_inference.py --only modes --seconds 5
@@ -37,6 +42,7 @@ loop, keep-alive connections) drives them all from this process, on the same cor
     .venv/bin/python bench/bench_inference.py --only wrk --rounds 3 --against main   # A/B against main
     .venv/bin/python bench/bench_inference.py --only wrk --client-cpus 1   # wrk on CPU 1, the server on the others
     .venv/bin/python bench/bench_inference.py --only grpc       # h2load over gRPC
+    .venv/bin/python bench/bench_inference.py --only native --connections 64,256 --rounds 3   # beside a C server
     .venv/bin/python bench/bench_inference.py --only grpc --rounds 2 --against main   # A/B against main
     .venv/bin/python bench/bench_inference.py --only grpc --connections 64,256 --rounds 6 --against main
                                                               # fewer points, more rounds: a change of ~5% resolved
@@ -68,7 +74,15 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import LoadResult, build_request, load, wait_for_port  # noqa: E402
-from serve_costs import COSTS_HEADER, Costs, ServeCosts  # noqa: E402
+from serve_costs import (  # noqa: E402
+    COSTS_HEADER,
+    Costs,
+    ServeCosts,
+    children_cpu,
+    server_processes,
+    split_threads,
+    thread_times,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 HIDDEN = 3072
@@ -336,12 +350,33 @@ UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
 def run_wrk(server: Server, body: Path, connections: int, seconds: float, workers: int) -> Point:
     """wrk's req/s, p99 (ms) and failed responses (non-2xx, socket errors) over `seconds` after a 1 s warm-up, and
     the server's costs over the measured run."""
-    url = f"http://{HOST}:{server.port}/v2/models/mlp/infer"
-    script = str(ROOT / "bench" / "wrk_infer.lua")
-    base = ["wrk", "-t1", f"-c{connections}", "--latency", "-s", script]
-    run_client([*base, "-d1s", url, "--", str(body)])  # warm-up
+    wrk_warm_up(server.port, body, connections)
     with ServeCosts(server.process.pid, server.port, "mlp", BATCH_LIMIT, workers) as costs:
-        out = run_client([*base, f"-d{max(1, round(seconds))}s", url, "--", str(body)], text=True).stdout
+        rate, p99_ms, mean_ms, failed = wrk(server.port, body, connections, seconds)
+    return Point(rate, p99_ms, mean_ms, failed, costs.result)
+
+
+def wrk_body(directory: Path) -> Path:
+    """The request wrk posts (bench/wrk_infer.lua), written into `directory`."""
+    body = directory / "request.json"
+    body.write_text(json.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
+                                            "data": EXAMPLE.tolist()}]}))
+    return body
+
+
+def _wrk_command(port: int, body: Path, connections: int, seconds: float) -> list[str]:
+    return ["wrk", "-t1", f"-c{connections}", "--latency", "-s", str(ROOT / "bench" / "wrk_infer.lua"),
+            f"-d{max(1, round(seconds))}s", f"http://{HOST}:{port}/v2/models/mlp/infer", "--", str(body)]
+
+
+def wrk_warm_up(port: int, body: Path, connections: int) -> None:
+    run_client(_wrk_command(port, body, connections, 1))
+
+
+def wrk(port: int, body: Path, connections: int, seconds: float) -> tuple[float, float, float, int]:
+    """wrk posting `body` for `seconds`: req/s, p99 and mean latency (ms), failed responses (non-2xx, socket
+    errors)."""
+    out = run_client(_wrk_command(port, body, connections, seconds), text=True).stdout
     rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     value, unit = re.search(r"^\s+99%\s+([\d.]+)(us|ms|s)$", out, re.M).groups()
     p99_ms = float(value) * UNIT_MS[unit]
@@ -349,7 +384,7 @@ def run_wrk(server: Server, body: Path, connections: int, seconds: float, worker
     mean_ms = float(value) * UNIT_MS[unit]
     failed = sum(int(n) for n in re.findall(r"Non-2xx or 3xx responses: (\d+)", out))
     failed += sum(int(n) for n in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
-    return Point(rate, p99_ms, mean_ms, failed, costs.result)
+    return rate, p99_ms, mean_ms, failed
 
 
 def run_loadgen(server: Server, request: bytes, connections: int, seconds: float, workers: int) -> Point:
@@ -367,9 +402,7 @@ def bench_wrk(seconds: float, workers: int, directory: Path, against: str | None
     if shutil.which("wrk") is None:
         print("wrk: skipped: wrk is not installed (Debian: apt-get install wrk)")
         return
-    body = directory / "request.json"
-    body.write_text(json.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
-                                            "data": EXAMPLE.tolist()}]}))
+    body = wrk_body(directory)
     variants = _variants(against, directory, processes, workers)
     points: dict[tuple[str, str, int], list[Point]] = {}
     ceilings = []
@@ -462,6 +495,10 @@ def bound(point: Point, ceiling: float, client_shares_cores: bool) -> float:
     cores / (cores / ceiling + the rest) requests a second. A target above this bound needs those costs cut, whatever
     the workers do."""
     rest_us = point.costs.loop_us + point.costs.other_us + (point.costs.client_us if client_shares_cores else 0.0)
+    return _bound(rest_us, ceiling)
+
+
+def _bound(rest_us: float, ceiling: float) -> float:
     return 1.0 / (1.0 + rest_us * ceiling / (cores() * 1e6))
 
 
@@ -485,6 +522,102 @@ def _median_ratio(ours: list[Point], theirs: list[Point], value) -> str:
 
 
 GRPC_CONNECTIONS = 8  # h2load's connections; the rest of each point's concurrency is streams on them
+
+
+@dataclass
+class CpuPoint:
+    """One load point measured from outside alone (no statistics endpoint asked): wrk's figures and CPU per request."""
+
+    rate: float
+    p99_ms: float
+    failed: int
+    loop_us: float
+    """the processes' main threads: tandem's event loops, the native server's I/O loops"""
+    workers_us: float
+    other_us: float
+    client_us: float
+
+    def line(self) -> str:
+        return (f"{self.rate:8.0f} req/s  p99 {self.p99_ms:6.1f} ms  failed {self.failed}; CPU per request: loops "
+                f"{self.loop_us:.0f} us, workers {self.workers_us:.0f} us, other threads {self.other_us:.0f} us, wrk "
+                f"{self.client_us:.0f} us")
+
+
+def bench_native(seconds: float, workers: int, directory: Path, rounds: int) -> None:
+    """`tandem serve` and bench/native_server.py (no Python per request), both as `workers` processes of one worker,
+    alternating under wrk at each point, the ceiling after each round: the share of the ceiling each keeps, where each
+    request's CPU goes, and native / tandem. What the native server leaves of the gap to the ceiling is not the
+    interpreter's: no server's request path on these cores takes it back."""
+    import native_server
+    import torch
+
+    from tandem.examples.digits import mlp
+
+    if shutil.which("wrk") is None:
+        print("native: skipped: wrk is not installed (Debian: apt-get install wrk)")
+        return
+    module = native_server.build(directory)
+    if isinstance(module, str):
+        print(f"native: skipped: the native server cannot be built here: {module}")
+        return
+    weights = directory / "weights.pt"
+    torch.save(mlp(HIDDEN).state_dict(), weights)
+    body = wrk_body(directory)
+
+    def serve(label: str) -> Server:
+        if label == "tandem serve":
+            return tandem_server("batched", workers, directory, processes=workers)
+        port = free_port()
+        return Server([sys.executable, str(ROOT / "bench" / "native_server.py"), "--port", str(port), "--weights",
+                       str(weights), "--module-dir", str(directory), "--processes", str(workers), "--hidden",
+                       str(HIDDEN), "--batch-limit", str(BATCH_LIMIT)], port, "/v2/health/ready")
+
+    labels = ("tandem serve", "native")
+    points: dict[tuple[str, int], list[CpuPoint]] = {}
+    ceilings = []
+    for round_ in range(rounds):
+        for label in _in_turn(labels, round_):
+            with serve(label) as server:
+                for connections in WRK_CONNECTIONS:
+                    point = _cpu_point(server, body, connections, seconds, workers)
+                    points.setdefault((label, connections), []).append(point)
+                    print(f"{label}: c={connections:<3d} {point.line()}", flush=True)
+        ceilings.append(bench_ceiling(seconds, workers))
+    ceiling = max(ceilings)
+    print(f"\nboth as {workers} processes x 1 worker, best of {rounds} round(s); share of the ceiling (bound: "
+          "with the workers at the raw forward's cost); CPU per request at the best round: loops / workers / wrk")
+    print("| connections | tandem serve req/s (p99 ms) | share (bound) | us | native req/s (p99 ms) | share (bound) "
+          "| us | native / tandem, median of rounds |")
+    print("|---|---|---|---|---|---|---|---|")
+    for connections in WRK_CONNECTIONS:
+        cells = []
+        for label in labels:
+            best = max(points[label, connections], key=lambda p: p.rate)
+            rest = best.loop_us + best.other_us + best.client_us
+            cells.append(f"{best.rate:.0f} ({best.p99_ms:.1f}) | **{best.rate / ceiling:.2f}** "
+                         f"({_bound(rest, ceiling):.2f}) | {best.loop_us:.0f} / {best.workers_us:.0f} / "
+                         f"{best.client_us:.0f}")
+        ratios = [native.rate / tandem.rate for tandem, native
+                  in zip(points[labels[0], connections], points[labels[1], connections], strict=True)]
+        cells.append(f"{statistics.median(ratios):.2f}x ({', '.join(f'{r:.2f}' for r in ratios)})")
+        print(f"| {connections} | {' | '.join(cells)} |")
+    print(_ceiling_line(ceilings, workers))
+
+
+def _cpu_point(server: Server, body: Path, connections: int, seconds: float, workers: int) -> CpuPoint:
+    wrk_warm_up(server.port, body, connections)
+    pids = server_processes(server.process.pid)
+
+    def threads() -> dict[int, tuple[float, float]]:
+        return {tid: times for pid in pids for tid, times in thread_times(pid).items()}
+
+    threads_before, client_before = threads(), children_cpu()
+    rate, p99_ms, _, failed = wrk(server.port, body, connections, seconds)
+    threads_after, client = threads(), children_cpu() - client_before
+    loop, busiest, other, _ = split_threads(threads_before, threads_after, pids, workers)
+    per_request = 1e6 / max(1.0, rate * max(1, round(seconds)))
+    return CpuPoint(rate, p99_ms, failed, loop * per_request, sum(busiest) * per_request, other * per_request,
+                    client * per_request)
 
 
 def grpc_request_file(directory: Path) -> Path:
@@ -630,7 +763,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per point (after 0.5 s warm-up)")
     parser.add_argument("--workers", type=int, help="model replicas (default: one per core the servers run on)")
-    parser.add_argument("--only", choices=("modes", "ceiling", "step", "litserve", "wrk", "grpc"), action="append")
+    parser.add_argument("--only", choices=("modes", "ceiling", "step", "litserve", "wrk", "grpc", "native"),
+                        action="append")
     parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"the MLP's hidden units (default {HIDDEN})")
     parser.add_argument("--against", metavar="GIT_REF",
                         help="wrk, grpc: also serve the code as it is at this git ref, alternating with this tree's, "
@@ -675,6 +809,9 @@ def main() -> None:
     if "wrk" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             bench_wrk(args.seconds, args.workers, Path(tmp), args.against, args.rounds, args.processes)
+    if "native" in parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            bench_native(args.seconds, args.workers, Path(tmp), args.rounds)
     if "grpc" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             bench_grpc(args.seconds, args.workers, Path(tmp), args.against, args.rounds, args.processes)

@@ -159,6 +159,19 @@ class ServeCosts:
         return {tid: times for pid in self.pids for tid, times in thread_times(pid).items()}
 
 
+def split_threads(threads_before: dict[int, tuple[float, float]], threads_after: dict[int, tuple[float, float]],
+                  pids: list[int], workers: int) -> tuple[float, list[float], float, float]:
+    """CPU seconds between two `thread_times` of processes `pids`: their main threads' (event loops) summed, the
+    `workers` busiest other threads' (the workers) busiest first, the rest's summed; and the seconds the workers
+    were runnable but waiting for a CPU."""
+    used = {tid: (running - threads_before.get(tid, (0.0, 0.0))[0], waiting - threads_before.get(tid, (0.0, 0.0))[1])
+            for tid, (running, waiting) in threads_after.items()}
+    loop = sum(used.pop(pid, (0.0, 0.0))[0] for pid in pids)
+    ranked = sorted(used.values(), reverse=True)
+    return (loop, [running for running, _ in ranked[:workers]], sum(running for running, _ in ranked[workers:]),
+            sum(waiting for _, waiting in ranked[:workers]))
+
+
 def costs(stats_before: dict, stats_after: dict, threads_before: dict[int, tuple[float, float]],
           threads_after: dict[int, tuple[float, float]], pids: list[int], client_seconds: float, batch_limit: int,
           workers: int, wall: float) -> Costs:
@@ -167,12 +180,7 @@ def costs(stats_before: dict, stats_after: dict, threads_before: dict[int, tuple
 
     requests = max(1, delta("success", "count"))
     per_request = 1e6 / requests
-    used = {tid: (running - threads_before.get(tid, (0.0, 0.0))[0], waiting - threads_before.get(tid, (0.0, 0.0))[1])
-            for tid, (running, waiting) in threads_after.items()}
-    loop = sum(used.pop(pid, (0.0, 0.0))[0] for pid in pids)
-    ranked = sorted(used.values(), reverse=True)
-    busiest = [running for running, _ in ranked]
-    runnable = sum(waiting for _, waiting in ranked[:workers])
+    loop, busiest, other, runnable = split_threads(threads_before, threads_after, pids, workers)
     before = {entry["batch_size"]: entry["compute_infer"] for entry in stats_before["batch_stats"]}
     forwards = examples = full = infer_ns = 0
     for entry in stats_after["batch_stats"]:
@@ -183,10 +191,10 @@ def costs(stats_before: dict, stats_after: dict, threads_before: dict[int, tuple
         full += count * size if size == batch_limit else 0
         infer_ns += infer["ns"] - before.get(size, {"ns": 0})["ns"]
     return Costs(
-        requests=requests, loop_us=loop * per_request, workers_us=[s * per_request for s in busiest[:workers]],
-        workers_blocked_us=(wall * workers - sum(busiest[:workers]) - runnable) * per_request,
+        requests=requests, loop_us=loop * per_request, workers_us=[s * per_request for s in busiest],
+        workers_blocked_us=(wall * workers - sum(busiest) - runnable) * per_request,
         workers_runnable_us=runnable * per_request,
-        other_us=sum(busiest[workers:]) * per_request, client_us=client_seconds * per_request,
+        other_us=other * per_request, client_us=client_seconds * per_request,
         mean_batch=examples / max(1, forwards), full_share=full / max(1, examples),
         queue_ms=delta("queue", "ns") / max(1, delta("queue", "count")) / 1e6,
         forward_us_per_example=infer_ns / max(1, examples) / 1e3,

@@ -35,11 +35,12 @@
 #define MAX_HEAD 65536
 #define MAX_BODY (1 << 20)
 
-typedef struct {
+typedef struct connection {
     int fd;
     int closed;
     int in_flight;  // a request of this connection is queued or in a forward: freed when its answer comes
     int waiting_to_write;  // watched for EPOLLOUT
+    struct connection *next_released;
     char *in;
     size_t in_len, in_cap;
     char *out;
@@ -69,10 +70,21 @@ static const char BAD_REQUEST[] = "HTTP/1.1 400 Bad Request\r\nContent-Length: 0
 static const char READY[] = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 14\r\n\r\n"
                             "{\"ready\":true}";
 
+static connection_t *released;  // freed after the events of one epoll_wait: a later one may name them
+
 static void release(connection_t *c) {
-    free(c->in);
-    free(c->out);
-    free(c);
+    c->next_released = released;
+    released = c;
+}
+
+static void free_released(void) {
+    while (released) {
+        connection_t *c = released;
+        released = c->next_released;
+        free(c->in);
+        free(c->out);
+        free(c);
+    }
 }
 
 static void close_connection(connection_t *c) {
@@ -146,12 +158,15 @@ static int take_request(connection_t *c) {
         *stop = 0;
         for (int i = 0; i < FEATURES; i++) {
             char *next;
-            example.x[i] = strtof(p, &next);
-            if (next == p) {
+            example.x[i] = strtof(p, &next);  // stops at the terminator put at the body's end, at the latest
+            int read_one = next != p;
+            p = next;
+            while (p < stop && *p == ' ') p++;
+            if (!read_one || p >= stop || *p != (i < FEATURES - 1 ? ',' : ']')) {
                 *stop = after;
                 return -1;
             }
-            p = next + 1;
+            p++;
         }
         *stop = after;
     }
@@ -195,6 +210,10 @@ static void readable(connection_t *c) {
         return;
     }
     if (k > 0) c->in_len += k;
+    if (c->in_len > MAX_HEAD + MAX_BODY) {  // more sent ahead than one request can hold, while one is in flight
+        refuse(c);
+        return;
+    }
     take_requests(c);
 }
 
@@ -241,6 +260,7 @@ static void serve_forever(void) {
         int n = epoll_wait(epoll_fd, events, 512, -1);
         for (int i = 0; i < n; i++) {
             void *what = events[i].data.ptr;
+            if (what != &listen_fd && what != &wake_fd && ((connection_t *)what)->closed) continue;
             if (what == &listen_fd) {
                 int fd;
                 while ((fd = accept4(listen_fd, NULL, NULL, SOCK_NONBLOCK)) >= 0) watch(fd);
@@ -265,6 +285,7 @@ static void serve_forever(void) {
                 if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) readable(c);
             }
         }
+        free_released();
     }
 }
 

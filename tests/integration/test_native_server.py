@@ -92,8 +92,9 @@ def test_each_request_is_answered_with_the_models_output_for_its_own_example(ser
     np.testing.assert_allclose(np.array(answers, dtype=np.float32), expected, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("body", [b'{"inputs": []}', b'{"inputs": [{"data": [1, 2, "three"]}]}'],
-                         ids=["no data", "not numbers"])
+@pytest.mark.parametrize("body", [b'{"inputs": []}', b'{"inputs": [{"data": [1, 2, "three"]}]}',
+                                  b'{"inputs": [{"data": [0.5, 0.5]}]}', b'{"inputs": [{"data": [0.5, 0.5'],
+                         ids=["no data", "not numbers", "too few numbers", "cut short"])
 def test_a_request_it_cannot_read_is_refused_and_the_server_serves_on(server, body):
     port, _ = server
     assert _post(port, body)[0] == 400

@@ -556,6 +556,9 @@ def bench_native(seconds: float, workers: int, directory: Path, rounds: int) -> 
     if shutil.which("wrk") is None:
         print("native: skipped: wrk is not installed (Debian: apt-get install wrk)")
         return
+    if DEVICE != "cpu":
+        print("native: skipped: the native server runs its replicas on the CPU only")
+        return
     module = native_server.build(directory)
     if isinstance(module, str):
         print(f"native: skipped: the native server cannot be built here: {module}")
@@ -593,7 +596,7 @@ def bench_native(seconds: float, workers: int, directory: Path, rounds: int) -> 
         cells = []
         for label in labels:
             best = max(points[label, connections], key=lambda p: p.rate)
-            rest = best.loop_us + best.other_us + best.client_us
+            rest = best.loop_us + best.other_us + (best.client_us if CLIENT_CPUS is None else 0.0)
             cells.append(f"{best.rate:.0f} ({best.p99_ms:.1f}) | **{best.rate / ceiling:.2f}** "
                          f"({_bound(rest, ceiling):.2f}) | {best.loop_us:.0f} / {best.workers_us:.0f} / "
                          f"{best.client_us:.0f}")

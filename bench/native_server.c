@@ -7,9 +7,9 @@
 // answer carries CLASSES FP32 numbers; any GET is answered 200 {"ready":true} (the harness's readiness probe);
 // anything else is answered 400 and closed.
 //
-// run(listen_fd) runs the I/O loop on the calling thread, without the GIL, until the process ends: epoll over the
-// connections, parsing, decoding a request's numbers into the queue, writing answers. adopt(fd) adds a connection
-// accepted elsewhere. A Python worker thread calls take(limit) (up to `limit` queued examples as one float32 buffer and
+// run() runs the I/O loop on the calling thread, without the GIL, until the process ends: epoll over the connections,
+// parsing, decoding a request's numbers into the queue, writing answers. adopt(fd) adds a connection accepted
+// elsewhere (the supervisor's). A Python worker thread calls take(limit) (up to `limit` queued examples as one float32 buffer and
 // a handle; None after 50 ms with none) and give(handle, outputs), once per batch.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,6 +34,7 @@
 #define MAX_BATCH 256
 #define MAX_HEAD 65536
 #define MAX_BODY (1 << 20)
+#define MAX_UNSENT 65536  // answers waiting for a client that does not read: no more requests taken from it meanwhile
 
 typedef struct connection {
     int fd;
@@ -64,7 +65,16 @@ static pthread_cond_t queued_cond = PTHREAD_COND_INITIALIZER;
 static example_t queue[QUEUE_LIMIT];
 static int queue_head, queue_len;
 static batch_t *answered_head, *answered_tail;
-static int epoll_fd = -1, wake_fd = -1, listen_fd = -1;
+static int epoll_fd = -1, wake_fd = -1;
+
+static void *grown(void *memory, size_t size) {
+    void *bigger = realloc(memory, size);
+    if (bigger == NULL) {
+        fputs("_native_server: out of memory\n", stderr);
+        abort();
+    }
+    return bigger;
+}
 
 static const char BAD_REQUEST[] = "HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
 static const char READY[] = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 14\r\n\r\n"
@@ -98,7 +108,7 @@ static void close_connection(connection_t *c) {
 static void append(connection_t *c, const char *bytes, size_t n) {
     if (c->out_len + n > c->out_cap) {
         c->out_cap = (c->out_len + n) * 2;
-        c->out = realloc(c->out, c->out_cap);
+        c->out = grown(c->out, c->out_cap);
     }
     memcpy(c->out + c->out_len, bytes, n);
     c->out_len += n;
@@ -190,9 +200,10 @@ static int take_request(connection_t *c) {
     return 1;
 }
 
-// Take requests from the connection's input while none of its requests is in flight (GETs are answered at once).
+// Take requests from the connection's input while none of its requests is in flight (GETs are answered at once) and
+// its client reads its answers.
 static void take_requests(connection_t *c) {
-    while (!c->closed && !c->in_flight && c->in_len) {
+    while (!c->closed && !c->in_flight && c->in_len && c->out_len < MAX_UNSENT) {
         int taken = take_request(c);
         if (taken < 0) refuse(c);
         if (taken <= 0) return;
@@ -202,7 +213,7 @@ static void take_requests(connection_t *c) {
 static void readable(connection_t *c) {
     if (c->in_cap - c->in_len < 4096) {
         c->in_cap = c->in_cap * 2 + 4096;
-        c->in = realloc(c->in, c->in_cap + 1);
+        c->in = grown(c->in, c->in_cap + 1);
     }
     ssize_t k = read(c->fd, c->in + c->in_len, c->in_cap - c->in_len);
     if (k == 0 || (k < 0 && errno != EAGAIN)) {
@@ -248,7 +259,8 @@ static void answer(batch_t *b) {
 static void watch(int fd) {
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    connection_t *c = calloc(1, sizeof *c);
+    connection_t *c = grown(NULL, sizeof *c);
+    memset(c, 0, sizeof *c);
     c->fd = fd;
     struct epoll_event event = {.events = EPOLLIN, .data.ptr = c};
     epoll_ctl(epoll_fd, EPOLL_CTL_ADD, fd, &event);
@@ -258,13 +270,10 @@ static void serve_forever(void) {
     struct epoll_event events[512];
     for (;;) {
         int n = epoll_wait(epoll_fd, events, 512, -1);
+        if (n < 0 && errno != EINTR) return;
         for (int i = 0; i < n; i++) {
             void *what = events[i].data.ptr;
-            if (what != &listen_fd && what != &wake_fd && ((connection_t *)what)->closed) continue;
-            if (what == &listen_fd) {
-                int fd;
-                while ((fd = accept4(listen_fd, NULL, NULL, SOCK_NONBLOCK)) >= 0) watch(fd);
-            } else if (what == &wake_fd) {
+            if (what == &wake_fd) {
                 uint64_t count;
                 if (read(wake_fd, &count, sizeof count) < 0 && errno != EAGAIN) return;
                 pthread_mutex_lock(&lock);
@@ -276,14 +285,18 @@ static void serve_forever(void) {
                     answer(b);
                     b = next;
                 }
-            } else {
-                connection_t *c = what;
-                if ((events[i].events & EPOLLOUT) && flush(c) < 0) {
+                continue;
+            }
+            connection_t *c = what;
+            if (c->closed) continue;  // closed by an earlier event of this wait
+            if (events[i].events & EPOLLOUT) {
+                if (flush(c) < 0) {
                     close_connection(c);
                     continue;
                 }
-                if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) readable(c);
+                take_requests(c);
             }
+            if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) readable(c);
         }
         free_released();
     }
@@ -298,16 +311,9 @@ static int ensure_started(void) {
     return epoll_ctl(epoll_fd, EPOLL_CTL_ADD, wake_fd, &event);
 }
 
-// run(listen_fd: -1 for none): serve until the process ends.
+// run(): serve until the process ends.
 static PyObject *run(PyObject *self, PyObject *args) {
-    int fd;
-    if (!PyArg_ParseTuple(args, "i", &fd)) return NULL;
     if (ensure_started() < 0) return PyErr_SetFromErrno(PyExc_OSError);
-    if (fd >= 0) {
-        listen_fd = fd;
-        struct epoll_event event = {.events = EPOLLIN, .data.ptr = &listen_fd};
-        if (epoll_ctl(epoll_fd, EPOLL_CTL_ADD, fd, &event) < 0) return PyErr_SetFromErrno(PyExc_OSError);
-    }
     Py_BEGIN_ALLOW_THREADS
     serve_forever();
     Py_END_ALLOW_THREADS
@@ -362,7 +368,7 @@ static PyObject *take(PyObject *self, PyObject *args) {
     }
     if (b->n < limit && PyByteArray_Resize(x, (Py_ssize_t)b->n * FEATURES * sizeof(float)) < 0) {
         Py_DECREF(x);
-        return NULL;
+        return NULL;  // the batch's connections stay in flight: native_server.py ends the process on any error
     }
     return Py_BuildValue("NiK", x, b->n, (unsigned long long)(uintptr_t)b);
 }
@@ -392,7 +398,7 @@ static PyObject *give(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"run", run, METH_VARARGS, "run(listen_fd): serve on the calling thread until the process ends"},
+    {"run", run, METH_NOARGS, "run(): serve on the calling thread until the process ends"},
     {"adopt", adopt, METH_VARARGS, "adopt(fd): serve a connection accepted elsewhere"},
     {"take", take, METH_VARARGS, "take(limit): (examples, n, handle), or None after 50 ms with none queued"},
     {"give", give, METH_VARARGS, "give(handle, outputs): the batch's outputs, to be answered"},

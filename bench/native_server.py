@@ -22,6 +22,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import traceback
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent / "native_server.c"
@@ -56,26 +57,30 @@ def serve(channel: socket.socket, module_dir: str, weights: str, hidden: int, ba
     model.load_state_dict(torch.load(weights, mmap=True, weights_only=True), assign=True)
 
     def work() -> None:
-        with torch.no_grad():
-            while True:
-                taken = native.take(batch_limit)
-                if taken is not None:
-                    examples, n, handle = taken
-                    outputs = model(torch.frombuffer(examples, dtype=torch.float32).view(n, -1))
-                    native.give(handle, outputs.numpy())
+        try:
+            with torch.no_grad():
+                while True:
+                    taken = native.take(batch_limit)
+                    if taken is not None:
+                        examples, n, handle = taken
+                        outputs = model(torch.frombuffer(examples, dtype=torch.float32).view(n, -1))
+                        native.give(handle, outputs.numpy())
+        except BaseException:  # a batch that cannot be answered: end, rather than leave its clients waiting
+            traceback.print_exc()
+            os._exit(1)
 
     def receive() -> None:
         while True:
-            _, fds, _, _ = socket.recv_fds(channel, 1, 64)
-            if not fds:
-                return  # the supervisor ended
+            message, fds, _, _ = socket.recv_fds(channel, 1, 64)
+            if not message:
+                os._exit(0)  # the supervisor ended (the main thread never leaves the C loop to see a signal)
             for fd in fds:
                 native.adopt(fd)
 
     threading.Thread(target=work, daemon=True).start()
     threading.Thread(target=receive, daemon=True).start()
     channel.send(b"r")
-    native.run(-1)
+    native.run()
 
 
 def supervise(port: int, processes: int, child_arguments: list[str]) -> None:

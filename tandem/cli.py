@@ -58,7 +58,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """`tandem serve [FILE] [--port P] [--grpc-port P | --no-grpc] [--host H] [--checkpoint PATH] [--grace-period S]
-    [--auth-token-file PATH] [--allow-batching-changes] [--processes N]`: FILE, or else the
+    [--auth-token-file PATH] [--allow-batching-changes] [--processes N] [--http-front F]`: FILE, or else the
     InferencePool at $TANDEM_SPEC (the worker contract: what an InferencePool's pods run)."""
     import asyncio
     import logging
@@ -80,6 +80,8 @@ def _serve(args: argparse.Namespace) -> int:
     except ManifestError as error:
         print(error, file=sys.stderr)
         return 1
+    if args.http_front is not None:
+        pool.spec.http_front = args.http_front
     port = pool.spec.port if args.port is None else args.port
     grpc_port = None if args.no_grpc else pool.spec.grpc_port if args.grpc_port is None else args.grpc_port
     processes = pool.spec.processes_per_replica if args.processes is None else args.processes
@@ -169,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="server processes sharing the ports, each with its own event loop and the pool's "
                             "workersPerReplica model replicas, under a supervisor (default: the manifest's "
                             "spec.processesPerReplica, 1)")
+    serve.add_argument("--http-front", choices=("python", "native"),
+                       help="who reads the HTTP port: python, or native (a C front serving the common JSON "
+                            "inference request with no Python per request; default: the manifest's "
+                            "spec.httpFront, python)")
     serve.set_defaults(handler=_serve)
 
     from tandem.operator import main as operator_main  # its options only: kopf is imported when it runs

@@ -618,7 +618,7 @@ def _wait_executions(inference: ParallelInference, count: int) -> None:
 
 def _snapshot(requests: int, rows: int, ms: int) -> dict:
     stats = InferenceStats()
-    submitted = [type("Request", (), {"submitted": 0})() for _ in range(requests)]
+    submitted = [type("Request", (), {"arrivals": (0,)})() for _ in range(requests)]
     stats.batch(submitted, rows, start=1_000, infer=2_000, output=3_000, end=4_000, ok=[True] * requests)
     snapshot = stats.snapshot()
     snapshot["last_inference_ms"] = ms

@@ -7,6 +7,7 @@ InferenceServer puts the pieces together on one event loop and owns their lifecy
 stop, the `tandem serve` process); each piece owns its state:
 
     http.py          the HTTP/1.1 layer: an asyncio protocol over httptools, on uvloop
+    native.py        with httpFront native, a C front before it that serves the common inference request itself
     routes.py        what each endpoint answers (the wire shapes: protocol.py, and triton.py for Triton's)
     grpc_service.py  the same answers over gRPC (inference.GRPCInferenceService; its wire: grpc_protocol.py,
                      carried by grpc_server.py: gRPC over HTTP/2 as an asyncio protocol)
@@ -43,11 +44,12 @@ from tandem.worker.serve.background import BackgroundServer
 from tandem.worker.serve.group import PeerRoutes, Peers
 from tandem.worker.serve.grpc_server import GrpcServer
 from tandem.worker.serve.grpc_service import MAX_MESSAGE_BYTES, GrpcCall, GrpcService
-from tandem.worker.serve.http import HttpServer, Listen, Request
+from tandem.worker.serve.http import HandedOver, HttpServer, Listen, Request
 from tandem.worker.serve.model_loading import LoadedModel
+from tandem.worker.serve.native import NativeFront, unavailable_reason
 from tandem.worker.serve.pending import PendingRequests
-from tandem.worker.serve.processes import GRPC, HTTP, Group, receive_connections
-from tandem.worker.serve.routes import Routes
+from tandem.worker.serve.processes import GRPC, HTTP, Group, accept_on, listening_socket, receive_connections
+from tandem.worker.serve.routes import Routes, error_status
 from tandem.worker.serve.served_model import ServedModel
 from tandem.worker.serve.tasks import cancel_and_wait
 
@@ -96,6 +98,8 @@ class InferenceServer:
         self.loading: asyncio.Task | None = None
         self._http: HttpServer | None = None
         self._grpc: GrpcServer | None = None
+        self.front: NativeFront | None = None  # httpFront native, once the model is loaded
+        self._listener: socket.socket | None = None  # the HTTP port's, when the front is asked for
         self._owns_process = False  # run() (tandem serve): process-wide tuning such as freezing the heap
 
     async def start(self, host: str = "127.0.0.1", port: Listen = 0, grpc_port: Listen | None = None,
@@ -108,19 +112,45 @@ class InferenceServer:
         if self._peer_routes is not None:
             await self._peer_routes.start(self.group.socket_path(self.group.index))
         self._http = HttpServer(self.routes.handle, lambda: self.max_body, on_error=_log_crash)
+        native = self.spec.http_front == "native"
+        if native and not isinstance(port, HandedOver):  # the front's connections are accepted here
+            self._listener = listening_socket(host, port, "HTTP")
+            port = HandedOver(self._listener.getsockname()[1])
+            accept_on(self._listener, self._take_http)
         self.port = await self._http.start(host, port)
         if grpc_port is not None:
             self._grpc = GrpcServer(GrpcService(self, self.token).methods(), MAX_MESSAGE_BYTES)
             self.grpc_port = await self._grpc.start(host, grpc_port)
         if channel is not None:
-            receive_connections(channel, {HTTP: self._http.adopt, **({GRPC: self._grpc.adopt} if self._grpc else {})})
+            receive_connections(channel, {HTTP: self._take_http if native else self._http.adopt,
+                                          **({GRPC: self._grpc.adopt} if self._grpc else {})})
         self.loading = asyncio.create_task(self._load())
         return self.port
 
     async def _load(self) -> None:
         loaded = await self.model.load()
         self.max_body = _body_limit(loaded)
+        if self.spec.http_front == "native":
+            self._start_front(loaded)
         self.ready = True
+
+    def _start_front(self, loaded: LoadedModel) -> None:
+        reason = unavailable_reason(loaded, self.spec.inference_mode)
+        if reason is not None:
+            log.warning("httpFront native: %s; the Python server serves every request", reason)
+            return
+        front = NativeFront(loaded, self.name, self.version, self.model.batching, self.max_body,
+                            self._http.idle_timeout, error_status)
+        front.start(self.model.inference, self._http.adopt, self.token)
+        self.model.inference.stats.fed_outcomes(front.counters)
+        self.front = front
+
+    def _take_http(self, connection: socket.socket) -> None:
+        """A connection to the HTTP port: the front's once it serves, the Python server's until then."""
+        if self.front is not None:
+            self.front.adopt(connection)
+        else:
+            self._http.adopt(connection)
 
     def _answer(self, request, context, output, error: BaseException | None) -> None:
         if request.__class__ is GrpcCall:
@@ -153,6 +183,8 @@ class InferenceServer:
         await self.model.update_batching(settings)
         self.pending.set_default_timeout(settings.request_timeout_ms / 1000)
         self.max_body = _body_limit(self.model.loaded)
+        if self.front is not None:
+            self.front.configure(settings, self.max_body, self.model.loaded.signature.max_batch_size)
 
     async def states(self) -> list[dict]:
         """This process's counters and readiness (Routes.local_state), then each peer's: PeerError when one does not
@@ -185,11 +217,16 @@ class InferenceServer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         drained = True
-        if self.pending.count:
-            log.info("draining %d requests (grace period %g s)", self.pending.count, grace)
+        if self.front is not None:
+            self.front.drain()
+        if self.pending_count:
+            log.info("draining %d requests (grace period %g s)", self.pending_count, grace)
             drained = await self.pending.wait_answered(grace)
+            while drained and self.front is not None and self.front.pending and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            drained = drained and not self.pending_count
             if not drained:
-                log.warning("grace period over with %d requests unanswered: answering them 503", self.pending.count)
+                log.warning("grace period over with %d requests unanswered: answering them 503", self.pending_count)
         await self.stop(worker_timeout=max(0.0, deadline - loop.time()),
                         why=f"grace period of {grace:g} s over")
         return drained
@@ -203,8 +240,14 @@ class InferenceServer:
         await cancel_and_wait(self.loading)
         await self.model.stop_following()
         await self.pending.stop_sweep()
+        if self._listener is not None:
+            asyncio.get_running_loop().remove_reader(self._listener)
+            self._listener.close()
+            self._listener = None
         self.model.refuse_requests()
         self.pending.cut_off(why)  # their answers are written before the connections close below
+        if self.front is not None:
+            await self.front.stop(why)
         await self.model.wait_for_workers(worker_timeout)
         if self._grpc is not None:
             await self._grpc.close()
@@ -249,6 +292,11 @@ class InferenceServer:
         drained = await self.drain()
         log.info("stopped%s", "" if drained else " (some requests were cut off by the grace period)")
         return 0
+
+    @property
+    def pending_count(self) -> int:
+        """Inference requests received and not answered yet (the Python server's and the front's)."""
+        return self.pending.count + (0 if self.front is None else self.front.pending)
 
     def _share_cores(self) -> None:
         """On CPU, split the cores between the worker replicas of every process in the group (unless

@@ -71,6 +71,12 @@ class BearerToken:
             self._refresh()
         return hmac.compare_digest(presented.strip(), self._token)
 
+    def current(self) -> bytes:
+        """The token the file holds now (the last one read while the file is briefly gone)."""
+        with contextlib.suppress(AuthTokenError):
+            self._refresh()
+        return self._token
+
     def _refresh(self) -> None:
         try:
             status = os.stat(self.path)

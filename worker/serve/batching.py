@@ -9,7 +9,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -55,6 +55,33 @@ class Ticket:
     def cancel(self) -> bool:
         """Withdraw the request if it is still queued (its callback will then never run); False once running."""
         return self.owner.withdraw(self)
+
+    @property
+    def arrivals(self) -> tuple[int]:
+        """When its request was submitted (the statistics' view of a batch's item: stats.Submitted)."""
+        return (self.submitted,)
+
+
+class Feed(Protocol):
+    """Requests queued outside ParallelInference (native.py's front), which its workers take into their batches
+    (ParallelInference.attach): each taken lot is one item of a batch, with `x`, `rows`, `key`, `submitted` (its
+    oldest), `arrivals` (one per request) and `finish(output, error)` as a Ticket has."""
+
+    key: tuple
+    """The per-example shape and dtype of every request it queues."""
+
+    def queued(self) -> tuple[int, int, int]:
+        """(examples, requests, the oldest's arrival in perf_counter ns or 0) queued now."""
+
+    def take(self, max_rows: int, max_requests: int, oversized: bool) -> Any:
+        """The oldest queued requests, up to `max_rows` examples and `max_requests` requests, as one batch item
+        (None: none queued); `oversized`: take a first request over `max_rows` alone."""
+
+    def want(self, rows: int) -> None:
+        """Call ParallelInference.wake once `rows` examples are queued (0: no one waits)."""
+
+    def others(self, requests: int) -> None:
+        """ParallelInference's own queue holds `requests` now: the queue limit counts them with the feed's."""
 
 
 def as_input(x: Any) -> torch.Tensor | np.ndarray:

@@ -243,7 +243,7 @@ class GrpcServer:
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
         self.started = self.closing = False
-        self.adopt = Adoptions(lambda: _Connection(self), lambda: self.closing).adopt
+        self.adopt = Adoptions(lambda received: _Connection(self), lambda: self.closing).adopt
 
     async def start(self, host: str, port: Listen) -> int:
         """Listen on host:port (0: any free port), or nowhere (HandedOver: see `adopt`); the port."""

@@ -66,25 +66,27 @@ def port_of(server: asyncio.Server | None, port: Listen) -> int:
 
 
 class Adoptions:
-    """Connections accepted elsewhere (HandedOver), made a server's by `adopt`, each with `protocol()` on the running
-    loop; while `closing()` they are closed instead."""
+    """Connections accepted elsewhere (HandedOver), made a server's by `adopt`, each with `protocol(received)` on the
+    running loop (`received`: what was read from it already); while `closing()` they are closed instead."""
 
-    def __init__(self, protocol: Callable[[], asyncio.Protocol], closing: Callable[[], bool]):
+    def __init__(self, protocol: Callable[[bytes], asyncio.Protocol], closing: Callable[[], bool]):
         self.protocol = protocol
         self.closing = closing
         self._starting: set[asyncio.Task] = set()  # held until started: the loop keeps only weak references
 
-    def adopt(self, connection: socket.socket) -> None:
+    def adopt(self, connection: socket.socket, received: bytes = b"") -> None:
+        """Serve `connection`, whose first bytes (`received`) were read already (by the C front: native.py): the
+        protocol is given them as it is connected, before anything read later."""
         if self.closing():
             connection.close()
             return
-        task = asyncio.get_running_loop().create_task(self._start(connection))
+        task = asyncio.get_running_loop().create_task(self._start(connection, received))
         self._starting.add(task)
         task.add_done_callback(self._starting.discard)
 
-    async def _start(self, connection: socket.socket) -> None:
+    async def _start(self, connection: socket.socket, received: bytes) -> None:
         try:
-            await asyncio.get_running_loop().connect_accepted_socket(self.protocol, connection)
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: self.protocol(received), connection)
         except OSError as error:  # the client left while it was handed over
             log.debug("a connection handed over ended before it was served: %s", error)
             connection.close()
@@ -153,7 +155,7 @@ class HttpServer:
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.Task | None = None
         self.closing = False
-        self.adopt = Adoptions(lambda: _Connection(self), lambda: self.closing).adopt
+        self.adopt = Adoptions(lambda received: _Connection(self, received), lambda: self.closing).adopt
 
     async def start(self, host: str, port: Listen) -> int:
         """Listen on host:port, or nowhere (HandedOver: see `adopt`); the port."""
@@ -193,8 +195,9 @@ class HttpServer:
 class _Connection(asyncio.Protocol):
     """One client connection: parses requests, hands them to the application one at a time, writes answers."""
 
-    def __init__(self, server: HttpServer):
+    def __init__(self, server: HttpServer, received: bytes = b""):
         self.server = server
+        self._received = received  # read from the connection before it came here (Adoptions.adopt)
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.current: Request | None = None
@@ -218,6 +221,9 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         self.server.connections.add(self)
+        if self._received:
+            received, self._received = self._received, b""
+            self.data_received(received)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

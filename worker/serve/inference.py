@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import torch
 
-from tandem.worker.serve.batching import Callback, Ticket, as_input, fill_target, fuller_batch_wait, pop_batch
+from tandem.worker.serve.batching import Callback, Feed, Ticket, as_input, fill_target, fuller_batch_wait, pop_batch
 from tandem.worker.serve.errors import InferenceError, InferenceTimeout, ModelError, QueueFullError, ShutDownError
 from tandem.worker.serve.replicas import build_replicas, default_devices, run_batch, warmup_sizes
 from tandem.worker.serve.stats import InferenceStats
@@ -105,6 +105,7 @@ class ParallelInference:
         self._replicas = self._build_replicas(model, batch_limit)
         self._generation = 0
         self._threads: list[threading.Thread] = []
+        self._feed: Feed | None = None
         if mode == "inplace":
             self._free = list(range(workers))
         else:
@@ -159,6 +160,20 @@ class ParallelInference:
         model keeps serving and the error propagates."""
         with self._swap_lock:
             self.switch_to(self.prepare(model))
+
+    def attach(self, feed: Feed) -> None:
+        """Also take requests from `feed`, a queue kept outside the interpreter (native.py's front): its requests
+        join the batches of the same shape, after this queue's own. Batched and sequential modes."""
+        if self.mode == "inplace":
+            raise ValueError("a feed needs a queue: inplace mode has none")
+        with self._cond:
+            self._feed = feed
+            self._cond.notify_all()  # workers waiting for this queue's requests wait for the feed's too
+
+    def wake(self) -> None:
+        """Wake the workers waiting for requests: the feed's `want` is met."""
+        with self._cond:
+            self._cond.notify_all()
 
     @property
     def replicas(self) -> list[torch.nn.Module]:
@@ -229,13 +244,13 @@ class ParallelInference:
 
     @property
     def queued(self) -> int:
-        """Requests waiting for a worker."""
-        return len(self._queue) + self._waiting
+        """Requests waiting for a worker (the feed's too)."""
+        return len(self._queue) + self._waiting + (0 if self._feed is None else self._feed.queued()[1])
 
     @property
     def pending(self) -> int:
         """Requests queued or running."""
-        return len(self._queue) + self._waiting + self._running
+        return self.queued + self._running
 
     @property
     def closed(self) -> bool:
@@ -255,13 +270,18 @@ class ParallelInference:
         with self._submit_lock:
             if self._closed:
                 raise ShutDownError("ParallelInference is shut down")
-            if len(self._queue) >= self.queue_limit:
+            queued = len(self._queue)
+            if self._feed is not None:
+                queued += self._feed.queued()[1]
+            if queued >= self.queue_limit:
                 self.stats.rejected()
                 raise QueueFullError(
                     f"queue full: {self.queue_limit} requests already waiting (queue_limit={self.queue_limit}); "
                     "retry later")
             self._queue.append(request)
             fills_a_batch = len(self._queue) == self._fill_target
+            if self._feed is not None:
+                self._feed.others(len(self._queue))
         # Read after the append; a worker counts itself before it looks at the queue. A worker waiting for a fuller
         # batch is woken once, by the request that brings the queue to the batch it waits for (batch_limit requests,
         # or as many as its last forward; at least as many examples), or by a forward's end.
@@ -279,6 +299,8 @@ class ParallelInference:
                 self._queue.remove(request)
             except ValueError:
                 return False
+            if self._feed is not None:
+                self._feed.others(len(self._queue))
         self.stats.failed_unrun([request], time.perf_counter_ns())
         return True
 
@@ -311,30 +333,47 @@ class ParallelInference:
             self._idle_workers += 1  # before looking at the queue: a submitter that appends after this notifies
             try:
                 while True:
-                    queue = self._queue
-                    if not queue:
+                    queue, feed = self._queue, self._feed
+                    fed_rows, fed, fed_oldest = (0, 0, 0) if feed is None or self._closed else feed.queued()
+                    if not queue and not fed:
                         if self._closed:
                             return None, 0, []
+                        if feed is not None:
+                            feed.want(1)
                         self._cond.wait()
                         continue
                     batched = self.mode == "batched"
-                    if batched and not self._closed and len(queue) < self.batch_limit \
-                            and (rows := sum(r.rows for r in queue)) < self.batch_limit:
+                    if batched and not self._closed and len(queue) + fed < self.batch_limit \
+                            and (rows := sum(r.rows for r in queue) + fed_rows) < self.batch_limit:
+                        oldest = min(queue[0].submitted, fed_oldest or queue[0].submitted) if queue else fed_oldest
                         if self.max_delay_s:
-                            wait = queue[0].submitted / 1e9 + self.max_delay_s - time.perf_counter_ns() / 1e9
+                            wait = oldest / 1e9 + self.max_delay_s - time.perf_counter_ns() / 1e9
                             if wait > 0:
+                                if feed is not None:
+                                    feed.want(self.batch_limit - rows + fed_rows)
                                 self._cond.wait(wait)
                                 continue
                         now = time.perf_counter_ns()
                         wait_ns = fuller_batch_wait(rows, self.batch_limit, self._running_rows, self._shared_device,
-                                                    now - queue[0].submitted, now - self._forward_end_ns,
+                                                    now - oldest, now - self._forward_end_ns,
                                                     self._forward_ns, self._last_rows)
                         if wait_ns:
                             target = fill_target(self.batch_limit, self._shared_device, self._last_rows)
+                            if feed is not None:
+                                feed.want(target - rows + fed_rows)
                             self._wait_for_fuller_batch(wait_ns / 1e9, target)
                             continue
-                    batch, rows, expired = pop_batch(queue, self.batch_limit if batched else 1, batched,
-                                                     self.queue_limit)
+                    limit = self.batch_limit if batched else 1
+                    batch, rows, expired = ([], 0, [])
+                    if queue:
+                        batch, rows, expired = pop_batch(queue, limit, batched, self.queue_limit)
+                        if feed is not None:
+                            feed.others(len(queue))
+                    if fed and (not batch or (batched and rows < limit and batch[0].key == feed.key)):
+                        taken = feed.take(limit - rows if batched else limit, limit if batched else 1, not batch)
+                        if taken is not None:
+                            batch.append(taken)
+                            rows += taken.rows
                     self._running += len(batch)
                     self._running_rows += rows
                     return batch, rows, expired

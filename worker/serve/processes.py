@@ -142,6 +142,23 @@ def listening_socket(host: str, port: int, protocol: str) -> socket.socket:
     return listener
 
 
+def accept_on(listener: socket.socket, take: Callable[[socket.socket], None]) -> None:
+    """On the running event loop, from now on: each connection accepted on `listener` goes to take(connection)."""
+
+    def accept() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as error:  # out of descriptors, say: the connection waits in the backlog
+                log.warning("cannot accept a connection: %s", error)
+                return
+            take(connection)
+
+    asyncio.get_running_loop().add_reader(listener, accept)
+
+
 class Dispatcher:
     """The supervisor's side: accepts on its listening sockets (on the running event loop) and hands each connection
     to the next child in turn, per socket, over the children's `channels`; a child that cannot take one (stopped, or
@@ -154,7 +171,7 @@ class Dispatcher:
 
     def start(self, listener: socket.socket, kind: bytes) -> None:
         self.listeners.append(listener)
-        asyncio.get_running_loop().add_reader(listener, self._accept, listener, kind)
+        accept_on(listener, lambda connection: self._hand_over(connection, kind))
 
     def stop(self) -> None:
         """Stop accepting (new connections are refused) and close the listening sockets."""
@@ -164,19 +181,11 @@ class Dispatcher:
             listener.close()
         self.listeners.clear()
 
-    def _accept(self, listener: socket.socket, kind: bytes) -> None:
-        while True:
-            try:
-                connection, _ = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as error:  # out of descriptors, say: the connection waits in the backlog
-                log.warning("cannot accept a connection: %s", error)
-                return
-            with connection:  # the child served has its own copy
-                self._hand_over(connection, kind)
-
     def _hand_over(self, connection: socket.socket, kind: bytes) -> None:
+        with connection:  # the child served has its own copy
+            self._send(connection, kind)
+
+    def _send(self, connection: socket.socket, kind: bytes) -> None:
         turn = self._turns.get(kind, 0)
         for offset in range(len(self.channels)):
             index = (turn + offset) % len(self.channels)

@@ -269,8 +269,13 @@ class Routes:
         """This process's counters and readiness (group.py's /peer/state; merge_states sums the pod's)."""
         server = self.server
         inference = server.model.inference
+        outcomes = dict(self.outcomes)
+        if server.front is not None:
+            fed = server.front.counters()
+            for outcome in ("success", "failed", "rejected"):
+                outcomes[outcome] += fed[outcome]
         return {
-            "outcomes": dict(self.outcomes), "pending": server.pending.count, "ready": server.ready,
+            "outcomes": outcomes, "pending": server.pending_count, "ready": server.ready,
             "stats": None if inference is None else inference.stats.snapshot(),
             "batch_limits": sorted(server.model.batch_limits),
         }

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 # Request latency buckets (seconds) for the queue and compute histograms.
@@ -28,9 +28,10 @@ def batch_sizes(batch_limit: int) -> list[int]:
 
 
 class Submitted(Protocol):
-    """A request as the statistics see it: when it was submitted (time.perf_counter_ns())."""
+    """A batch's item as the statistics see it: when its requests were submitted (time.perf_counter_ns()), one
+    for a Ticket, several for a feed's Bundle."""
 
-    submitted: int
+    arrivals: Sequence[int]
 
 
 class InferenceStats:
@@ -43,6 +44,7 @@ class InferenceStats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._fed: Callable[[], dict[str, int]] | None = None
         self.success_count = self.success_ns = 0
         self.fail_count = self.fail_ns = 0
         self.rejected_count = 0
@@ -62,8 +64,14 @@ class InferenceStats:
         """Requests that ended without running (timed out in the queue, or shut down)."""
         with self._lock:
             for request in requests:
-                self.fail_count += 1
-                self.fail_ns += now_ns - request.submitted
+                for submitted in request.arrivals:
+                    self.fail_count += 1
+                    self.fail_ns += now_ns - submitted
+
+    def fed_outcomes(self, counters: Callable[[], dict[str, int]]) -> None:
+        """Add a feed's own counts to every snapshot: requests refused (429) and ended unrun (past their deadline
+        or withdrawn while queued) before they reached a batch (native.py)."""
+        self._fed = counters
 
     def batch(self, batch: Sequence[Submitted], rows: int, start: int, infer: int, output: int, end: int,
               ok: Sequence[bool]) -> None:
@@ -81,27 +89,34 @@ class InferenceStats:
             per_size[1] += input_ns
             per_size[2] += infer_ns
             per_size[3] += output_ns
-            count = len(batch)
+            arrivals = [submitted for item in batch for submitted in item.arrivals]
+            count = len(arrivals)
             self.compute_count += count
             self.compute_input_ns += input_ns * count
             self.compute_infer_ns += infer_ns * count
             self.compute_output_ns += output_ns * count
             self.compute_histogram[compute_bucket] += count
-            for request, succeeded in zip(batch, ok, strict=True):
-                waited = start - request.submitted
-                self.queue_count += 1
-                self.queue_ns += waited
-                self.queue_histogram[bisect.bisect_left(LATENCY_BUCKETS, waited / 1e9)] += 1
-                if succeeded:
-                    self.success_count += 1
-                    self.success_ns += end - request.submitted
-                else:
-                    self.fail_count += 1
-                    self.fail_ns += end - request.submitted
+            for item, succeeded in zip(batch, ok, strict=True):
+                for submitted in item.arrivals:
+                    waited = start - submitted
+                    self.queue_count += 1
+                    self.queue_ns += waited
+                    self.queue_histogram[bisect.bisect_left(LATENCY_BUCKETS, waited / 1e9)] += 1
+                    if succeeded:
+                        self.success_count += 1
+                        self.success_ns += end - submitted
+                    else:
+                        self.fail_count += 1
+                        self.fail_ns += end - submitted
 
     def snapshot(self) -> dict[str, Any]:
+        fed = self._fed() if self._fed is not None else None
         with self._lock:
             state = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+            if fed is not None:
+                state["rejected_count"] += fed["rejected"]
+                state["fail_count"] += fed["expired"] + fed["aborted"]
+                state["fail_ns"] += fed["expired_ns"] + fed["aborted_ns"]
             state["batches"] = {size: list(values) for size, values in self.batches.items()}
             state["queue_histogram"] = list(self.queue_histogram)
             state["compute_histogram"] = list(self.compute_histogram)

@@ -1,0 +1,1410 @@
+// tandem.worker.serve._front: the HTTP port's common inference request served without the interpreter.
+//
+// A Front owns the connections of a server's HTTP port. On its own thread (run(), without the GIL) it reads them,
+// and a request of the one shape it knows, an Open Inference Protocol JSON infer request for the served model
+// (`POST /v2/models/<name>/infer`, a Content-Length body, one FP32 input of the model's per-example shape, its
+// numbers in a flat "data" list), is parsed here into a queue of examples; ParallelInference's workers take them
+// from the queue as part of their batches (take) and give back the outputs (give, fail), which this thread writes as
+// JSON answers. Anything else (another endpoint, binary tensors, chunked or compressed bodies, parameters, a token
+// that is not the one it holds, a malformed request) is never answered here: once the connection has no request in
+// flight it is handed over, with the bytes read from it, to the Python HTTP server (handed()), which then serves it
+// to the end exactly as it serves every other connection. So the Python server stays the one place where requests
+// are validated and errors explained; this file only decides "mine, exactly" or "not mine".
+//
+// What this thread answers on its own: its requests' outputs (200), a full queue (429), a request past the pool's
+// timeout (504), a server draining or stopped (503), a failed forward (the status and message Python gives).
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/epoll.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_HEAD 8192          // a longer head is not ours (the Python server answers it)
+#define MAX_UNSENT 65536       // answers a client leaves unread: no more of its requests are taken meanwhile
+#define MAX_DIMS 8
+#define SWEEP_MS 20            // deadlines and idle connections are looked at this often
+#define RETRY_AFTER "1"
+
+typedef struct request request_t;
+
+typedef struct connection {
+    int fd;
+    int closed;
+    int reading;               // EPOLLIN is watched (paused while the input holds more than one request can)
+    int writing;               // EPOLLOUT is watched
+    request_t *current;        // the request in flight (one at a time; later ones wait in `in`)
+    int64_t last_activity;
+    struct connection *prev, *next;  // all open connections, for the sweeps
+    struct connection *next_released;
+    char *in;
+    size_t in_len, in_cap;
+    char *out;
+    size_t out_len, out_cap;
+} connection_t;
+
+struct request {
+    request_t *next;           // in the queue
+    connection_t *connection;  // NULL once answered or abandoned while a worker holds it
+    int64_t arrived, deadline; // CLOCK_MONOTONIC ns (time.perf_counter_ns, time.monotonic_ns)
+    int rows;
+    int taken;                 // in a worker's batch
+    char *id;                  // the request's "id" as sent (a JSON string with its quotes), or NULL
+    size_t id_len;
+    float x[];                 // rows x features
+};
+
+typedef struct batch {
+    struct batch *next;
+    int n, rows;
+    int status;                // 200: outputs in y; else the error status and message
+    char *message;
+    size_t message_len;
+    int out_dims;
+    long out_shape[MAX_DIMS];  // per example
+    long out_features;
+    float *y;
+    request_t *requests[];
+} batch_t;
+
+typedef struct {
+    PyObject_HEAD
+    // Set at construction, read by every thread.
+    char *infer_path;
+    size_t infer_path_len;
+    char *input_name;
+    size_t input_name_len;
+    int dims;
+    long shape[MAX_DIMS];      // per example
+    long features;
+    char *answer_head;         // {"model_name":...,"model_version":...
+    size_t answer_head_len;
+    char *output_name;
+    size_t output_name_len;
+    int epoll_fd, wake_fd, handed_fd, want_fd;
+    // Under lock.
+    pthread_mutex_t lock;
+    char *token;               // NULL: no token asked
+    size_t token_len;
+    long max_body;
+    long max_rows;             // examples one request may carry (the model's max_batch_size)
+    int queue_limit;
+    int64_t timeout_ns;
+    int64_t idle_timeout_ns;
+    int draining;              // new requests are answered 503
+    int stopping;              // run() returns
+    char *stop_message;        // the 503 of requests unanswered at stop
+    request_t *queue_head, *queue_tail;
+    int queued, queued_rows;
+    int others;                // requests queued in ParallelInference's own queue: queueLimit counts both
+    int want_rows;             // wake the workers (want_fd) once this many rows are queued (0: no one waits)
+    batch_t *answered_head, *answered_tail;
+    struct handed { int fd; char *data; size_t len; struct handed *next; } *handed_head;
+    struct adopted { int fd; struct adopted *next; } *adopted_head;  // for the I/O thread to watch
+    long long success, failed, rejected, pending, expired, aborted;
+    long long expired_ns, aborted_ns;
+    // The I/O thread's own.
+    connection_t *connections;
+    connection_t *released;
+    int running;
+} Front;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void *grown(void *memory, size_t size) {
+    void *bigger = realloc(memory, size);
+    if (bigger == NULL) {
+        fputs("tandem _front: out of memory\n", stderr);
+        abort();
+    }
+    return bigger;
+}
+
+static void signal_fd(int fd) {
+    uint64_t one = 1;
+    while (write(fd, &one, sizeof one) < 0 && errno == EINTR) {}
+}
+
+// -- connections ------------------------------------------------------------------------------------------------
+
+static void watch_events(Front *f, connection_t *c) {
+    int reading = c->in_len < MAX_HEAD + (size_t)f->max_body;
+    int writing = c->out_len > 0;
+    if (reading == c->reading && writing == c->writing) return;
+    c->reading = reading;
+    c->writing = writing;
+    struct epoll_event event = {.events = (reading ? EPOLLIN : 0) | (writing ? EPOLLOUT : 0) | EPOLLRDHUP,
+                                .data.ptr = c};
+    epoll_ctl(f->epoll_fd, EPOLL_CTL_MOD, c->fd, &event);
+}
+
+static void unlink_connection(Front *f, connection_t *c) {
+    if (c->prev) c->prev->next = c->next;
+    else f->connections = c->next;
+    if (c->next) c->next->prev = c->prev;
+    c->next_released = f->released;
+    f->released = c;  // freed after this round of events: a later event of the same epoll_wait may name it
+}
+
+static void abandon(Front *f, request_t *r);
+
+static void close_connection(Front *f, connection_t *c) {
+    if (c->closed) return;
+    c->closed = 1;
+    epoll_ctl(f->epoll_fd, EPOLL_CTL_DEL, c->fd, NULL);
+    close(c->fd);
+    if (c->current) abandon(f, c->current);
+    unlink_connection(f, c);
+}
+
+static void append(connection_t *c, const char *bytes, size_t n) {
+    if (c->out_len + n > c->out_cap) {
+        c->out_cap = (c->out_len + n) * 2;
+        c->out = grown(c->out, c->out_cap);
+    }
+    memcpy(c->out + c->out_len, bytes, n);
+    c->out_len += n;
+}
+
+// Write what is buffered; what the socket does not take waits for EPOLLOUT. -1: the connection failed.
+static int flush(Front *f, connection_t *c) {
+    size_t written = 0;
+    while (written < c->out_len) {
+        ssize_t k = send(c->fd, c->out + written, c->out_len - written, MSG_NOSIGNAL);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN) break;
+            return -1;
+        }
+        written += k;
+    }
+    memmove(c->out, c->out + written, c->out_len - written);
+    c->out_len -= written;
+    watch_events(f, c);
+    return 0;
+}
+
+static void respond(Front *f, connection_t *c, int status, const char *reason, const char *extra_headers,
+                    const char *body, size_t body_len, int closing) {
+    char head[256];
+    int n = snprintf(head, sizeof head, "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
+                     "%s%s\r\n", status, reason, body_len, extra_headers, closing ? "Connection: close\r\n" : "");
+    append(c, head, n);
+    append(c, body, body_len);
+    c->last_activity = now_ns();
+}
+
+static const char *reason_of(int status) {
+    switch (status) {
+        case 200: return "OK";
+        case 400: return "Bad Request";
+        case 429: return "Too Many Requests";
+        case 500: return "Internal Server Error";
+        case 503: return "Service Unavailable";
+        case 504: return "Gateway Timeout";
+        default: return "Error";
+    }
+}
+
+// {"error":"<message>"}, the message escaped as JSON.
+static void respond_error(Front *f, connection_t *c, int status, const char *message, size_t len, int closing) {
+    char *body = grown(NULL, len * 6 + 16);
+    size_t n = 0;
+    memcpy(body, "{\"error\":\"", 10);
+    n = 10;
+    for (size_t i = 0; i < len; i++) {
+        unsigned char ch = message[i];
+        if (ch == '"' || ch == '\\') {
+            body[n++] = '\\';
+            body[n++] = ch;
+        } else if (ch < 0x20) {
+            n += sprintf(body + n, "\\u%04x", ch);
+        } else {
+            body[n++] = ch;
+        }
+    }
+    memcpy(body + n, "\"}", 2);
+    n += 2;
+    const char *retry = status == 429 || status == 503 ? "Retry-After: " RETRY_AFTER "\r\n" : "";
+    respond(f, c, status, reason_of(status), retry, body, n, closing);
+    free(body);
+}
+
+// -- requests ---------------------------------------------------------------------------------------------------
+
+// The request leaves its connection: freed now if queued (it is taken out of the queue), else when its batch comes
+// back. Under no lock: takes it.
+static void abandon(Front *f, request_t *r) {
+    r->connection->current = NULL;
+    r->connection = NULL;
+    pthread_mutex_lock(&f->lock);
+    f->pending--;
+    if (!r->taken) {
+        request_t **p = &f->queue_head, *previous = NULL;
+        while (*p && *p != r) {
+            previous = *p;
+            p = &(*p)->next;
+        }
+        if (*p) {
+            *p = r->next;
+            if (f->queue_tail == r) f->queue_tail = previous;
+            f->queued--;
+            f->queued_rows -= r->rows;
+        }
+        f->aborted++;
+        f->aborted_ns += now_ns() - r->arrived;
+        pthread_mutex_unlock(&f->lock);
+        free(r->id);
+        free(r);
+        return;
+    }
+    pthread_mutex_unlock(&f->lock);
+}
+
+// -- parsing: "mine, exactly" or "not mine" ----------------------------------------------------------------------
+
+typedef struct {
+    const char *p, *end;
+} cursor_t;
+
+static void skip_space(cursor_t *s) {
+    while (s->p < s->end && (*s->p == ' ' || *s->p == '\t' || *s->p == '\n' || *s->p == '\r')) s->p++;
+}
+
+static int eat(cursor_t *s, char ch) {
+    skip_space(s);
+    if (s->p < s->end && *s->p == ch) {
+        s->p++;
+        return 1;
+    }
+    return 0;
+}
+
+// A JSON string without escapes (a key or name); its content in [*start, *start + *len). An escape is not ours.
+static int plain_string(cursor_t *s, const char **start, size_t *len) {
+    if (!eat(s, '"')) return 0;
+    const char *begin = s->p;
+    while (s->p < s->end && *s->p != '"') {
+        if (*s->p == '\\' || (unsigned char)*s->p < 0x20) return 0;
+        s->p++;
+    }
+    if (s->p >= s->end) return 0;
+    *start = begin;
+    *len = s->p - begin;
+    s->p++;
+    return 1;
+}
+
+// A JSON string, escapes allowed (the request's id, echoed as sent): its bytes with the quotes.
+static int any_string(cursor_t *s, const char **start, size_t *len) {
+    skip_space(s);
+    if (s->p >= s->end || *s->p != '"') return 0;
+    const char *begin = s->p++;
+    while (s->p < s->end && *s->p != '"') {
+        unsigned char ch = *s->p;
+        if (ch < 0x20) return 0;
+        if (ch == '\\') {
+            if (s->p + 1 >= s->end) return 0;
+            char e = s->p[1];
+            if (e == 'u') {
+                if (s->p + 6 > s->end) return 0;
+                for (int i = 2; i < 6; i++)
+                    if (!isxdigit((unsigned char)s->p[i])) return 0;
+                s->p += 6;
+                continue;
+            }
+            if (!strchr("\"\\/bfnrt", e)) return 0;
+            s->p += 2;
+            continue;
+        }
+        s->p++;
+    }
+    if (s->p >= s->end) return 0;
+    s->p++;
+    *start = begin;
+    *len = s->p - begin;
+    return 1;
+}
+
+static int is_key(const char *start, size_t len, const char *key) {
+    return len == strlen(key) && memcmp(start, key, len) == 0;
+}
+
+// A JSON number (strict grammar) as a float; a number float32 cannot hold (inf) is not ours.
+static int number(cursor_t *s, float *value) {
+    skip_space(s);
+    const char *p = s->p, *begin = p;
+    if (p < s->end && *p == '-') p++;
+    if (p >= s->end || !isdigit((unsigned char)*p)) return 0;
+    if (*p == '0') p++;
+    else while (p < s->end && isdigit((unsigned char)*p)) p++;
+    if (p < s->end && *p == '.') {
+        p++;
+        if (p >= s->end || !isdigit((unsigned char)*p)) return 0;
+        while (p < s->end && isdigit((unsigned char)*p)) p++;
+    }
+    if (p < s->end && (*p == 'e' || *p == 'E')) {
+        p++;
+        if (p < s->end && (*p == '+' || *p == '-')) p++;
+        if (p >= s->end || !isdigit((unsigned char)*p)) return 0;
+        while (p < s->end && isdigit((unsigned char)*p)) p++;
+    }
+    size_t len = p - begin;
+    char copy[64];
+    if (len >= sizeof copy) return 0;
+    memcpy(copy, begin, len);
+    copy[len] = 0;
+    errno = 0;
+    *value = strtof(copy, NULL);
+    if (!isfinite(*value)) return 0;
+    s->p = p;
+    return 1;
+}
+
+static int integer(cursor_t *s, long *value) {
+    skip_space(s);
+    const char *p = s->p;
+    long v = 0;
+    if (p >= s->end || !isdigit((unsigned char)*p)) return 0;
+    while (p < s->end && isdigit((unsigned char)*p)) {
+        if (v > 100000000) return 0;
+        v = v * 10 + (*p++ - '0');
+    }
+    if (p < s->end && (*p == '.' || *p == 'e' || *p == 'E')) return 0;
+    s->p = p;
+    *value = v;
+    return 1;
+}
+
+// The one input: {"name": <the input's>, "shape": [rows, <the example's shape>], "datatype": "FP32", "data": [...]},
+// keys in any order, each once. The numbers go to r->x (allocated here once the shape is known).
+static int parse_input(Front *f, cursor_t *s, request_t **out) {
+    if (!eat(s, '{')) return 0;
+    int seen_name = 0, seen_datatype = 0;
+    long rows = -1;
+    const char *data = NULL;
+    for (int first = 1;; first = 0) {
+        if (!first && !eat(s, ',')) break;
+        const char *key;
+        size_t key_len;
+        if (!plain_string(s, &key, &key_len) || !eat(s, ':')) return 0;
+        if (is_key(key, key_len, "name") && !seen_name) {
+            const char *name;
+            size_t name_len;
+            if (!plain_string(s, &name, &name_len)) return 0;
+            if (name_len != f->input_name_len || memcmp(name, f->input_name, name_len) != 0) return 0;
+            seen_name = 1;
+        } else if (is_key(key, key_len, "datatype") && !seen_datatype) {
+            const char *type;
+            size_t type_len;
+            if (!plain_string(s, &type, &type_len) || !is_key(type, type_len, "FP32")) return 0;
+            seen_datatype = 1;
+        } else if (is_key(key, key_len, "shape") && rows < 0) {
+            if (!eat(s, '[') || !integer(s, &rows) || rows < 1) return 0;
+            for (int i = 0; i < f->dims; i++) {
+                long dim;
+                if (!eat(s, ',') || !integer(s, &dim) || dim != f->shape[i]) return 0;
+            }
+            if (!eat(s, ']')) return 0;
+        } else if (is_key(key, key_len, "data") && !data) {
+            skip_space(s);
+            data = s->p;  // read once the shape is known
+            if (!eat(s, '[')) return 0;
+            int depth = 1;  // skip to its end: only numbers, commas and spaces are ours
+            while (s->p < s->end && depth) {
+                char ch = *s->p++;
+                if (ch == ']') depth--;
+                else if (ch == '[' || ch == '{' || ch == '"') return 0;
+            }
+            if (depth) return 0;
+        } else {
+            return 0;  // parameters, a repeated key, anything else: not ours
+        }
+    }
+    if (!eat(s, '}') || !seen_name || !seen_datatype || rows < 0 || !data) return 0;
+    pthread_mutex_lock(&f->lock);
+    long max_rows = f->max_rows;
+    pthread_mutex_unlock(&f->lock);
+    if (rows > max_rows) return 0;
+    long count = rows * f->features;
+    if (count > (f->max_body / 2)) return 0;
+    request_t *r = grown(NULL, sizeof *r + count * sizeof(float));
+    memset(r, 0, sizeof *r);
+    r->rows = rows;
+    cursor_t d = {data + 1, s->end};
+    for (long i = 0; i < count; i++) {
+        if ((i && !eat(&d, ',')) || !number(&d, &r->x[i])) {
+            free(r);
+            return 0;
+        }
+    }
+    if (!eat(&d, ']')) {
+        free(r);
+        return 0;
+    }
+    *out = r;
+    return 1;
+}
+
+// The body: {"inputs": [<the one input>]} with an optional "id" string, keys in any order; else not ours.
+static request_t *parse_body(Front *f, const char *body, size_t len) {
+    cursor_t s = {body, body + len};
+    request_t *r = NULL;
+    const char *id = NULL;
+    size_t id_len = 0;
+    if (!eat(&s, '{')) return NULL;
+    for (int first = 1;; first = 0) {
+        if (!first && !eat(&s, ',')) break;
+        const char *key;
+        size_t key_len;
+        if (!plain_string(&s, &key, &key_len) || !eat(&s, ':')) goto not_ours;
+        if (is_key(key, key_len, "inputs") && !r) {
+            if (!eat(&s, '[') || !parse_input(f, &s, &r) || !eat(&s, ']')) goto not_ours;
+        } else if (is_key(key, key_len, "id") && !id) {
+            if (!any_string(&s, &id, &id_len)) goto not_ours;
+        } else {
+            goto not_ours;
+        }
+    }
+    if (!eat(&s, '}') || !r) goto not_ours;
+    skip_space(&s);
+    if (s.p != s.end) goto not_ours;
+    if (id) {
+        r->id = grown(NULL, id_len);
+        memcpy(r->id, id, id_len);
+        r->id_len = id_len;
+    }
+    return r;
+not_ours:
+    free(r);
+    return NULL;
+}
+
+static int header_is(const char *line, size_t len, const char *name, const char **value, size_t *value_len) {
+    size_t n = strlen(name);
+    if (len <= n || strncasecmp(line, name, n) != 0 || line[n] != ':') return 0;
+    const char *v = line + n + 1, *end = line + len;
+    while (v < end && (*v == ' ' || *v == '\t')) v++;
+    while (end > v && (end[-1] == ' ' || end[-1] == '\t')) end--;
+    *value = v;
+    *value_len = end - v;
+    return 1;
+}
+
+enum { INCOMPLETE, MINE, NOT_MINE };
+
+// The request at the front of the connection's input: INCOMPLETE, MINE (*out: parsed, *used: its bytes), NOT_MINE.
+static int recognize(Front *f, connection_t *c, request_t **out, size_t *used) {
+    char *end = memmem(c->in, c->in_len < MAX_HEAD ? c->in_len : MAX_HEAD, "\r\n\r\n", 4);
+    if (!end) return c->in_len >= MAX_HEAD ? NOT_MINE : INCOMPLETE;
+    size_t head = end + 4 - c->in;
+    char *line_end = memmem(c->in, head, "\r\n", 2);
+    size_t request_line = line_end - c->in;
+    // POST <path> HTTP/1.1
+    if (request_line != 5 + f->infer_path_len + 9 || memcmp(c->in, "POST ", 5) != 0
+        || memcmp(c->in + 5, f->infer_path, f->infer_path_len) != 0
+        || memcmp(c->in + 5 + f->infer_path_len, " HTTP/1.1", 9) != 0)
+        return NOT_MINE;
+    long length = -1;
+    int authorized = 0;
+    pthread_mutex_lock(&f->lock);
+    int needs_token = f->token != NULL;
+    long max_body = f->max_body;
+    pthread_mutex_unlock(&f->lock);
+    for (char *line = line_end + 2; line < end; ) {
+        char *next = memmem(line, end + 2 - line, "\r\n", 2);
+        size_t len = next - line;
+        const char *value;
+        size_t value_len;
+        if (len == 0 || *line == ' ' || *line == '\t' || !memchr(line, ':', len)) return NOT_MINE;
+        if (header_is(line, len, "content-length", &value, &value_len)) {
+            if (length >= 0 || value_len == 0 || value_len > 10) return NOT_MINE;
+            length = 0;
+            for (size_t i = 0; i < value_len; i++) {
+                if (!isdigit((unsigned char)value[i])) return NOT_MINE;
+                length = length * 10 + (value[i] - '0');
+            }
+        } else if (header_is(line, len, "authorization", &value, &value_len)) {
+            if (authorized || value_len < 7 || strncasecmp(value, "bearer ", 7) != 0) return NOT_MINE;
+            const char *token = value + 7;
+            size_t token_len = value_len - 7;
+            while (token_len && *token == ' ') token++, token_len--;
+            pthread_mutex_lock(&f->lock);
+            int same = f->token && token_len == f->token_len;
+            unsigned char difference = 0;
+            if (same) for (size_t i = 0; i < token_len; i++) difference |= token[i] ^ f->token[i];
+            pthread_mutex_unlock(&f->lock);
+            if (!same || difference) return NOT_MINE;  // the Python server reads the Secret again, and decides
+            authorized = 1;
+        } else if (header_is(line, len, "transfer-encoding", &value, &value_len)
+                   || header_is(line, len, "content-encoding", &value, &value_len)
+                   || header_is(line, len, "expect", &value, &value_len)
+                   || header_is(line, len, "inference-header-content-length", &value, &value_len)) {
+            return NOT_MINE;
+        } else if (header_is(line, len, "connection", &value, &value_len)) {
+            if (!(value_len == 10 && strncasecmp(value, "keep-alive", 10) == 0)) return NOT_MINE;
+        }
+        line = next + 2;
+    }
+    if (length < 0 || length > max_body || (needs_token && !authorized)) return NOT_MINE;
+    if (c->in_len < head + (size_t)length) return INCOMPLETE;
+    request_t *r = parse_body(f, c->in + head, length);
+    if (!r) return NOT_MINE;
+    *out = r;
+    *used = head + length;
+    return MINE;
+}
+
+// Give the connection to the Python server with what was read from it (it has no request in flight here).
+static void hand_over(Front *f, connection_t *c) {
+    struct handed *h = grown(NULL, sizeof *h);
+    h->fd = c->fd;
+    h->len = c->in_len;
+    h->data = grown(NULL, c->in_len ? c->in_len : 1);
+    memcpy(h->data, c->in, c->in_len);
+    epoll_ctl(f->epoll_fd, EPOLL_CTL_DEL, c->fd, NULL);
+    c->closed = 1;  // not closed: the fd is the Python server's now
+    unlink_connection(f, c);
+    pthread_mutex_lock(&f->lock);
+    h->next = f->handed_head;
+    f->handed_head = h;
+    pthread_mutex_unlock(&f->lock);
+    signal_fd(f->handed_fd);
+}
+
+static void queue_request(Front *f, connection_t *c, request_t *r) {
+    int64_t now = now_ns();
+    r->arrived = now;
+    pthread_mutex_lock(&f->lock);
+    if (f->draining || f->stopping) {
+        pthread_mutex_unlock(&f->lock);
+        static const char why[] = "the server is shutting down";
+        respond_error(f, c, 503, why, sizeof why - 1, 0);
+        pthread_mutex_lock(&f->lock);
+        f->failed++;
+        pthread_mutex_unlock(&f->lock);
+        free(r->id);
+        free(r);
+        return;
+    }
+    if (f->queued + f->others >= f->queue_limit) {
+        int limit = f->queue_limit;
+        f->rejected++;
+        pthread_mutex_unlock(&f->lock);
+        char why[200];
+        int n = snprintf(why, sizeof why, "queue full: %d requests already waiting (queue_limit=%d); retry later",
+                         limit, limit);
+        respond_error(f, c, 429, why, n, 0);
+        free(r->id);
+        free(r);
+        return;
+    }
+    r->deadline = now + f->timeout_ns;
+    r->connection = c;
+    c->current = r;
+    if (f->queue_tail) f->queue_tail->next = r;
+    else f->queue_head = r;
+    f->queue_tail = r;
+    f->queued++;
+    f->queued_rows += r->rows;
+    f->pending++;
+    int wake = f->want_rows && f->queued_rows >= f->want_rows;
+    if (wake) f->want_rows = 0;
+    pthread_mutex_unlock(&f->lock);
+    if (wake) signal_fd(f->want_fd);
+}
+
+// Take the requests at the front of the connection's input while none is in flight and its client reads answers.
+static void take_requests(Front *f, connection_t *c) {
+    while (!c->closed && !c->current && c->in_len && c->out_len < MAX_UNSENT) {
+        request_t *r = NULL;
+        size_t used = 0;
+        int what = recognize(f, c, &r, &used);
+        if (what == INCOMPLETE) break;
+        if (what == NOT_MINE) {
+            if (flush(f, c) < 0) close_connection(f, c);
+            else if (!c->out_len) hand_over(f, c);  // else once its answers are written (EPOLLOUT)
+            return;
+        }
+        memmove(c->in, c->in + used, c->in_len - used);
+        c->in_len -= used;
+        queue_request(f, c, r);
+    }
+    if (!c->closed && flush(f, c) < 0) close_connection(f, c);
+}
+
+static void readable(Front *f, connection_t *c) {
+    if (c->in_cap - c->in_len < 16384) {
+        c->in_cap = c->in_cap * 2 + 16384;
+        c->in = grown(c->in, c->in_cap);
+    }
+    ssize_t k = recv(c->fd, c->in + c->in_len, c->in_cap - c->in_len, 0);
+    if (k == 0 || (k < 0 && errno != EAGAIN && errno != EINTR)) {
+        close_connection(f, c);
+        return;
+    }
+    if (k > 0) {
+        c->in_len += k;
+        c->last_activity = now_ns();
+    }
+    take_requests(f, c);
+    if (!c->closed) watch_events(f, c);
+}
+
+// -- answers ------------------------------------------------------------------------------------------------------
+
+// The shortest of %.8g and %.9g that reads back as the same float32.
+static int format_float(char *into, float value) {
+    if (!isfinite(value)) return sprintf(into, "null");  // as orjson writes NaN and infinities
+    int n = sprintf(into, "%.8g", value);
+    if (strtof(into, NULL) != value) n = sprintf(into, "%.9g", value);
+    return n;
+}
+
+static void answer_request(Front *f, batch_t *b, int index, char **scratch, size_t *scratch_cap, int closing) {
+    request_t *r = b->requests[index];
+    connection_t *c = r->connection;
+    if (!c) return;  // answered already (504, 503) or its client left
+    c->current = NULL;
+    if (b->status != 200) {
+        respond_error(f, c, b->status, b->message, b->message_len, closing);
+        return;
+    }
+    long count = r->rows * b->out_features;
+    size_t need = f->answer_head_len + r->id_len + f->output_name_len + 64 + 24 * (MAX_DIMS + 1) + count * 18;
+    if (need > *scratch_cap) {
+        *scratch_cap = need * 2;
+        *scratch = grown(*scratch, *scratch_cap);
+    }
+    char *body = *scratch;
+    size_t n = 0;
+    memcpy(body, f->answer_head, f->answer_head_len);
+    n += f->answer_head_len;
+    if (r->id) {
+        memcpy(body + n, ",\"id\":", 6);
+        n += 6;
+        memcpy(body + n, r->id, r->id_len);
+        n += r->id_len;
+    }
+    n += sprintf(body + n, ",\"outputs\":[{\"name\":\"");
+    memcpy(body + n, f->output_name, f->output_name_len);
+    n += f->output_name_len;
+    n += sprintf(body + n, "\",\"datatype\":\"FP32\",\"shape\":[%d", r->rows);
+    for (int i = 0; i < b->out_dims; i++) n += sprintf(body + n, ",%ld", b->out_shape[i]);
+    memcpy(body + n, "],\"data\":[", 10);
+    n += 10;
+    long offset = 0;
+    for (int i = 0; i < index; i++) offset += b->requests[i]->rows;
+    const float *y = b->y + offset * b->out_features;
+    for (long i = 0; i < count; i++) {
+        if (i) body[n++] = ',';
+        n += format_float(body + n, y[i]);
+    }
+    memcpy(body + n, "]}]}", 4);
+    n += 4;
+    respond(f, c, 200, "OK", "", body, n, closing);
+}
+
+static void answer_batch(Front *f, batch_t *b, char **scratch, size_t *scratch_cap) {
+    pthread_mutex_lock(&f->lock);
+    int closing = f->draining || f->stopping;
+    pthread_mutex_unlock(&f->lock);
+    int answered = 0;
+    for (int i = 0; i < b->n; i++) {
+        request_t *r = b->requests[i];
+        connection_t *c = r->connection;
+        if (c) {
+            answer_request(f, b, i, scratch, scratch_cap, closing);
+            answered++;
+            if (closing) {
+                flush(f, c);
+                close_connection(f, c);
+            } else {
+                take_requests(f, c);  // flushes
+            }
+        }
+        free(r->id);
+        free(r);
+    }
+    pthread_mutex_lock(&f->lock);
+    f->pending -= answered;
+    if (b->status == 200) f->success += answered;
+    else f->failed += answered;
+    pthread_mutex_unlock(&f->lock);
+    free(b->y);
+    free(b->message);
+    free(b);
+}
+
+// A request still waiting is answered now with `status` (a deadline passed, or the server stops); its batch, if a
+// worker holds it, frees it later.
+static void answer_early(Front *f, request_t *r, int status, const char *message, size_t len, int closing) {
+    connection_t *c = r->connection;
+    r->connection = NULL;
+    c->current = NULL;
+    respond_error(f, c, status, message, len, closing);
+    if (closing) {
+        flush(f, c);
+        close_connection(f, c);
+    } else {
+        take_requests(f, c);
+    }
+}
+
+// Deadlines (504) and idle connections (closed).
+static void sweep(Front *f) {
+    int64_t now = now_ns();
+    pthread_mutex_lock(&f->lock);
+    int64_t timeout = f->timeout_ns, idle = f->idle_timeout_ns;
+    pthread_mutex_unlock(&f->lock);
+    char why[160];
+    int why_len = snprintf(why, sizeof why, "no output within the pool's requestTimeoutMs of %.0f ms",
+                           timeout / 1e6);
+    for (connection_t *c = f->connections, *next; c; c = next) {
+        next = c->next;
+        request_t *r = c->current;
+        if (r && now > r->deadline) {
+            pthread_mutex_lock(&f->lock);
+            int queued = !r->taken;
+            if (queued) {  // out of the queue, freed here
+                request_t **p = &f->queue_head, *previous = NULL;
+                while (*p && *p != r) {
+                    previous = *p;
+                    p = &(*p)->next;
+                }
+                if (*p) {
+                    *p = r->next;
+                    if (f->queue_tail == r) f->queue_tail = previous;
+                }
+                f->queued--;
+                f->queued_rows -= r->rows;
+                f->expired++;
+                f->expired_ns += now - r->arrived;
+            }
+            f->pending--;
+            f->failed++;
+            pthread_mutex_unlock(&f->lock);
+            int deadline_ms_differs = r->deadline - r->arrived != timeout;
+            char own[160];
+            int own_len = deadline_ms_differs ? snprintf(own, sizeof own, "no output within the pool's "
+                                                         "requestTimeoutMs of %.0f ms",
+                                                         (r->deadline - r->arrived) / 1e6) : 0;
+            answer_early(f, r, 504, deadline_ms_differs ? own : why, deadline_ms_differs ? own_len : why_len, 0);
+            if (queued) {
+                free(r->id);
+                free(r);
+            }
+            continue;
+        }
+        if (!r && !c->in_len && !c->out_len && now - c->last_activity > idle) close_connection(f, c);
+    }
+}
+
+// The server stops: every request not answered is answered 503 with `message`, every connection closed once its
+// answers are written (or at once).
+static void stop_all(Front *f) {
+    pthread_mutex_lock(&f->lock);
+    char *message = f->stop_message ? f->stop_message : "the server stopped";
+    size_t len = strlen(message);
+    for (request_t *r = f->queue_head, *next; r; r = next) {
+        next = r->next;
+        r->taken = 1;  // out of the queue; freed below once answered
+    }
+    request_t *queued = f->queue_head;
+    f->queue_head = f->queue_tail = NULL;
+    f->queued = f->queued_rows = 0;
+    pthread_mutex_unlock(&f->lock);
+    for (connection_t *c = f->connections, *next; c; c = next) {
+        next = c->next;
+        if (c->current) {
+            pthread_mutex_lock(&f->lock);
+            f->pending--;
+            f->failed++;
+            pthread_mutex_unlock(&f->lock);
+            answer_early(f, c->current, 503, message, len, 1);
+        } else {
+            flush(f, c);
+            close_connection(f, c);
+        }
+    }
+    for (request_t *r = queued, *next; r; r = next) {
+        next = r->next;
+        free(r->id);
+        free(r);
+    }
+}
+
+static void free_released(Front *f) {
+    while (f->released) {
+        connection_t *c = f->released;
+        f->released = c->next_released;
+        free(c->in);
+        free(c->out);
+        free(c);
+    }
+}
+
+static void watch_adopted(Front *f) {
+    pthread_mutex_lock(&f->lock);
+    struct adopted *a = f->adopted_head;
+    f->adopted_head = NULL;
+    pthread_mutex_unlock(&f->lock);
+    while (a) {
+        struct adopted *next = a->next;
+        int one = 1;
+        setsockopt(a->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        connection_t *c = grown(NULL, sizeof *c);
+        memset(c, 0, sizeof *c);
+        c->fd = a->fd;
+        c->reading = 1;
+        c->last_activity = now_ns();
+        struct epoll_event event = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = c};
+        if (epoll_ctl(f->epoll_fd, EPOLL_CTL_ADD, c->fd, &event) < 0) {
+            close(c->fd);
+            free(c);
+        } else {
+            c->next = f->connections;
+            if (f->connections) f->connections->prev = c;
+            f->connections = c;
+        }
+        free(a);
+        a = next;
+    }
+}
+
+static void serve(Front *f) {
+    struct epoll_event events[256];
+    char *scratch = NULL;
+    size_t scratch_cap = 0;
+    int64_t next_sweep = now_ns() + SWEEP_MS * 1000000LL;
+    for (;;) {
+        int n = epoll_wait(f->epoll_fd, events, 256, SWEEP_MS);
+        if (n < 0 && errno != EINTR) break;
+        for (int i = 0; i < n; i++) {
+            void *what = events[i].data.ptr;
+            if (what == &f->wake_fd) {
+                uint64_t count;
+                if (read(f->wake_fd, &count, sizeof count) < 0 && errno != EAGAIN) continue;
+                watch_adopted(f);
+                pthread_mutex_lock(&f->lock);
+                batch_t *b = f->answered_head;
+                f->answered_head = f->answered_tail = NULL;
+                pthread_mutex_unlock(&f->lock);
+                while (b) {
+                    batch_t *next = b->next;
+                    answer_batch(f, b, &scratch, &scratch_cap);
+                    b = next;
+                }
+                continue;
+            }
+            connection_t *c = what;
+            if (c->closed) continue;  // closed or handed over by an earlier event of this wait
+            if (events[i].events & EPOLLOUT) {
+                if (flush(f, c) < 0) {
+                    close_connection(f, c);
+                    continue;
+                }
+                take_requests(f, c);
+                if (c->closed) continue;
+            }
+            if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR | EPOLLRDHUP)) readable(f, c);
+        }
+        int64_t now = now_ns();
+        if (now >= next_sweep) {
+            sweep(f);
+            next_sweep = now + SWEEP_MS * 1000000LL;
+        }
+        free_released(f);
+        pthread_mutex_lock(&f->lock);
+        int stopping = f->stopping;
+        pthread_mutex_unlock(&f->lock);
+        if (stopping) break;
+    }
+    stop_all(f);
+    free_released(f);
+    free(scratch);
+}
+
+// -- the Python type ----------------------------------------------------------------------------------------------
+
+static char *copied(const char *s, size_t len) {
+    char *copy = grown(NULL, len + 1);
+    memcpy(copy, s, len);
+    copy[len] = 0;
+    return copy;
+}
+
+static int Front_init(Front *f, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"model", "version", "input_name", "example_shape", "output_name", "max_body",
+                            "queue_limit", "timeout_ms", "idle_timeout_s", "max_rows", NULL};
+    const char *model, *version, *input_name, *output_name;
+    Py_ssize_t model_len, version_len, input_len, output_len;
+    PyObject *shape;
+    long max_body, max_rows;
+    int queue_limit;
+    double timeout_ms, idle_timeout_s;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s#s#s#Os#liddl", names, &model, &model_len, &version,
+                                     &version_len, &input_name, &input_len, &shape, &output_name, &output_len,
+                                     &max_body, &queue_limit, &timeout_ms, &idle_timeout_s, &max_rows))
+        return -1;
+    if (f->infer_path) {
+        PyErr_SetString(PyExc_RuntimeError, "a Front is initialized once");
+        return -1;
+    }
+    PyObject *dims = PySequence_Fast(shape, "example_shape must be a sequence of ints");
+    if (!dims) return -1;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(dims);
+    if (count > MAX_DIMS) {
+        Py_DECREF(dims);
+        PyErr_Format(PyExc_ValueError, "example_shape has %zd dimensions; at most %d", count, MAX_DIMS);
+        return -1;
+    }
+    f->features = 1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        long dim = PyLong_AsLong(PySequence_Fast_GET_ITEM(dims, i));
+        if (dim < 1) {
+            Py_DECREF(dims);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "example_shape's dimensions must be >= 1");
+            return -1;
+        }
+        f->shape[i] = dim;
+        f->features *= dim;
+    }
+    f->dims = count;
+    Py_DECREF(dims);
+    for (const char *s = model; *s; s++)
+        if (!(isalnum((unsigned char)*s) || *s == '-' || *s == '_' || *s == '.')) {
+            PyErr_SetString(PyExc_ValueError, "the model name must be letters, digits, '-', '_' or '.'");
+            return -1;
+        }
+    char path[512];
+    int n = snprintf(path, sizeof path, "/v2/models/%s/infer", model);
+    if (n >= (int)sizeof path) {
+        PyErr_SetString(PyExc_ValueError, "the model name is too long");
+        return -1;
+    }
+    f->infer_path = copied(path, n);
+    f->infer_path_len = n;
+    f->input_name = copied(input_name, input_len);
+    f->input_name_len = input_len;
+    f->output_name = copied(output_name, output_len);
+    f->output_name_len = output_len;
+    PyObject *head = PyUnicode_FromFormat("{\"model_name\":\"%s\",\"model_version\":\"%s\"", model, version);
+    if (!head) return -1;
+    Py_ssize_t head_len;
+    const char *head_bytes = PyUnicode_AsUTF8AndSize(head, &head_len);
+    f->answer_head = copied(head_bytes, head_len);
+    f->answer_head_len = head_len;
+    Py_DECREF(head);
+    f->max_body = max_body;
+    f->max_rows = max_rows;
+    f->queue_limit = queue_limit;
+    f->timeout_ns = (int64_t)(timeout_ms * 1e6);
+    f->idle_timeout_ns = (int64_t)(idle_timeout_s * 1e9);
+    pthread_mutex_init(&f->lock, NULL);
+    f->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
+    f->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    f->handed_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    f->want_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (f->epoll_fd < 0 || f->wake_fd < 0 || f->handed_fd < 0 || f->want_fd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    struct epoll_event event = {.events = EPOLLIN, .data.ptr = &f->wake_fd};
+    if (epoll_ctl(f->epoll_fd, EPOLL_CTL_ADD, f->wake_fd, &event) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
+}
+
+static void Front_dealloc(Front *f) {
+    // Only once run() has returned (the Python wrapper joins its thread): nothing else touches the state.
+    for (connection_t *c = f->connections, *next; c; c = next) {
+        next = c->next;
+        close(c->fd);
+        free(c->in);
+        free(c->out);
+        free(c);
+    }
+    while (f->handed_head) {
+        struct handed *h = f->handed_head;
+        f->handed_head = h->next;
+        close(h->fd);
+        free(h->data);
+        free(h);
+    }
+    while (f->adopted_head) {
+        struct adopted *a = f->adopted_head;
+        f->adopted_head = a->next;
+        close(a->fd);
+        free(a);
+    }
+    int fds[] = {f->epoll_fd, f->wake_fd, f->handed_fd, f->want_fd};
+    for (int i = 0; i < 4; i++)
+        if (fds[i] > 0) close(fds[i]);
+    free(f->infer_path);
+    free(f->input_name);
+    free(f->output_name);
+    free(f->answer_head);
+    free(f->token);
+    free(f->stop_message);
+    Py_TYPE(f)->tp_free((PyObject *)f);
+}
+
+static int ready(Front *f) {
+    if (!f->infer_path) {
+        PyErr_SetString(PyExc_RuntimeError, "the Front is not initialized");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *Front_run(Front *f, PyObject *unused) {
+    if (!ready(f)) return NULL;
+    if (f->running) return PyErr_Format(PyExc_RuntimeError, "the Front runs already");
+    f->running = 1;
+    Py_BEGIN_ALLOW_THREADS
+    serve(f);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *Front_adopt(Front *f, PyObject *arg) {
+    if (!ready(f)) return NULL;
+    int fd = PyLong_AsLong(arg);
+    if (fd < 0) return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "not a file descriptor");
+    struct adopted *a = grown(NULL, sizeof *a);
+    a->fd = fd;
+    pthread_mutex_lock(&f->lock);  // the connections are the I/O thread's: it watches this one when woken
+    a->next = f->adopted_head;
+    f->adopted_head = a;
+    pthread_mutex_unlock(&f->lock);
+    signal_fd(f->wake_fd);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Front_take(Front *f, PyObject *args) {
+    int max_rows, max_requests, oversized;
+    if (!PyArg_ParseTuple(args, "iip", &max_rows, &max_requests, &oversized)) return NULL;
+    if (!ready(f)) return NULL;
+    pthread_mutex_lock(&f->lock);
+    int n = 0, rows = 0;
+    for (request_t *r = f->queue_head; r && n < max_requests && rows + r->rows <= max_rows; r = r->next) {
+        n++;
+        rows += r->rows;
+    }
+    if (n == 0 && f->queue_head && max_requests > 0 && oversized) {  // a request over the limit runs alone
+        n = 1;
+        rows = f->queue_head->rows;
+    }
+    if (n == 0) {
+        pthread_mutex_unlock(&f->lock);
+        Py_RETURN_NONE;
+    }
+    batch_t *b = grown(NULL, sizeof *b + n * sizeof(request_t *));
+    memset(b, 0, sizeof *b);
+    b->n = n;
+    b->rows = rows;
+    for (int i = 0; i < n; i++) {
+        request_t *r = f->queue_head;
+        f->queue_head = r->next;
+        r->taken = 1;
+        b->requests[i] = r;
+    }
+    if (!f->queue_head) f->queue_tail = NULL;
+    f->queued -= n;
+    f->queued_rows -= rows;
+    pthread_mutex_unlock(&f->lock);
+    // The requests are the batch's now: the I/O thread reads only their connection and deadline.
+    PyObject *x = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)rows * f->features * sizeof(float));
+    PyObject *arrivals = PyList_New(n);
+    if (!x || !arrivals) {
+        Py_XDECREF(x);
+        Py_XDECREF(arrivals);
+        return NULL;  // the batch is lost: its requests answer 504 at their deadline
+    }
+    float *into = (float *)PyByteArray_AS_STRING(x);
+    for (int i = 0; i < n; i++) {
+        request_t *r = b->requests[i];
+        memcpy(into, r->x, (size_t)r->rows * f->features * sizeof(float));
+        into += (size_t)r->rows * f->features;
+        PyList_SET_ITEM(arrivals, i, PyLong_FromLongLong(r->arrived));
+    }
+    return Py_BuildValue("NiKN", x, rows, (unsigned long long)(uintptr_t)b, arrivals);
+}
+
+static void hand_back(Front *f, batch_t *b) {
+    b->next = NULL;
+    pthread_mutex_lock(&f->lock);
+    if (f->answered_tail) f->answered_tail->next = b;
+    else f->answered_head = b;
+    f->answered_tail = b;
+    pthread_mutex_unlock(&f->lock);
+    signal_fd(f->wake_fd);
+}
+
+// give(handle, outputs, example_shape): the batch's outputs (rows x example_shape float32, C order).
+static PyObject *Front_give(Front *f, PyObject *args) {
+    unsigned long long handle;
+    Py_buffer y;
+    PyObject *shape;
+    if (!PyArg_ParseTuple(args, "Ky*O", &handle, &y, &shape)) return NULL;
+    batch_t *b = (batch_t *)(uintptr_t)handle;
+    PyObject *dims = PySequence_Fast(shape, "example_shape must be a sequence of ints");
+    if (!dims) {
+        PyBuffer_Release(&y);
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(dims);
+    long features = 1;
+    for (Py_ssize_t i = 0; i < count && i < MAX_DIMS; i++) {
+        b->out_shape[i] = PyLong_AsLong(PySequence_Fast_GET_ITEM(dims, i));
+        features *= b->out_shape[i];
+    }
+    Py_DECREF(dims);
+    if (count > MAX_DIMS || PyErr_Occurred() || (size_t)y.len != (size_t)b->rows * features * sizeof(float)) {
+        PyBuffer_Release(&y);
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "outputs of %zd bytes for %d examples of %ld float32", y.len, b->rows,
+                         features);
+        return NULL;
+    }
+    b->out_dims = count;
+    b->out_features = features;
+    b->y = grown(NULL, y.len ? y.len : 1);
+    memcpy(b->y, y.buf, y.len);
+    PyBuffer_Release(&y);
+    b->status = 200;
+    hand_back(f, b);
+    Py_RETURN_NONE;
+}
+
+// fail(handle, status, message): answer the batch's requests with an error.
+static PyObject *Front_fail(Front *f, PyObject *args) {
+    unsigned long long handle;
+    int status;
+    const char *message;
+    Py_ssize_t len;
+    if (!PyArg_ParseTuple(args, "Kis#", &handle, &status, &message, &len)) return NULL;
+    batch_t *b = (batch_t *)(uintptr_t)handle;
+    b->status = status;
+    b->message = copied(message, len);
+    b->message_len = len;
+    hand_back(f, b);
+    Py_RETURN_NONE;
+}
+
+// queued() -> (rows, requests, oldest arrival ns or 0)
+static PyObject *Front_queued(Front *f, PyObject *unused) {
+    pthread_mutex_lock(&f->lock);
+    int rows = f->queued_rows, n = f->queued;
+    long long oldest = f->queue_head ? f->queue_head->arrived : 0;
+    pthread_mutex_unlock(&f->lock);
+    return Py_BuildValue("iiL", rows, n, oldest);
+}
+
+// others(n): ParallelInference's own queue holds n requests (queueLimit counts them with the front's).
+static PyObject *Front_others(Front *f, PyObject *arg) {
+    int n = PyLong_AsLong(arg);
+    if (n < 0 && PyErr_Occurred()) return NULL;
+    pthread_mutex_lock(&f->lock);
+    f->others = n;
+    pthread_mutex_unlock(&f->lock);
+    Py_RETURN_NONE;
+}
+
+// want(rows): signal want_fd once `rows` are queued (now, if they are); 0: no one waits.
+static PyObject *Front_want(Front *f, PyObject *arg) {
+    int rows = PyLong_AsLong(arg);
+    if (rows < 0 && PyErr_Occurred()) return NULL;
+    pthread_mutex_lock(&f->lock);
+    int now = rows > 0 && f->queued_rows >= rows;
+    f->want_rows = now ? 0 : rows;
+    pthread_mutex_unlock(&f->lock);
+    if (now) signal_fd(f->want_fd);
+    Py_RETURN_NONE;
+}
+
+// wait_wanted(): block (without the GIL) until want_fd is signalled; False once the front stops.
+static PyObject *Front_wait_wanted(Front *f, PyObject *unused) {
+    uint64_t count;
+    int stopping = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {
+        if (read(f->want_fd, &count, sizeof count) == sizeof count) break;
+        pthread_mutex_lock(&f->lock);
+        stopping = f->stopping;
+        pthread_mutex_unlock(&f->lock);
+        if (stopping) break;
+        struct pollfd readable = {.fd = f->want_fd, .events = POLLIN};
+        poll(&readable, 1, 100);
+    }
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(!stopping);
+}
+
+// handed() -> [(fd, bytes read from it)], the connections handed over since the last call, oldest first.
+static PyObject *Front_handed(Front *f, PyObject *unused) {
+    uint64_t count;
+    if (read(f->handed_fd, &count, sizeof count) < 0 && errno != EAGAIN) return PyErr_SetFromErrno(PyExc_OSError);
+    pthread_mutex_lock(&f->lock);
+    struct handed *h = f->handed_head;
+    f->handed_head = NULL;
+    pthread_mutex_unlock(&f->lock);
+    struct handed *in_order = NULL;
+    while (h) {
+        struct handed *next = h->next;
+        h->next = in_order;
+        in_order = h;
+        h = next;
+    }
+    PyObject *list = PyList_New(0);
+    for (h = in_order; h; ) {
+        PyObject *item = list ? Py_BuildValue("iy#", h->fd, h->data, (Py_ssize_t)h->len) : NULL;
+        if (!item || PyList_Append(list, item) < 0) {
+            close(h->fd);
+            Py_CLEAR(list);
+        }
+        Py_XDECREF(item);
+        struct handed *next = h->next;
+        free(h->data);
+        free(h);
+        h = next;
+    }
+    return list;
+}
+
+static PyObject *Front_configure(Front *f, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"queue_limit", "timeout_ms", "max_body", "max_rows", "token", NULL};
+    int queue_limit = -1;
+    double timeout_ms = -1;
+    long max_body = -1, max_rows = -1;
+    PyObject *token = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|idllO", names, &queue_limit, &timeout_ms, &max_body, &max_rows,
+                                     &token))
+        return NULL;
+    char *token_copy = NULL;
+    Py_ssize_t token_len = 0;
+    if (token && token != Py_None) {
+        char *bytes;
+        if (PyBytes_AsStringAndSize(token, &bytes, &token_len) < 0) return NULL;
+        token_copy = copied(bytes, token_len);
+    }
+    pthread_mutex_lock(&f->lock);
+    if (queue_limit > 0) f->queue_limit = queue_limit;
+    if (timeout_ms > 0) f->timeout_ns = (int64_t)(timeout_ms * 1e6);
+    if (max_body > 0) f->max_body = max_body;
+    if (max_rows >= 0) f->max_rows = max_rows;
+    if (token) {
+        free(f->token);
+        f->token = token_copy;
+        f->token_len = token_len;
+    }
+    pthread_mutex_unlock(&f->lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Front_counters(Front *f, PyObject *unused) {
+    pthread_mutex_lock(&f->lock);
+    PyObject *result = Py_BuildValue(
+        "{sLsLsLsLsLsLsLsLsi}", "success", f->success, "failed", f->failed, "rejected", f->rejected,
+        "pending", f->pending, "expired", f->expired, "expired_ns", f->expired_ns, "aborted", f->aborted,
+        "aborted_ns", f->aborted_ns, "queued", f->queued);
+    pthread_mutex_unlock(&f->lock);
+    return result;
+}
+
+// drain(): new requests are answered 503 from now on; those queued and running are answered as usual.
+static PyObject *Front_drain(Front *f, PyObject *unused) {
+    pthread_mutex_lock(&f->lock);
+    f->draining = 1;
+    pthread_mutex_unlock(&f->lock);
+    Py_RETURN_NONE;
+}
+
+// stop(message): run() answers what is not answered with 503 `message`, closes every connection and returns.
+static PyObject *Front_stop(Front *f, PyObject *args) {
+    const char *message;
+    if (!PyArg_ParseTuple(args, "s", &message)) return NULL;
+    pthread_mutex_lock(&f->lock);
+    free(f->stop_message);
+    f->stop_message = copied(message, strlen(message));
+    f->stopping = 1;
+    pthread_mutex_unlock(&f->lock);
+    signal_fd(f->wake_fd);
+    signal_fd(f->want_fd);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Front_handed_fd(Front *f, void *unused) { return PyLong_FromLong(f->handed_fd); }
+
+static PyMethodDef Front_methods[] = {
+    {"run", (PyCFunction)Front_run, METH_NOARGS, "run(): serve on this thread until stop()"},
+    {"adopt", (PyCFunction)Front_adopt, METH_O, "adopt(fd): serve a connection accepted elsewhere (its fd is ours)"},
+    {"take", (PyCFunction)Front_take, METH_VARARGS,
+     "take(max_rows, max_requests, oversized) -> (float32 examples, rows, handle, arrivals) or None"},
+    {"give", (PyCFunction)Front_give, METH_VARARGS, "give(handle, outputs, example_shape): answer a taken batch"},
+    {"fail", (PyCFunction)Front_fail, METH_VARARGS, "fail(handle, status, message): answer a taken batch's error"},
+    {"queued", (PyCFunction)Front_queued, METH_NOARGS, "queued() -> (rows, requests, oldest arrival ns)"},
+    {"others", (PyCFunction)Front_others, METH_O, "others(n): requests in ParallelInference's own queue"},
+    {"want", (PyCFunction)Front_want, METH_O, "want(rows): signal wait_wanted() once rows are queued (0: none)"},
+    {"wait_wanted", (PyCFunction)Front_wait_wanted, METH_NOARGS, "block until want() is met; False once stopped"},
+    {"handed", (PyCFunction)Front_handed, METH_NOARGS, "handed() -> [(fd, bytes read)]: connections for Python"},
+    {"configure", (PyCFunction)(void (*)(void))Front_configure, METH_VARARGS | METH_KEYWORDS,
+     "configure(queue_limit=, timeout_ms=, max_body=, max_rows=, token=)"},
+    {"counters", (PyCFunction)Front_counters, METH_NOARGS, "counters() -> dict of the requests served here"},
+    {"drain", (PyCFunction)Front_drain, METH_NOARGS, "drain(): answer new requests 503"},
+    {"stop", (PyCFunction)Front_stop, METH_VARARGS, "stop(message): answer the rest 503, close, end run()"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Front_getset[] = {
+    {"handed_fd", (getter)Front_handed_fd, NULL, "readable when handed() has connections", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject FrontType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tandem.worker.serve._front.Front",
+    .tp_basicsize = sizeof(Front),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The HTTP port's common inference request, served in C (see the module's source)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Front_init,
+    .tp_dealloc = (destructor)Front_dealloc,
+    .tp_methods = Front_methods,
+    .tp_getset = Front_getset,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "_front", .m_size = -1};
+
+PyMODINIT_FUNC PyInit__front(void) {
+    if (PyType_Ready(&FrontType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&FrontType);
+    if (PyModule_AddObject(m, "Front", (PyObject *)&FrontType) < 0) {
+        Py_DECREF(&FrontType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,183 @@
+"""The HTTP front in C: the common inference request served with no Python per request (`httpFront: native`).
+
+On a CPU-bound server every microsecond the interpreter spends per request comes out of the model's forwards: the
+Python HTTP layer and the request's validation cost 45-60 us of the event loop per request under wrk, a C request
+path 19-29 (bench/RESULTS.md). The front (`_front.c`) owns the HTTP port's connections on a thread of its own; the
+Open Inference Protocol's JSON infer request for the served model, its input a flat FP32 list of the model's example
+shape, is parsed there into a queue that ParallelInference's workers take from as part of their batches
+(ParallelInference.attach), and answered there. Every other request, and any the front is not sure of, is served
+by the Python server as before: the front hands the connection over with the bytes it has read (`handed`), so the
+Python server stays the one place where requests are validated and errors explained.
+
+What the front answers itself, as the Python server would: the outputs (200), a full queue (429, queueLimit counted
+over the front's queue), a request past requestTimeoutMs (504), the server draining or stopped (503), a failed
+forward (its status and message). Its counts join the server's statistics and /metrics. A model whose input or output
+is not FP32 is served by the Python server alone (the log says so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tandem.worker.serve.errors import ModelError
+
+if TYPE_CHECKING:
+    from tandem.worker.serve.inference import ParallelInference
+    from tandem.worker.serve.model_loading import LoadedModel
+
+log = logging.getLogger("tandem.serve")
+
+try:
+    from tandem.worker.serve._front import Front
+except ImportError as error:  # not built here: the package's C extension is optional
+    Front = None
+    UNAVAILABLE = f"the C front was not built with this installation ({error})"
+else:
+    UNAVAILABLE = None
+
+TOKEN_REFRESH_S = 1.0
+
+
+def unavailable_reason(loaded: LoadedModel, mode: str) -> str | None:
+    """Why the front cannot serve `loaded`'s requests in inference mode `mode` (None: it can)."""
+    if UNAVAILABLE is not None:
+        return UNAVAILABLE
+    if mode == "inplace":
+        return "inplace mode runs each request on its caller's thread, and the front's requests have none"
+    signature = loaded.signature
+    if signature.input.datatype != "FP32" or signature.output.datatype != "FP32":
+        return (f"the model takes {signature.input.datatype} and returns {signature.output.datatype}; the C front "
+                "serves FP32 in and out")
+    return None
+
+
+class Bundle:
+    """Requests the front queued, taken as one item of a batch (the Feed's lot): their examples, and where their
+    outputs go."""
+
+    __slots__ = ("front", "handle", "x", "rows", "key", "submitted", "arrivals", "deadline")
+
+    def __init__(self, front: NativeFront, handle: int, x: np.ndarray, rows: int, arrivals: list[int]):
+        self.front = front
+        self.handle = handle
+        self.x = x
+        self.rows = rows
+        self.key = front.key
+        self.arrivals = arrivals
+        self.submitted = arrivals[0]
+        self.deadline = None  # the front answers its requests' deadlines itself
+
+    def finish(self, output: Any, error: BaseException | None) -> None:
+        self.x = None
+        front = self.front.front
+        if error is None:
+            try:
+                out = np.ascontiguousarray(output, dtype=np.float32)
+                front.give(self.handle, out, out.shape[1:])
+                return
+            except (TypeError, ValueError) as failure:  # the model's output does not fit the answer
+                error = ModelError(f"the model's output cannot be answered: {failure}")
+        front.fail(self.handle, self.front.status_of(error), str(error))
+
+
+class NativeFront:
+    """The front of one server process: `_front.Front`, its I/O thread, and the thread that wakes ParallelInference's
+    workers when the queue holds what they wait for. `adopt` gives it a connection; connections it hands back go to
+    `hand_back(socket, data)` on the event loop."""
+
+    def __init__(self, loaded: LoadedModel, name: str, version: str, batching, max_body: int, idle_timeout: float,
+                 status_of):
+        signature = loaded.signature
+        self.key = (tuple(signature.input.shape), np.dtype(np.float32))
+        self.status_of = status_of
+        self.front = Front(model=name, version=version, input_name=signature.input.name,
+                           example_shape=signature.input.shape, output_name=signature.output.name,
+                           max_body=max_body, queue_limit=batching.queue_limit,
+                           timeout_ms=float(batching.request_timeout_ms), idle_timeout_s=idle_timeout,
+                           max_rows=signature.max_batch_size)
+        self._inference: ParallelInference | None = None
+        self._threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, inference: ParallelInference, hand_back, token=None) -> None:
+        """Serve: the I/O thread, the waker, connections handed back to `hand_back(socket, data)` on this loop, and
+        the token (auth.BearerToken, or None) kept current."""
+        self._inference = inference
+        self._loop = asyncio.get_running_loop()
+        self._token = token
+        self._refresh_token()
+        inference.attach(self)
+        for target, name in ((self.front.run, "tandem-http-front"), (self._wake_workers, "tandem-front-waker")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+        def handed() -> None:
+            for descriptor, data in self.front.handed():
+                hand_back(socket.socket(fileno=descriptor), data)
+
+        self._loop.add_reader(self.front.handed_fd, handed)
+
+    def _refresh_token(self) -> None:
+        """The front holds the token the Secret's file holds now; one it does not know goes to the Python server,
+        which reads the file again (a rotation), so this only keeps the common case in C."""
+        if self._token is None:
+            return
+        self.front.configure(token=self._token.current())
+        self._loop.call_later(TOKEN_REFRESH_S, self._refresh_token)
+
+    def _wake_workers(self) -> None:
+        while self.front.wait_wanted():
+            self._inference.wake()
+
+    # -- ParallelInference's Feed ------------------------------------------------------------------------------
+
+    def queued(self) -> tuple[int, int, int]:
+        return self.front.queued()
+
+    def take(self, max_rows: int, max_requests: int, oversized: bool) -> Bundle | None:
+        taken = self.front.take(max_rows, max_requests, oversized)
+        if taken is None:
+            return None
+        examples, rows, handle, arrivals = taken
+        x = np.frombuffer(examples, dtype=np.float32).reshape(rows, *self.key[0])
+        return Bundle(self, handle, x, rows, arrivals)
+
+    def want(self, rows: int) -> None:
+        self.front.want(rows)
+
+    def others(self, requests: int) -> None:
+        self.front.others(requests)
+
+    # -- the server's ------------------------------------------------------------------------------------------
+
+    def adopt(self, connection: socket.socket) -> None:
+        self.front.adopt(connection.detach())
+
+    def configure(self, batching, max_body: int, max_rows: int) -> None:
+        self.front.configure(queue_limit=batching.queue_limit, timeout_ms=float(batching.request_timeout_ms),
+                             max_body=max_body, max_rows=max_rows)
+
+    def counters(self) -> dict[str, int]:
+        return self.front.counters()
+
+    @property
+    def pending(self) -> int:
+        return self.front.counters()["pending"]
+
+    def drain(self) -> None:
+        self.front.drain()
+
+    async def stop(self, why: str) -> None:
+        """Answer what is not answered 503 (`why`), close every connection, end the threads."""
+        if self._loop is not None:
+            self._loop.remove_reader(self.front.handed_fd)
+        self.front.stop(f"the server stopped before this request was answered ({why})")
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join)

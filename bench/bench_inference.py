@@ -29,11 +29,9 @@ loop, keep-alive connections) drives them all from this process, on the same cor
 5. grpc: the same over gRPC, driven by h2load (C; Debian's nghttp2-client) posting a pre-serialised
    ModelInferRequest at 8, 64 and 256 concurrent calls; skipped, saying so, where h2load is missing. --against,
    --rounds and the bound as for wrk.
-6. native: `tandem serve` beside bench/native_server.py, a server whose request path is C (no Python per request;
-   built with cc at the start, skipped, saying why, where it cannot be), both as one process per worker, under wrk at
-   each point, alternating over --rounds, the ceiling after each round. Printed: each one's share of the ceiling and
-   its bound, CPU per request (loops, workers, wrk), and native / tandem: how much of the gap is the interpreter's,
-   and what no server's request path on these cores takes back.
+6. native: `tandem serve` with httpFront python and native (the C front: no Python per common request), both as one
+   process per worker, under wrk at each point, alternating over --rounds, the ceiling after each round. Printed:
+   each one's share of the ceiling and its bound, CPU per request (request path, workers, wrk), and native / python.
 
     .venv/bin/python bench/bench_inference.py                 # parts 1-3, about 2 minutes on 2 cores
     .venv/bin/python bench/bench_inference.py --only modes --seconds 5
@@ -42,7 +40,7 @@ loop, keep-alive connections) drives them all from this process, on the same cor
     .venv/bin/python bench/bench_inference.py --only wrk --rounds 3 --against main   # A/B against main
     .venv/bin/python bench/bench_inference.py --only wrk --client-cpus 1   # wrk on CPU 1, the server on the others
     .venv/bin/python bench/bench_inference.py --only grpc       # h2load over gRPC
-    .venv/bin/python bench/bench_inference.py --only native --connections 64,256 --rounds 3   # beside a C server
+    .venv/bin/python bench/bench_inference.py --only native --connections 64,256 --rounds 3   # the two HTTP fronts
     .venv/bin/python bench/bench_inference.py --only grpc --rounds 2 --against main   # A/B against main
     .venv/bin/python bench/bench_inference.py --only grpc --connections 64,256 --rounds 6 --against main
                                                               # fewer points, more rounds: a change of ~5% resolved
@@ -142,16 +140,19 @@ class Server:
 
 
 def tandem_server(mode: str, workers: int, directory: Path, source: Path | None = None,
-                  grpc_port: int | None = None, variables: dict[str, str] | None = None, processes: int = 1) -> Server:
+                  grpc_port: int | None = None, variables: dict[str, str] | None = None, processes: int = 1,
+                  http_front: str = "python") -> Server:
     """`tandem serve` with the pool below; from the code in `source` (a `checkout`) instead of this tree's when
     given; with gRPC on `grpc_port` when given; with the environment `variables` added; as `processes` server
-    processes of workers / processes workers each (processesPerReplica)."""
-    manifest = directory / f"pool-{mode}-{processes}.yaml"
+    processes of workers / processes workers each (processesPerReplica); with the HTTP front `http_front`."""
+    manifest = directory / f"pool-{mode}-{processes}-{http_front}.yaml"
     spec = {"model": {"callable": "tandem.examples.digits:mlp", "args": {"hidden": HIDDEN}, "inputShape": [64]},
             "inferenceMode": mode, "workersPerReplica": max(1, workers // processes), "batchLimit": BATCH_LIMIT,
             "queueLimit": 256, "gpusPerReplica": 1 if DEVICE == "cuda" else 0}
     if processes > 1:  # only then: the code at a git ref older than processesPerReplica still reads the manifest
         spec["processesPerReplica"] = processes
+    if http_front != "python":  # likewise
+        spec["httpFront"] = http_front
     manifest.write_text(json.dumps({"apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool",
                                     "metadata": {"name": "mlp"}, "spec": spec}))
     port = free_port()
@@ -531,76 +532,51 @@ class CpuPoint:
     rate: float
     p99_ms: float
     failed: int
-    loop_us: float
-    """the processes' main threads: tandem's event loops, the native server's I/O loops"""
+    path_us: float
+    """the processes' threads other than the workers: event loops, the C front's I/O threads, the rest"""
     workers_us: float
-    other_us: float
     client_us: float
 
     def line(self) -> str:
-        return (f"{self.rate:8.0f} req/s  p99 {self.p99_ms:6.1f} ms  failed {self.failed}; CPU per request: loops "
-                f"{self.loop_us:.0f} us, workers {self.workers_us:.0f} us, other threads {self.other_us:.0f} us, wrk "
-                f"{self.client_us:.0f} us")
+        return (f"{self.rate:8.0f} req/s  p99 {self.p99_ms:6.1f} ms  failed {self.failed}; CPU per request: request "
+                f"path {self.path_us:.0f} us, workers {self.workers_us:.0f} us, wrk {self.client_us:.0f} us")
 
 
 def bench_native(seconds: float, workers: int, directory: Path, rounds: int) -> None:
-    """`tandem serve` and bench/native_server.py (no Python per request), both as `workers` processes of one worker,
-    alternating under wrk at each point, the ceiling after each round: the share of the ceiling each keeps, where each
-    request's CPU goes, and native / tandem. What the native server leaves of the gap to the ceiling is not the
-    interpreter's: no server's request path on these cores takes it back."""
-    import native_server
-    import torch
-
-    from tandem.examples.digits import mlp
-
+    """`tandem serve` with its HTTP port read by the Python server and by the C front (httpFront native), both as
+    `workers` processes of one worker, alternating under wrk at each point, the ceiling after each round: the share of
+    the ceiling each keeps, where each request's CPU goes, and native / python."""
     if shutil.which("wrk") is None:
         print("native: skipped: wrk is not installed (Debian: apt-get install wrk)")
         return
-    if DEVICE != "cpu":
-        print("native: skipped: the native server runs its replicas on the CPU only")
-        return
-    module = native_server.build(directory)
-    if isinstance(module, str):
-        print(f"native: skipped: the native server cannot be built here: {module}")
-        return
-    weights = directory / "weights.pt"
-    torch.save(mlp(HIDDEN).state_dict(), weights)
     body = wrk_body(directory)
-
-    def serve(label: str) -> Server:
-        if label == "tandem serve":
-            return tandem_server("batched", workers, directory, processes=workers)
-        port = free_port()
-        return Server([sys.executable, str(ROOT / "bench" / "native_server.py"), "--port", str(port), "--weights",
-                       str(weights), "--module-dir", str(directory), "--processes", str(workers), "--hidden",
-                       str(HIDDEN), "--batch-limit", str(BATCH_LIMIT)], port, "/v2/health/ready")
-
-    labels = ("tandem serve", "native")
+    labels = ("python", "native")
     points: dict[tuple[str, int], list[CpuPoint]] = {}
     ceilings = []
     for round_ in range(rounds):
         for label in _in_turn(labels, round_):
-            with serve(label) as server:
+            with tandem_server("batched", workers, directory, processes=workers, http_front=label) as server:
                 for connections in WRK_CONNECTIONS:
                     point = _cpu_point(server, body, connections, seconds, workers)
                     points.setdefault((label, connections), []).append(point)
-                    print(f"{label}: c={connections:<3d} {point.line()}", flush=True)
+                    print(f"httpFront {label}: c={connections:<3d} {point.line()}", flush=True)
         ceilings.append(bench_ceiling(seconds, workers))
     ceiling = max(ceilings)
-    print(f"\nboth as {workers} processes x 1 worker, best of {rounds} round(s); share of the ceiling (bound: "
-          "with the workers at the raw forward's cost); CPU per request at the best round: loops / workers / wrk")
-    print("| connections | tandem serve req/s (p99 ms) | share (bound) | us | native req/s (p99 ms) | share (bound) "
-          "| us | native / tandem, median of rounds |")
+    print(f"\n`tandem serve`, {workers} processes x 1 worker, best of {rounds} round(s); share of the ceiling (bound: "
+          "with the workers at the raw forward's cost); CPU per request at the best round: request path (the "
+          "processes' threads other than the workers) / workers / wrk")
+    print("| connections | python front req/s (p99 ms) | share (bound) | us | native front req/s (p99 ms) | share "
+          "(bound) | us | native / python, median of rounds |")
     print("|---|---|---|---|---|---|---|---|")
     for connections in WRK_CONNECTIONS:
         cells = []
         for label in labels:
             best = max(points[label, connections], key=lambda p: p.rate)
-            rest = best.loop_us + best.other_us + (best.client_us if CLIENT_CPUS is None else 0.0)
+            rest = best.path_us + (best.client_us if CLIENT_CPUS is None else 0.0)
             cells.append(f"{best.rate:.0f} ({best.p99_ms:.1f}) | **{best.rate / ceiling:.2f}** "
-                         f"({_bound(rest, ceiling):.2f}) | {best.loop_us:.0f} / {best.workers_us:.0f} / "
+                         f"({_bound(rest, ceiling):.2f}) | {best.path_us:.0f} / {best.workers_us:.0f} / "
                          f"{best.client_us:.0f}")
-        ratios = [native.rate / tandem.rate for tandem, native
+        ratios = [native.rate / python.rate for python, native
                   in zip(points[labels[0], connections], points[labels[1], connections], strict=True)]
         cells.append(f"{statistics.median(ratios):.2f}x ({', '.join(f'{r:.2f}' for r in ratios)})")
         print(f"| {connections} | {' | '.join(cells)} |")
@@ -619,7 +595,7 @@ def _cpu_point(server: Server, body: Path, connections: int, seconds: float, wor
     threads_after, client = threads(), children_cpu() - client_before
     loop, busiest, other, _ = split_threads(threads_before, threads_after, pids, workers)
     per_request = 1e6 / max(1.0, rate * max(1, round(seconds)))
-    return CpuPoint(rate, p99_ms, failed, loop * per_request, sum(busiest) * per_request, other * per_request,
+    return CpuPoint(rate, p99_ms, failed, (loop + other) * per_request, sum(busiest) * per_request,
                     client * per_request)
 
 

@@ -30,6 +30,7 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -99,6 +100,8 @@ typedef struct {
     pthread_mutex_t lock;
     char *token;               // NULL: no token asked
     size_t token_len;
+    char *token_path;          // the file it was read from, and its (mtime ns, size) then: a file changed since is
+    long long token_mtime_ns, token_size;  // the Python server's to read again (the token may have been rotated)
     long max_body;
     long max_rows;             // examples one request may carry (the model's max_batch_size)
     int queue_limit;
@@ -511,9 +514,29 @@ static int header_is(const char *line, size_t len, const char *name, const char 
 enum { INCOMPLETE, MINE, NOT_MINE };
 
 // The request at the front of the connection's input: INCOMPLETE, MINE (*out: parsed, *used: its bytes), NOT_MINE.
+// Whether the head read so far can still become one of ours: its request line a prefix of ours, and no byte after it
+// that a well-formed head does not have (a CR not before LF, a bare LF, other control bytes). Else the Python server
+// answers it at once, as it would have without the front.
+static int may_be_mine(Front *f, const char *in, size_t len) {
+    size_t line = 5 + f->infer_path_len + 11;  // "POST " path " HTTP/1.1\r\n"
+    size_t n = len < line ? len : line;
+    for (size_t i = 0; i < n; i++) {
+        char expected = i < 5 ? "POST "[i] : i < 5 + f->infer_path_len ? f->infer_path[i - 5]
+                                                                        : " HTTP/1.1\r\n"[i - 5 - f->infer_path_len];
+        if (in[i] != expected) return 0;
+    }
+    for (size_t i = line; i < len; i++) {
+        unsigned char ch = in[i];
+        if (ch == '\r' ? i + 1 < len && in[i + 1] != '\n' : ch == '\n' ? in[i - 1] != '\r' : ch < 0x20 && ch != '\t')
+            return 0;
+    }
+    return 1;
+}
+
 static int recognize(Front *f, connection_t *c, request_t **out, size_t *used) {
     char *end = memmem(c->in, c->in_len < MAX_HEAD ? c->in_len : MAX_HEAD, "\r\n\r\n", 4);
-    if (!end) return c->in_len >= MAX_HEAD ? NOT_MINE : INCOMPLETE;
+    if (!end) return c->in_len >= MAX_HEAD || !may_be_mine(f, c->in, c->in_len) ? NOT_MINE : INCOMPLETE;
+    if (!may_be_mine(f, c->in, end + 4 - c->in)) return NOT_MINE;
     size_t head = end + 4 - c->in;
     char *line_end = memmem(c->in, head, "\r\n", 2);
     size_t request_line = line_end - c->in;
@@ -550,8 +573,12 @@ static int recognize(Front *f, connection_t *c, request_t **out, size_t *used) {
             int same = f->token && token_len == f->token_len;
             unsigned char difference = 0;
             if (same) for (size_t i = 0; i < token_len; i++) difference |= token[i] ^ f->token[i];
+            struct stat file;
+            int current = same && f->token_path && stat(f->token_path, &file) == 0
+                          && (long long)file.st_mtim.tv_sec * 1000000000 + file.st_mtim.tv_nsec == f->token_mtime_ns
+                          && file.st_size == f->token_size;
             pthread_mutex_unlock(&f->lock);
-            if (!same || difference) return NOT_MINE;  // the Python server reads the Secret again, and decides
+            if (!same || difference || !current) return NOT_MINE;  // the Python server reads the Secret, decides
             authorized = 1;
         } else if (header_is(line, len, "transfer-encoding", &value, &value_len)
                    || header_is(line, len, "content-encoding", &value, &value_len)
@@ -656,6 +683,10 @@ static void readable(Front *f, connection_t *c) {
         c->in = grown(c->in, c->in_cap);
     }
     ssize_t k = recv(c->fd, c->in + c->in_len, c->in_cap - c->in_len, 0);
+    if (k == 0 && c->in_len && !c->current && !c->out_len) {  // the client sent all it will: the Python server
+        hand_over(f, c);                                       // answers what it left unfinished, as it would have
+        return;
+    }
     if (k == 0 || (k < 0 && errno != EAGAIN && errno != EINTR)) {
         close_connection(f, c);
         return;
@@ -678,7 +709,9 @@ static int format_float(char *into, float value) {
     return n;
 }
 
-static void answer_request(Front *f, batch_t *b, int index, char **scratch, size_t *scratch_cap, int closing) {
+// Answer request `index` of the batch, whose outputs begin at example `offset` of the batch's.
+static void answer_request(Front *f, batch_t *b, int index, long offset, char **scratch, size_t *scratch_cap,
+                           int closing) {
     request_t *r = b->requests[index];
     connection_t *c = r->connection;
     if (!c) return;  // answered already (504, 503) or its client left
@@ -710,8 +743,6 @@ static void answer_request(Front *f, batch_t *b, int index, char **scratch, size
     for (int i = 0; i < b->out_dims; i++) n += sprintf(body + n, ",%ld", b->out_shape[i]);
     memcpy(body + n, "],\"data\":[", 10);
     n += 10;
-    long offset = 0;
-    for (int i = 0; i < index; i++) offset += b->requests[i]->rows;
     const float *y = b->y + offset * b->out_features;
     for (long i = 0; i < count; i++) {
         if (i) body[n++] = ',';
@@ -727,12 +758,19 @@ static void answer_batch(Front *f, batch_t *b, char **scratch, size_t *scratch_c
     int closing = f->draining || f->stopping;
     pthread_mutex_unlock(&f->lock);
     int answered = 0;
+    for (int i = 0; i < b->n; i++) answered += b->requests[i]->connection != NULL;
+    pthread_mutex_lock(&f->lock);  // counted before a client can read its answer
+    f->pending -= answered;
+    if (b->status == 200) f->success += answered;
+    else f->failed += answered;
+    pthread_mutex_unlock(&f->lock);
+    long offset = 0;
     for (int i = 0; i < b->n; i++) {
         request_t *r = b->requests[i];
         connection_t *c = r->connection;
+        long rows = r->rows;
         if (c) {
-            answer_request(f, b, i, scratch, scratch_cap, closing);
-            answered++;
+            answer_request(f, b, i, offset, scratch, scratch_cap, closing);
             if (closing) {
                 flush(f, c);
                 close_connection(f, c);
@@ -742,12 +780,8 @@ static void answer_batch(Front *f, batch_t *b, char **scratch, size_t *scratch_c
         }
         free(r->id);
         free(r);
+        offset += rows;
     }
-    pthread_mutex_lock(&f->lock);
-    f->pending -= answered;
-    if (b->status == 200) f->success += answered;
-    else f->failed += answered;
-    pthread_mutex_unlock(&f->lock);
     free(b->y);
     free(b->message);
     free(b);
@@ -1065,6 +1099,7 @@ static void Front_dealloc(Front *f) {
     free(f->output_name);
     free(f->answer_head);
     free(f->token);
+    free(f->token_path);
     free(f->stop_message);
     Py_TYPE(f)->tp_free((PyObject *)f);
 }
@@ -1293,20 +1328,28 @@ static PyObject *Front_handed(Front *f, PyObject *unused) {
 }
 
 static PyObject *Front_configure(Front *f, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"queue_limit", "timeout_ms", "max_body", "max_rows", "token", NULL};
+    static char *names[] = {"queue_limit", "timeout_ms", "max_body", "max_rows", "token", "token_path",
+                            "token_stamp", NULL};
     int queue_limit = -1;
     double timeout_ms = -1;
     long max_body = -1, max_rows = -1;
     PyObject *token = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|idllO", names, &queue_limit, &timeout_ms, &max_body, &max_rows,
-                                     &token))
+    const char *token_path = NULL;
+    long long mtime_ns = 0, size = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|idllSs(LL)", names, &queue_limit, &timeout_ms, &max_body,
+                                     &max_rows, &token, &token_path, &mtime_ns, &size))
         return NULL;
-    char *token_copy = NULL;
-    Py_ssize_t token_len = 0;
-    if (token && token != Py_None) {
+    if (token && !token_path) {
+        PyErr_SetString(PyExc_TypeError, "a token needs its token_path and token_stamp");
+        return NULL;
+    }
+    char *token_copy = NULL, *path_copy = NULL;
+    if (token) {
         char *bytes;
+        Py_ssize_t token_len;
         if (PyBytes_AsStringAndSize(token, &bytes, &token_len) < 0) return NULL;
         token_copy = copied(bytes, token_len);
+        path_copy = copied(token_path, strlen(token_path));
     }
     pthread_mutex_lock(&f->lock);
     if (queue_limit > 0) f->queue_limit = queue_limit;
@@ -1315,8 +1358,12 @@ static PyObject *Front_configure(Front *f, PyObject *args, PyObject *kwargs) {
     if (max_rows >= 0) f->max_rows = max_rows;
     if (token) {
         free(f->token);
+        free(f->token_path);
         f->token = token_copy;
-        f->token_len = token_len;
+        f->token_len = PyBytes_GET_SIZE(token);
+        f->token_path = path_copy;
+        f->token_mtime_ns = mtime_ns;
+        f->token_size = size;
     }
     pthread_mutex_unlock(&f->lock);
     Py_RETURN_NONE;
@@ -1369,7 +1416,7 @@ static PyMethodDef Front_methods[] = {
     {"wait_wanted", (PyCFunction)Front_wait_wanted, METH_NOARGS, "block until want() is met; False once stopped"},
     {"handed", (PyCFunction)Front_handed, METH_NOARGS, "handed() -> [(fd, bytes read)]: connections for Python"},
     {"configure", (PyCFunction)(void (*)(void))Front_configure, METH_VARARGS | METH_KEYWORDS,
-     "configure(queue_limit=, timeout_ms=, max_body=, max_rows=, token=)"},
+     "configure(queue_limit=, timeout_ms=, max_body=, max_rows=, token=, token_path=, token_stamp=)"},
     {"counters", (PyCFunction)Front_counters, METH_NOARGS, "counters() -> dict of the requests served here"},
     {"drain", (PyCFunction)Front_drain, METH_NOARGS, "drain(): answer new requests 503"},
     {"stop", (PyCFunction)Front_stop, METH_VARARGS, "stop(message): answer the rest 503, close, end run()"},

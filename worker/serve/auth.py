@@ -71,11 +71,12 @@ class BearerToken:
             self._refresh()
         return hmac.compare_digest(presented.strip(), self._token)
 
-    def current(self) -> bytes:
-        """The token the file holds now (the last one read while the file is briefly gone)."""
+    def current(self) -> tuple[bytes, tuple[int, int]]:
+        """The token the file holds now (the last one read while the file is briefly gone), and the file's
+        (mtime ns, size) when it was read: a file with another stamp may hold another token."""
         with contextlib.suppress(AuthTokenError):
             self._refresh()
-        return self._token
+        return self._token, self._stamp
 
     def _refresh(self) -> None:
         try:

@@ -125,11 +125,14 @@ class NativeFront:
         self._loop.add_reader(self.front.handed_fd, handed)
 
     def _refresh_token(self) -> None:
-        """The front holds the token the Secret's file holds now; one it does not know goes to the Python server,
-        which reads the file again (a rotation), so this only keeps the common case in C."""
+        """The front holds the token the Secret's file holds now, with the file's stamp: it takes a request only
+        while the file keeps that stamp (a stat per request) and the request carries that token, and leaves every
+        other to the Python server, which reads the file again. So a rotated token is refused at once, and the
+        front serves the new one within TOKEN_REFRESH_S."""
         if self._token is None:
             return
-        self.front.configure(token=self._token.current())
+        token, stamp = self._token.current()
+        self.front.configure(token=token, token_path=str(self._token.path), token_stamp=stamp)
         self._loop.call_later(TOKEN_REFRESH_S, self._refresh_token)
 
     def _wake_workers(self) -> None:

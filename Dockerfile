@@ -27,6 +27,8 @@ ARG PYTHON_BASE=python:3.12-slim-bookworm
 
 # --- the tandem wheel, built once for both images --------------------------------------------------------------
 FROM ${PYTHON_BASE} AS wheel
+# A C compiler for the HTTP front (worker/serve/_front.c, httpFront: native); the images keep only the built wheel.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY constraints.txt pyproject.toml README.md ./
 COPY tandem/ tandem/

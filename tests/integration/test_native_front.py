@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +16,20 @@ import orjson
 import pytest
 import tritonclient.http as triton
 from inference_models import GATES
-from serving import WAIT_S, Servers, gated_pool, infer, inputs, json_body, make_pool, reference, request, wait_until
+from serving import (
+    WAIT_S,
+    Servers,
+    gated_pool,
+    infer,
+    inputs,
+    json_body,
+    make_pool,
+    port_from_log,
+    reference,
+    request,
+    serve_process,
+    wait_until,
+)
 from test_http import closed_by_server, connect, read_response
 
 from tandem.worker.serve.native import UNAVAILABLE
@@ -329,3 +343,26 @@ def test_a_drain_answers_what_the_front_took_and_refuses_new_requests_503():
         draining.join(WAIT_S)
         assert closed_by_server(kept_open)
         pool.shutdown()
+
+
+def test_tandem_serve_http_front_native_overrides_the_pool_and_a_model_it_cannot_serve_keeps_the_python_server(
+        tmp_path):
+    manifest = tmp_path / "pool.json"
+    manifest.write_text(json.dumps(make_pool(workersPerReplica=1).to_dict()))
+    process = serve_process(manifest, "--http-front", "native", "--no-grpc")
+    try:
+        port = port_from_log(process)
+        wait_until(lambda: request(port, "GET", "/v2/health/ready")[0] == 200, what="ready")
+        x = inputs(2)
+        answer = json.loads(request(port, "POST", INFER, json_body(x))[2])
+        np.testing.assert_allclose(answer["outputs"][0]["data"], reference(x).ravel(), rtol=1e-6, atol=1e-7)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(WAIT_S) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "httpFront native: the C front serves JSON inference requests" in process.stderr.read()
+    with Servers() as servers:  # inplace mode has no queue for the front to fill: the Python server serves it all
+        server = servers(make_pool(inferenceMode="inplace", httpFront="native"))
+        assert server.server.front is None
+        assert request(server.port, "POST", INFER, json_body(x))[0] == 200

@@ -144,6 +144,7 @@ class InferenceServer:
         front.start(self.model.inference, self._http.adopt, self.token)
         self.model.inference.stats.fed_outcomes(front.counters)
         self.front = front
+        log.info("httpFront native: the C front serves JSON inference requests; the Python server the rest")
 
     def _take_http(self, connection: socket.socket) -> None:
         """A connection to the HTTP port: the front's once it serves, the Python server's until then."""

@@ -153,7 +153,7 @@ static void watch_events(Front *f, connection_t *c) {
     if (reading == c->reading && writing == c->writing) return;
     c->reading = reading;
     c->writing = writing;
-    struct epoll_event event = {.events = (reading ? EPOLLIN : 0) | (writing ? EPOLLOUT : 0) | EPOLLRDHUP,
+    struct epoll_event event = {.events = (reading ? EPOLLIN | EPOLLRDHUP : 0) | (writing ? EPOLLOUT : 0),
                                 .data.ptr = c};
     epoll_ctl(f->epoll_fd, EPOLL_CTL_MOD, c->fd, &event);
 }
@@ -315,25 +315,19 @@ static int plain_string(cursor_t *s, const char **start, size_t *len) {
     return 1;
 }
 
-// A JSON string, escapes allowed (the request's id, echoed as sent): its bytes with the quotes.
+// A JSON string of printable ASCII and simple escapes (the request's id, echoed as sent): its bytes with the quotes.
+// Other bytes and \u escapes are the Python server's to judge (invalid UTF-8, lone surrogates).
 static int any_string(cursor_t *s, const char **start, size_t *len) {
     skip_space(s);
     if (s->p >= s->end || *s->p != '"') return 0;
     const char *begin = s->p++;
     while (s->p < s->end && *s->p != '"') {
         unsigned char ch = *s->p;
-        if (ch < 0x20) return 0;
+        if (ch < 0x20 || ch >= 0x7f) return 0;
         if (ch == '\\') {
             if (s->p + 1 >= s->end) return 0;
             char e = s->p[1];
-            if (e == 'u') {
-                if (s->p + 6 > s->end) return 0;
-                for (int i = 2; i < 6; i++)
-                    if (!isxdigit((unsigned char)s->p[i])) return 0;
-                s->p += 6;
-                continue;
-            }
-            if (!strchr("\"\\/bfnrt", e)) return 0;
+            if (!e || !strchr("\"\\/bfnrt", e)) return 0;
             s->p += 2;
             continue;
         }
@@ -350,7 +344,8 @@ static int is_key(const char *start, size_t len, const char *key) {
     return len == strlen(key) && memcmp(start, key, len) == 0;
 }
 
-// A JSON number (strict grammar) as a float; a number float32 cannot hold (inf) is not ours.
+// A JSON number (strict grammar) as a float, read as the Python server reads it (as a double, then rounded to float32:
+// reading it to float32 directly can round the other way near a tie); a number float32 cannot hold (inf) is not ours.
 static int number(cursor_t *s, float *value) {
     skip_space(s);
     const char *p = s->p, *begin = p;
@@ -374,8 +369,7 @@ static int number(cursor_t *s, float *value) {
     if (len >= sizeof copy) return 0;
     memcpy(copy, begin, len);
     copy[len] = 0;
-    errno = 0;
-    *value = strtof(copy, NULL);
+    *value = (float)strtod(copy, NULL);
     if (!isfinite(*value)) return 0;
     s->p = p;
     return 1;
@@ -556,7 +550,10 @@ static int recognize(Front *f, connection_t *c, request_t **out, size_t *used) {
         size_t len = next - line;
         const char *value;
         size_t value_len;
-        if (len == 0 || *line == ' ' || *line == '\t' || !memchr(line, ':', len)) return NOT_MINE;
+        const char *colon = memchr(line, ':', len);
+        if (!colon || colon == line) return NOT_MINE;
+        for (const char *p = line; p < colon; p++)  // a header's name is a token (RFC 9110)
+            if (!isalnum((unsigned char)*p) && !(*p && strchr("!#$%&'*+-.^_`|~", *p))) return NOT_MINE;
         if (header_is(line, len, "content-length", &value, &value_len)) {
             if (length >= 0 || value_len == 0 || value_len > 10) return NOT_MINE;
             length = 0;
@@ -683,8 +680,10 @@ static void readable(Front *f, connection_t *c) {
         c->in = grown(c->in, c->in_cap);
     }
     ssize_t k = recv(c->fd, c->in + c->in_len, c->in_cap - c->in_len, 0);
-    if (k == 0 && c->in_len && !c->current && !c->out_len) {  // the client sent all it will: the Python server
-        hand_over(f, c);                                       // answers what it left unfinished, as it would have
+    // The client sends no more. As the Python server does, a request in flight is withdrawn (a client that closes
+    // has given up on it); bytes left unparsed go to the Python server, which answers them as it would have.
+    if (k == 0 && c->in_len && !c->current && !c->out_len) {
+        hand_over(f, c);
         return;
     }
     if (k == 0 || (k < 0 && errno != EAGAIN && errno != EINTR)) {

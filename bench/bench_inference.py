@@ -141,17 +141,18 @@ class Server:
 
 def tandem_server(mode: str, workers: int, directory: Path, source: Path | None = None,
                   grpc_port: int | None = None, variables: dict[str, str] | None = None, processes: int = 1,
-                  http_front: str = "python") -> Server:
+                  http_front: str | None = None) -> Server:
     """`tandem serve` with the pool below; from the code in `source` (a `checkout`) instead of this tree's when
     given; with gRPC on `grpc_port` when given; with the environment `variables` added; as `processes` server
-    processes of workers / processes workers each (processesPerReplica); with the HTTP front `http_front`."""
+    processes of workers / processes workers each (processesPerReplica); with the HTTP front `http_front` (None: the
+    pool's default)."""
     manifest = directory / f"pool-{mode}-{processes}-{http_front}.yaml"
     spec = {"model": {"callable": "tandem.examples.digits:mlp", "args": {"hidden": HIDDEN}, "inputShape": [64]},
             "inferenceMode": mode, "workersPerReplica": max(1, workers // processes), "batchLimit": BATCH_LIMIT,
             "queueLimit": 256, "gpusPerReplica": 1 if DEVICE == "cuda" else 0}
     if processes > 1:  # only then: the code at a git ref older than processesPerReplica still reads the manifest
         spec["processesPerReplica"] = processes
-    if http_front != "python":  # likewise
+    if http_front is not None:  # likewise
         spec["httpFront"] = http_front
     manifest.write_text(json.dumps({"apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool",
                                     "metadata": {"name": "mlp"}, "spec": spec}))

@@ -192,10 +192,11 @@ class InferencePoolSpec(BatchingSettings, PodSettings):
     """HTTP port of the Open Inference Protocol (and /metrics)."""
     grpc_port: Annotated[int, Field(ge=1, le=65535)] = 8001
     """gRPC port of the Open Inference Protocol (`inference.GRPCInferenceService`; 8001 as Triton's)."""
-    http_front: Literal["python", "native"] = "python"
-    """Who reads the HTTP port: `python` (the server's event loop), or `native`: a C front on a thread of its own
-    serves the common inference request (JSON, FP32 in and out) with no Python per request and hands every other
-    request to the Python server; on CPU it leaves the model's forwards more of the cores (bench/RESULTS.md)."""
+    http_front: Literal["native", "python"] = "native"
+    """Who reads the HTTP port: `native`, a C front on a thread of its own that serves the common inference request
+    (JSON, FP32 in and out) with no Python per request and hands every other request to the Python server (on CPU it
+    leaves the model's forwards more of the cores: bench/RESULTS.md); or `python`, the Python server alone. Where the
+    C front is not built, or cannot serve the model, the Python server serves everything and the log says why."""
     autoscaling: Autoscaling | None = None
     model_repository: ModelRepository = Field(default_factory=ModelRepository)
     auth: Auth | None = None

@@ -137,7 +137,9 @@ class InferenceServer:
     def _start_front(self, loaded: LoadedModel) -> None:
         reason = unavailable_reason(loaded, self.spec.inference_mode)
         if reason is not None:
-            log.warning("httpFront native: %s; the Python server serves every request", reason)
+            asked = "http_front" in self.spec.model_fields_set  # not only the default
+            log.log(logging.WARNING if asked else logging.INFO,
+                    "httpFront native: %s; the Python server serves every request", reason)
             return
         front = NativeFront(loaded, self.name, self.version, self.model.batching, self.max_body,
                             self._http.idle_timeout, error_status)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 import signal
 import socket
@@ -16,7 +17,7 @@ import numpy as np
 import orjson
 import pytest
 import tritonclient.http as triton
-from inference_models import GATES
+from inference_models import GATES, POISON
 from serving import (
     WAIT_S,
     Servers,
@@ -38,6 +39,7 @@ from tandem.worker.serve.native import UNAVAILABLE
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"the C front is not built here: {UNAVAILABLE}")
 
 INFER = "/v2/models/digits/infer"
+FUZZ_CASES = 150
 
 
 @pytest.fixture(scope="module")
@@ -176,15 +178,16 @@ def _expect(port: int, body: bytes):
 
 def test_mangled_requests_get_the_python_servers_answer_and_never_stop_the_front(fronts):
     """Seeded mutations of a valid request (bytes dropped, added, changed, in its head or its body): each gets the
-    status the Python server gives the same bytes, and the front still serves afterwards."""
+    status the Python server gives the same bytes, and the front still serves afterwards. FUZZ_CASES of them
+    (TANDEM_FUZZ_CASES=5000 for a longer run by hand; TANDEM_FUZZ_SEED another seed)."""
     x = inputs(1, seed=6)
     valid = b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (INFER.encode(), len(json_body(x)),
                                                                             json_body(x))
     before = served_by_front(fronts["native"])
-    rng = random.Random(20)
+    rng = random.Random(int(os.environ.get("TANDEM_FUZZ_SEED", "20")))
     alphabet = b'{}[]",:. -+eE0123456789\r\nabcdefghijklmnopqrstuvwxyzINPUTFP\\\x00\xff'
     differences = []
-    for _ in range(150):
+    for _ in range(int(os.environ.get("TANDEM_FUZZ_CASES", FUZZ_CASES))):
         head, body = bytearray(valid.partition(b"\r\n\r\n")[0] + b"\r\n\r\n"), bytearray(json_body(x))
         for _ in range(rng.randint(1, 4)):
             part = head if rng.random() < 0.3 else body
@@ -378,3 +381,29 @@ def test_tandem_serve_http_front_native_overrides_the_pool_and_a_model_it_cannot
         server = servers(make_pool(inferenceMode="inplace", httpFront="native"))
         assert server.server.front is None
         assert request(server.port, "POST", INFER, json_body(x))[0] == 200
+
+
+def test_a_forward_that_fails_fails_only_the_request_that_broke_it_among_the_fronts_requests():
+    name = "front-poison"
+    with Servers() as servers:
+        server = servers(gated_pool(name, workersPerReplica=1, httpFront="native"))
+        gate, inference = GATES[name], server.server.model.inference
+        x = inputs(4)
+        x[2, 5] = POISON
+        path = f"/v2/models/{name}/infer"
+        pool = ThreadPoolExecutor(4)
+        gate.close()
+        answers = [pool.submit(request, server.port, "POST", path, json_body(x[:1]))]
+        gate.wait_entered(1)
+        answers += [pool.submit(request, server.port, "POST", path, json_body(x[i:i + 1])) for i in (1, 2, 3)]
+        wait_until(lambda: inference.queued == 3, what="three queued requests")
+        gate.open.set()
+        statuses = [answer.result(WAIT_S)[0] for answer in answers]
+        pool.shutdown()
+        assert statuses == [200, 200, 500, 200]
+        assert "poisoned input" in json.loads(answers[2].result()[2])["error"]
+        for i in (0, 1, 3):
+            np.testing.assert_allclose(json.loads(answers[i].result()[2])["outputs"][0]["data"],
+                                       reference(x[i:i + 1]).ravel(), rtol=1e-6, atol=1e-7)
+        assert 3 in gate.batches  # the three queued requests ran as one batch (one bundle) before the retry
+        assert server.server.front.counters()["success"] == 3

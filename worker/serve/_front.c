@@ -1246,6 +1246,26 @@ static PyObject *Front_fail(Front *f, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+// split(handle) -> [(handle, rows)]: a taken batch as one batch per request, in order (the one-at-a-time retry of a
+// failed forward); the handle given is spent.
+static PyObject *Front_split(Front *f, PyObject *arg) {
+    unsigned long long handle = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    batch_t *b = (batch_t *)(uintptr_t)handle;
+    PyObject *parts = PyList_New(b->n);
+    if (!parts) return NULL;
+    for (int i = 0; i < b->n; i++) {
+        batch_t *one = grown(NULL, sizeof *one + sizeof(request_t *));
+        memset(one, 0, sizeof *one);
+        one->n = 1;
+        one->rows = b->requests[i]->rows;
+        one->requests[0] = b->requests[i];
+        PyList_SET_ITEM(parts, i, Py_BuildValue("Ki", (unsigned long long)(uintptr_t)one, one->rows));
+    }
+    free(b);
+    return parts;
+}
+
 // queued() -> (rows, requests, oldest arrival ns or 0)
 static PyObject *Front_queued(Front *f, PyObject *unused) {
     pthread_mutex_lock(&f->lock);
@@ -1409,6 +1429,7 @@ static PyMethodDef Front_methods[] = {
      "take(max_rows, max_requests, oversized) -> (float32 examples, rows, handle, arrivals) or None"},
     {"give", (PyCFunction)Front_give, METH_VARARGS, "give(handle, outputs, example_shape): answer a taken batch"},
     {"fail", (PyCFunction)Front_fail, METH_VARARGS, "fail(handle, status, message): answer a taken batch's error"},
+    {"split", (PyCFunction)Front_split, METH_O, "split(handle) -> [(handle, rows)]: one batch per request"},
     {"queued", (PyCFunction)Front_queued, METH_NOARGS, "queued() -> (rows, requests, oldest arrival ns)"},
     {"others", (PyCFunction)Front_others, METH_O, "others(n): requests in ParallelInference's own queue"},
     {"want", (PyCFunction)Front_want, METH_O, "want(rows): signal wait_wanted() once rows are queued (0: none)"},

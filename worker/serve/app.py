@@ -18,7 +18,8 @@ stop, the `tandem serve` process); each piece owns its state:
                      /metrics and readiness reach through a private channel
     inference.py     ParallelInference, the batching engine (its counters: stats.py; Prometheus: metrics.py)
 
-The event loop only parses, validates and encodes, with numpy and orjson, and never calls torch. Forwards run on
+The event loop only parses, validates and encodes, with numpy and orjson, and never calls torch; with the C front
+(httpFront native, the default) it sees only the HTTP requests the front hands it, and gRPC's. Forwards run on
 ParallelInference's worker threads, whose results come back to the loop in bursts (one wake-up for a whole
 batch). Readiness turns on after the model is loaded and warmed up at every batch size in use; SIGTERM turns it
 off, lets queued and running requests finish within a grace period, answers 503 to those still unanswered when

@@ -56,6 +56,10 @@ class Ticket:
         """Withdraw the request if it is still queued (its callback will then never run); False once running."""
         return self.owner.withdraw(self)
 
+    def split(self) -> list[Ticket]:
+        """Its requests one by one (a failed forward's retry): itself."""
+        return [self]
+
     @property
     def arrivals(self) -> tuple[int]:
         """When its request was submitted (the statistics' view of a batch's item: stats.Submitted)."""
@@ -65,7 +69,7 @@ class Ticket:
 class Feed(Protocol):
     """Requests queued outside ParallelInference (native.py's front), which its workers take into their batches
     (ParallelInference.attach): each taken lot is one item of a batch, with `x`, `rows`, `key`, `submitted` (its
-    oldest), `arrivals` (one per request) and `finish(output, error)` as a Ticket has."""
+    oldest), `arrivals` (one per request), `finish(output, error)` and `split()` as a Ticket has."""
 
     key: tuple
     """The per-example shape and dtype of every request it queues."""

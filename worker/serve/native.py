@@ -73,6 +73,16 @@ class Bundle:
         self.submitted = arrivals[0]
         self.deadline = None  # the front answers its requests' deadlines itself
 
+    def split(self) -> list[Bundle]:
+        """One bundle per request, in order (a failed forward is retried one request at a time)."""
+        if len(self.arrivals) == 1:
+            return [self]
+        parts, offset = [], 0
+        for (handle, rows), arrival in zip(self.front.front.split(self.handle), self.arrivals, strict=True):
+            parts.append(Bundle(self.front, handle, self.x[offset:offset + rows], rows, [arrival]))
+            offset += rows
+        return parts
+
     def finish(self, output: Any, error: BaseException | None) -> None:
         self.x = None
         front = self.front.front

@@ -115,8 +115,9 @@ def run_batch(replica: torch.nn.Module, device: torch.device, batch: list[Ticket
             out = out.numpy()
         pieces = split_output(out, batch)
     except Exception as error:
-        if len(batch) > 1:
-            for request in batch:
+        requests = [one for item in batch for one in item.split()]  # a feed's bundle holds several
+        if len(requests) > 1:
+            for request in requests:
                 run_batch(replica, device, [request], stats, request.rows)
             return None
         end = time.perf_counter_ns()

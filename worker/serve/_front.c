@@ -252,6 +252,20 @@ static void respond_error(Front *f, connection_t *c, int status, const char *mes
 
 // -- requests ---------------------------------------------------------------------------------------------------
 
+// Take a request no worker has taken out of the queue. Under the lock.
+static void unqueue(Front *f, request_t *r) {
+    request_t **p = &f->queue_head, *previous = NULL;
+    while (*p && *p != r) {
+        previous = *p;
+        p = &(*p)->next;
+    }
+    if (!*p) return;
+    *p = r->next;
+    if (f->queue_tail == r) f->queue_tail = previous;
+    f->queued--;
+    f->queued_rows -= r->rows;
+}
+
 // The request leaves its connection: freed now if queued (it is taken out of the queue), else when its batch comes
 // back. Under no lock: takes it.
 static void abandon(Front *f, request_t *r) {
@@ -260,17 +274,7 @@ static void abandon(Front *f, request_t *r) {
     pthread_mutex_lock(&f->lock);
     f->pending--;
     if (!r->taken) {
-        request_t **p = &f->queue_head, *previous = NULL;
-        while (*p && *p != r) {
-            previous = *p;
-            p = &(*p)->next;
-        }
-        if (*p) {
-            *p = r->next;
-            if (f->queue_tail == r) f->queue_tail = previous;
-            f->queued--;
-            f->queued_rows -= r->rows;
-        }
+        unqueue(f, r);
         f->aborted++;
         f->aborted_ns += now_ns() - r->arrived;
         pthread_mutex_unlock(&f->lock);
@@ -805,11 +809,8 @@ static void answer_early(Front *f, request_t *r, int status, const char *message
 static void sweep(Front *f) {
     int64_t now = now_ns();
     pthread_mutex_lock(&f->lock);
-    int64_t timeout = f->timeout_ns, idle = f->idle_timeout_ns;
+    int64_t idle = f->idle_timeout_ns;
     pthread_mutex_unlock(&f->lock);
-    char why[160];
-    int why_len = snprintf(why, sizeof why, "no output within the pool's requestTimeoutMs of %.0f ms",
-                           timeout / 1e6);
     for (connection_t *c = f->connections, *next; c; c = next) {
         next = c->next;
         request_t *r = c->current;
@@ -817,29 +818,17 @@ static void sweep(Front *f) {
             pthread_mutex_lock(&f->lock);
             int queued = !r->taken;
             if (queued) {  // out of the queue, freed here
-                request_t **p = &f->queue_head, *previous = NULL;
-                while (*p && *p != r) {
-                    previous = *p;
-                    p = &(*p)->next;
-                }
-                if (*p) {
-                    *p = r->next;
-                    if (f->queue_tail == r) f->queue_tail = previous;
-                }
-                f->queued--;
-                f->queued_rows -= r->rows;
+                unqueue(f, r);
                 f->expired++;
                 f->expired_ns += now - r->arrived;
             }
             f->pending--;
             f->failed++;
             pthread_mutex_unlock(&f->lock);
-            int deadline_ms_differs = r->deadline - r->arrived != timeout;
-            char own[160];
-            int own_len = deadline_ms_differs ? snprintf(own, sizeof own, "no output within the pool's "
-                                                         "requestTimeoutMs of %.0f ms",
-                                                         (r->deadline - r->arrived) / 1e6) : 0;
-            answer_early(f, r, 504, deadline_ms_differs ? own : why, deadline_ms_differs ? own_len : why_len, 0);
+            char why[160];  // its own timeout: a change of the pool's applies to requests received after it
+            int why_len = snprintf(why, sizeof why, "no output within the pool's requestTimeoutMs of %.0f ms",
+                                   (r->deadline - r->arrived) / 1e6);
+            answer_early(f, r, 504, why, why_len, 0);
             if (queued) {
                 free(r->id);
                 free(r);

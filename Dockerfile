@@ -30,7 +30,7 @@ FROM ${PYTHON_BASE} AS wheel
 # A C compiler for the HTTP front (worker/serve/_front.c, httpFront: native); the images keep only the built wheel.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY constraints.txt pyproject.toml README.md ./
+COPY constraints.txt pyproject.toml setup.py README.md ./
 COPY tandem/ tandem/
 COPY operator/ operator/
 COPY worker/ worker/

@@ -14,8 +14,8 @@ setup: $(STAMP)
 
 # torch first, pinned: on the project's machines torch==2.13.0 is a CPU build on local disk;
 # any other spec may pull a multi-GB CUDA build.
-# worker/serve/_front.c: the C extension is built by the editable install, so a change to it installs again.
-$(STAMP): pyproject.toml constraints.txt worker/serve/_front.c
+# setup.py builds the C extension (worker/serve/_front.c) in the editable install: a change to it installs again.
+$(STAMP): pyproject.toml setup.py constraints.txt worker/serve/_front.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0

@@ -136,7 +136,7 @@ class InferenceServer:
         self.ready = True
 
     def _start_front(self, loaded: LoadedModel) -> None:
-        reason = unavailable_reason(loaded, self.spec.inference_mode)
+        reason = unavailable_reason(loaded, self.spec.inference_mode, self.name, self.version)
         if reason is not None:
             asked = "http_front" in self.spec.model_fields_set  # not only the default
             log.log(logging.WARNING if asked else logging.INFO,

@@ -18,7 +18,7 @@ is not FP32 is served by the Python server alone (the log says so).
 from __future__ import annotations
 
 import asyncio
-import logging
+import re
 import socket
 import threading
 from typing import TYPE_CHECKING, Any
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from tandem.worker.serve.inference import ParallelInference
     from tandem.worker.serve.model_loading import LoadedModel
 
-log = logging.getLogger("tandem.serve")
 
 try:
     from tandem.worker.serve._front import Front
@@ -42,15 +41,22 @@ else:
     UNAVAILABLE = None
 
 TOKEN_REFRESH_S = 1.0
+PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
+"""Names the front matches in requests and writes in answers as they are (no JSON or URL escapes needed)."""
 
 
-def unavailable_reason(loaded: LoadedModel, mode: str) -> str | None:
-    """Why the front cannot serve `loaded`'s requests in inference mode `mode` (None: it can)."""
+def unavailable_reason(loaded: LoadedModel, mode: str, name: str, version: str) -> str | None:
+    """Why the front cannot serve `loaded`'s requests as model `name` `version` in inference mode `mode` (None: it
+    can)."""
     if UNAVAILABLE is not None:
         return UNAVAILABLE
     if mode == "inplace":
         return "inplace mode runs each request on its caller's thread, and the front's requests have none"
     signature = loaded.signature
+    for what, value in (("model name", name), ("version", version), ("input name", signature.input.name),
+                        ("output name", signature.output.name)):
+        if not PLAIN_NAME.fullmatch(value):
+            return f"the {what} {value!r} is not only letters, digits, '.', '_' and '-', as the front writes it"
     if signature.input.datatype != "FP32" or signature.output.datatype != "FP32":
         return (f"the model takes {signature.input.datatype} and returns {signature.output.datatype}; the C front "
                 "serves FP32 in and out")
@@ -114,6 +120,7 @@ class NativeFront:
         self._inference: ParallelInference | None = None
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._refresh: asyncio.TimerHandle | None = None
 
     def start(self, inference: ParallelInference, hand_back, token=None) -> None:
         """Serve: the I/O thread, the waker, connections handed back to `hand_back(socket, data)` on this loop, and
@@ -143,7 +150,7 @@ class NativeFront:
             return
         token, stamp = self._token.current()
         self.front.configure(token=token, token_path=str(self._token.path), token_stamp=stamp)
-        self._loop.call_later(TOKEN_REFRESH_S, self._refresh_token)
+        self._refresh = self._loop.call_later(TOKEN_REFRESH_S, self._refresh_token)
 
     def _wake_workers(self) -> None:
         while self.front.wait_wanted():
@@ -191,6 +198,8 @@ class NativeFront:
         """Answer what is not answered 503 (`why`), close every connection, end the threads."""
         if self._loop is not None:
             self._loop.remove_reader(self.front.handed_fd)
+        if self._refresh is not None:
+            self._refresh.cancel()
         self.front.stop(f"the server stopped before this request was answered ({why})")
         for thread in self._threads:
             await asyncio.to_thread(thread.join)

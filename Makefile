@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup crds bench clean device-wheels images e2e
+.PHONY: run test lint setup crds bench clean device-wheels images e2e sanitize
 
 # tests/integration/test_kubectl.py needs kubectl >= 1.27 on PATH (it validates `apply` through the OpenAPI v3
 # documents; Debian bookworm's kubernetes-client is 1.20); without one those tests skip, saying why.
@@ -56,6 +56,15 @@ images:
 # the test extra installs); skipped with the reason otherwise. 10-30 minutes, most of it the first image build.
 e2e: $(STAMP)
 	TANDEM_E2E=1 $(BIN)/python -m pytest -v -s -rs tests/e2e
+
+# The C HTTP front (worker/serve/_front.c) under AddressSanitizer: rebuilt with it, its tests (a longer fuzz) and the
+# servers' tests under both fronts, then rebuilt as usual. Needs gcc's libasan.
+sanitize: $(STAMP)
+	CFLAGS="-fsanitize=address -fno-omit-frame-pointer -g -O1" $(BIN)/python setup.py -q build_ext --inplace --force
+	LD_PRELOAD=$$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 TANDEM_FUZZ_CASES=1500 \
+		$(BIN)/python -m pytest -q tests/integration/test_native_front.py tests/integration/test_server.py \
+		tests/integration/test_serve_processes.py tests/integration/test_http.py; \
+		status=$$?; $(BIN)/python setup.py -q build_ext --inplace --force; exit $$status
 
 # For bench/device_check.sh: what the device machine's image lacks of what `tandem run`, `tandem serve` and the
 # benchmarks import (the image has torch, numpy, rich, pyyaml, attrs, prometheus-client, uvloop), for its Python 3.12.

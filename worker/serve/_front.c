@@ -47,6 +47,7 @@ typedef struct connection {
     int closed;
     int reading;               // EPOLLIN is watched (paused while the input holds more than one request can)
     int writing;               // EPOLLOUT is watched
+    int closing;               // closed once its answers are written (the server drains): no request taken meanwhile
     request_t *current;        // the request in flight (one at a time; later ones wait in `in`)
     int64_t last_activity;
     struct connection *prev, *next;  // all open connections, for the sweeps
@@ -175,6 +176,14 @@ static void close_connection(Front *f, connection_t *c) {
     close(c->fd);
     if (c->current) abandon(f, c->current);
     unlink_connection(f, c);
+}
+
+static int flush(Front *f, connection_t *c);
+
+// Close once what is buffered for it is written (at once if it is).
+static void close_when_written(Front *f, connection_t *c) {
+    c->closing = 1;
+    if (flush(f, c) < 0 || !c->out_len) close_connection(f, c);
 }
 
 static void append(connection_t *c, const char *bytes, size_t n) {
@@ -661,7 +670,7 @@ static void queue_request(Front *f, connection_t *c, request_t *r) {
 
 // Take the requests at the front of the connection's input while none is in flight and its client reads answers.
 static void take_requests(Front *f, connection_t *c) {
-    while (!c->closed && !c->current && c->in_len && c->out_len < MAX_UNSENT) {
+    while (!c->closed && !c->closing && !c->current && c->in_len && c->out_len < MAX_UNSENT) {
         request_t *r = NULL;
         size_t used = 0;
         int what = recognize(f, c, &r, &used);
@@ -775,8 +784,7 @@ static void answer_batch(Front *f, batch_t *b, char **scratch, size_t *scratch_c
         if (c) {
             answer_request(f, b, i, offset, scratch, scratch_cap, closing);
             if (closing) {
-                flush(f, c);
-                close_connection(f, c);
+                close_when_written(f, c);
             } else {
                 take_requests(f, c);  // flushes
             }
@@ -798,8 +806,7 @@ static void answer_early(Front *f, request_t *r, int status, const char *message
     c->current = NULL;
     respond_error(f, c, status, message, len, closing);
     if (closing) {
-        flush(f, c);
-        close_connection(f, c);
+        close_when_written(f, c);
     } else {
         take_requests(f, c);
     }
@@ -939,7 +946,7 @@ static void serve(Front *f) {
             connection_t *c = what;
             if (c->closed) continue;  // closed or handed over by an earlier event of this wait
             if (events[i].events & EPOLLOUT) {
-                if (flush(f, c) < 0) {
+                if (flush(f, c) < 0 || (c->closing && !c->out_len)) {
                     close_connection(f, c);
                     continue;
                 }

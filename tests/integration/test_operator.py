@@ -233,10 +233,13 @@ def test_a_manifest_the_models_reject_gets_a_condition_and_the_operator_serves_t
 
 def test_a_gpu_job_on_a_node_without_gpus_is_pending_with_the_schedulers_reason(cluster):
     create(cluster, custom_job("greedy", gpusPerWorker=1))
-    pending = cluster.wait_for(lambda: "Insufficient nvidia.com/gpu" in status(cluster, "greedy").get("message", "")
-                               and status(cluster, "greedy"), 30, "the scheduler's reason")
+    # The first rank pending names the job's reason: while rank 0's pod is still being created (the watch may deliver
+    # rank 1's first), that is rank 1's, then rank 0's.
+    pending = cluster.wait_for(lambda: status(cluster, "greedy").get("message", "").startswith(
+        "rank 0 (pod greedy-worker-0): Unschedulable: 0/1 nodes are available") and status(cluster, "greedy"), 30,
+        "the scheduler's reason for rank 0")
     assert pending["phase"] == "Pending"
-    assert pending["message"].startswith("rank 0 (pod greedy-worker-0): Unschedulable: 0/1 nodes are available")
+    assert "Insufficient nvidia.com/gpu" in pending["message"]
     delete(cluster, "greedy")
 
 

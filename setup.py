@@ -5,5 +5,6 @@ saying why in its log."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("tandem.worker.serve._front", ["worker/serve/_front.c"], optional=True,
-                             extra_compile_args=["-O2"])])
+setup(ext_modules=[Extension("tandem.worker.serve._front", ["worker/serve/_front.c", "worker/serve/_front_grpc.c"],
+                             depends=["worker/serve/_front.h", "worker/serve/_front_tables.h"], optional=True,
+                             extra_compile_args=["-O2", "-fvisibility=hidden"])])

@@ -6,9 +6,23 @@ from __future__ import annotations
 import pytest
 from serving import Servers
 
+from tandem.worker.serve.native import UNAVAILABLE
+
 
 @pytest.fixture
 def served() -> Servers:
     """In-process inference servers on real sockets, each stopped after the test."""
     with Servers() as servers:
         yield servers
+
+
+@pytest.fixture(scope="module", params=["python", "native"])
+def http_front(request):
+    """A module's tests, under both fronts (its `pytestmark` uses this fixture): the pools made by make_pool get
+    httpFront python, then native (the C front answers the JSON inference requests and gRPC's ModelInfer with raw
+    contents, and the Python server everything else)."""
+    if request.param == "native" and UNAVAILABLE is not None:
+        pytest.skip(f"the C front is not built here: {UNAVAILABLE}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TANDEM_TEST_HTTP_FRONT", request.param)
+        yield request.param

@@ -30,7 +30,7 @@ WAIT_S = 60.0
 
 def make_pool(name: str = "digits", **spec) -> InferencePool:
     spec.setdefault("model", {"callable": "inference_models:seeded_mlp", "inputShape": [64]})
-    if os.environ.get("TANDEM_TEST_HTTP_FRONT"):  # set by test_server.py's http_front fixture
+    if os.environ.get("TANDEM_TEST_HTTP_FRONT"):  # set by the http_front fixture (conftest.py)
         spec.setdefault("httpFront", os.environ["TANDEM_TEST_HTTP_FRONT"])
     return InferencePool.model_validate({
         "apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool", "metadata": {"name": name}, "spec": spec})

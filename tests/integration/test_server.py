@@ -44,15 +44,7 @@ from tandem.worker.serve.model_loading import ModelLoadError
 from tandem.worker.serve.native import UNAVAILABLE
 
 
-@pytest.fixture(scope="module", autouse=True, params=["python", "native"])
-def http_front(request):
-    """Every test here runs under both HTTP fronts: the pools made by make_pool get httpFront python, then native (the
-    C front answers the JSON inference requests, and the Python server everything else)."""
-    if request.param == "native" and UNAVAILABLE is not None:
-        pytest.skip(f"the C front is not built here: {UNAVAILABLE}")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TANDEM_TEST_HTTP_FRONT", request.param)
-        yield request.param
+pytestmark = pytest.mark.usefixtures("http_front")  # every test here, under both fronts (conftest.py)
 
 
 def test_tritonclient_health_metadata_config_and_infer_with_json_and_binary_tensors(served):

@@ -13,126 +13,15 @@
 //
 // What this thread answers on its own: its requests' outputs (200), a full queue (429), a request past the pool's
 // timeout (504), a server draining or stopped (503), a failed forward (the status and message Python gives).
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <ctype.h>
-#include <errno.h>
-#include <math.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <pthread.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <strings.h>
-#include <sys/epoll.h>
-#include <poll.h>
-#include <sys/eventfd.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <time.h>
-#include <unistd.h>
+#include "_front.h"
 
-#define MAX_HEAD 8192          // a longer head is not ours (the Python server answers it)
-#define MAX_UNSENT 65536       // answers a client leaves unread: no more of its requests are taken meanwhile
-#define MAX_DIMS 8
-#define SWEEP_MS 20            // deadlines and idle connections are looked at this often
-#define RETRY_AFTER "1"
-
-typedef struct request request_t;
-
-typedef struct connection {
-    int fd;
-    int closed;
-    int reading;               // EPOLLIN is watched (paused while the input holds more than one request can)
-    int writing;               // EPOLLOUT is watched
-    int closing;               // closed once its answers are written (the server drains): no request taken meanwhile
-    request_t *current;        // the request in flight (one at a time; later ones wait in `in`)
-    int64_t last_activity;
-    struct connection *prev, *next;  // all open connections, for the sweeps
-    struct connection *next_released;
-    char *in;
-    size_t in_len, in_cap;
-    char *out;
-    size_t out_len, out_cap;
-} connection_t;
-
-struct request {
-    request_t *next;           // in the queue
-    connection_t *connection;  // NULL once answered or abandoned while a worker holds it
-    int64_t arrived, deadline; // CLOCK_MONOTONIC ns (time.perf_counter_ns, time.monotonic_ns)
-    int rows;
-    int taken;                 // in a worker's batch
-    char *id;                  // the request's "id" as sent (a JSON string with its quotes), or NULL
-    size_t id_len;
-    float x[];                 // rows x features
-};
-
-typedef struct batch {
-    struct batch *next;
-    int n, rows;
-    int status;                // 200: outputs in y; else the error status and message
-    char *message;
-    size_t message_len;
-    int out_dims;
-    long out_shape[MAX_DIMS];  // per example
-    long out_features;
-    float *y;
-    request_t *requests[];
-} batch_t;
-
-typedef struct {
-    PyObject_HEAD
-    // Set at construction, read by every thread.
-    char *infer_path;
-    size_t infer_path_len;
-    char *input_name;
-    size_t input_name_len;
-    int dims;
-    long shape[MAX_DIMS];      // per example
-    long features;
-    char *answer_head;         // {"model_name":...,"model_version":...
-    size_t answer_head_len;
-    char *output_name;
-    size_t output_name_len;
-    int epoll_fd, wake_fd, handed_fd, want_fd;
-    // Under lock.
-    pthread_mutex_t lock;
-    char *token;               // NULL: no token asked
-    size_t token_len;
-    char *token_path;          // the file it was read from, and its (mtime ns, size) then: a file changed since is
-    long long token_mtime_ns, token_size;  // the Python server's to read again (the token may have been rotated)
-    long max_body;
-    long max_rows;             // examples one request may carry (the model's max_batch_size)
-    int queue_limit;
-    int64_t timeout_ns;
-    int64_t idle_timeout_ns;
-    int draining;              // new requests are answered 503
-    int stopping;              // run() returns
-    char *stop_message;        // the 503 of requests unanswered at stop
-    request_t *queue_head, *queue_tail;
-    int queued, queued_rows;
-    int others;                // requests queued in ParallelInference's own queue: queueLimit counts both
-    int want_rows;             // wake the workers (want_fd) once this many rows are queued (0: no one waits)
-    batch_t *answered_head, *answered_tail;
-    struct handed { int fd; char *data; size_t len; struct handed *next; } *handed_head;
-    struct adopted { int fd; struct adopted *next; } *adopted_head;  // for the I/O thread to watch
-    long long success, failed, rejected, pending, expired, aborted;
-    long long expired_ns, aborted_ns;
-    // The I/O thread's own.
-    connection_t *connections;
-    connection_t *released;
-    int running;
-} Front;
-
-static int64_t now_ns(void) {
+int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static void *grown(void *memory, size_t size) {
+void *grown(void *memory, size_t size) {
     void *bigger = realloc(memory, size);
     if (bigger == NULL) {
         fputs("tandem _front: out of memory\n", stderr);
@@ -141,15 +30,27 @@ static void *grown(void *memory, size_t size) {
     return bigger;
 }
 
-static void signal_fd(int fd) {
+char *copied(const char *s, size_t len) {
+    char *copy = grown(NULL, len + 1);
+    memcpy(copy, s, len);
+    copy[len] = 0;
+    return copy;
+}
+
+void free_request(request_t *r) {
+    free(r->id);
+    free(r);
+}
+
+void signal_fd(int fd) {
     uint64_t one = 1;
     while (write(fd, &one, sizeof one) < 0 && errno == EINTR) {}
 }
 
 // -- connections ------------------------------------------------------------------------------------------------
 
-static void watch_events(Front *f, connection_t *c) {
-    int reading = c->in_len < MAX_HEAD + (size_t)f->max_body;
+void watch_events(Front *f, connection_t *c) {
+    int reading = c->h2 ? c->out_len < MAX_UNSENT : c->in_len < MAX_HEAD + (size_t)f->max_body;
     int writing = c->out_len > 0;
     if (reading == c->reading && writing == c->writing) return;
     c->reading = reading;
@@ -167,18 +68,16 @@ static void unlink_connection(Front *f, connection_t *c) {
     f->released = c;  // freed after this round of events: a later event of the same epoll_wait may name it
 }
 
-static void abandon(Front *f, request_t *r);
-
-static void close_connection(Front *f, connection_t *c) {
+void close_connection(Front *f, connection_t *c) {
     if (c->closed) return;
     c->closed = 1;
     epoll_ctl(f->epoll_fd, EPOLL_CTL_DEL, c->fd, NULL);
     close(c->fd);
-    if (c->current) abandon(f, c->current);
+    if (c->h2) h2_release(f, c);
+    else if (c->current) abandon(f, c->current);
     unlink_connection(f, c);
 }
 
-static int flush(Front *f, connection_t *c);
 
 // Close once what is buffered for it is written (at once if it is).
 static void close_when_written(Front *f, connection_t *c) {
@@ -186,7 +85,7 @@ static void close_when_written(Front *f, connection_t *c) {
     if (flush(f, c) < 0 || !c->out_len) close_connection(f, c);
 }
 
-static void append(connection_t *c, const char *bytes, size_t n) {
+void append(connection_t *c, const char *bytes, size_t n) {
     if (c->out_len + n > c->out_cap) {
         c->out_cap = (c->out_len + n) * 2;
         c->out = grown(c->out, c->out_cap);
@@ -196,7 +95,7 @@ static void append(connection_t *c, const char *bytes, size_t n) {
 }
 
 // Write what is buffered; what the socket does not take waits for EPOLLOUT. -1: the connection failed.
-static int flush(Front *f, connection_t *c) {
+int flush(Front *f, connection_t *c) {
     size_t written = 0;
     while (written < c->out_len) {
         ssize_t k = send(c->fd, c->out + written, c->out_len - written, MSG_NOSIGNAL);
@@ -277,9 +176,11 @@ static void unqueue(Front *f, request_t *r) {
 
 // The request leaves its connection: freed now if queued (it is taken out of the queue), else when its batch comes
 // back. Under no lock: takes it.
-static void abandon(Front *f, request_t *r) {
-    r->connection->current = NULL;
+void abandon(Front *f, request_t *r) {
+    if (r->stream) h2_detach(r->stream);
+    else r->connection->current = NULL;
     r->connection = NULL;
+    r->stream = NULL;
     pthread_mutex_lock(&f->lock);
     f->pending--;
     if (!r->taken) {
@@ -287,8 +188,7 @@ static void abandon(Front *f, request_t *r) {
         f->aborted++;
         f->aborted_ns += now_ns() - r->arrived;
         pthread_mutex_unlock(&f->lock);
-        free(r->id);
-        free(r);
+        free_request(r);
         return;
     }
     pthread_mutex_unlock(&f->lock);
@@ -518,6 +418,25 @@ static int header_is(const char *line, size_t len, const char *name, const char 
     return 1;
 }
 
+// An Authorization header's value ("Bearer <token>") carries the token the front holds, and the Secret's file still
+// holds it (its stamp unchanged); else the Python server reads the Secret and decides.
+int token_matches(Front *f, const char *value, size_t len) {
+    if (len < 7 || strncasecmp(value, "bearer ", 7) != 0) return 0;
+    const char *token = value + 7;
+    size_t token_len = len - 7;
+    while (token_len && *token == ' ') token++, token_len--;
+    pthread_mutex_lock(&f->lock);
+    int same = f->token && token_len == f->token_len;
+    unsigned char difference = 0;
+    if (same) for (size_t i = 0; i < token_len; i++) difference |= token[i] ^ f->token[i];
+    struct stat file;
+    int current = same && f->token_path && stat(f->token_path, &file) == 0
+                  && (long long)file.st_mtim.tv_sec * 1000000000 + file.st_mtim.tv_nsec == f->token_mtime_ns
+                  && file.st_size == f->token_size;
+    pthread_mutex_unlock(&f->lock);
+    return same && !difference && current;
+}
+
 enum { INCOMPLETE, MINE, NOT_MINE };
 
 // The request at the front of the connection's input: INCOMPLETE, MINE (*out: parsed, *used: its bytes), NOT_MINE.
@@ -575,20 +494,7 @@ static int recognize(Front *f, connection_t *c, request_t **out, size_t *used) {
                 length = length * 10 + (value[i] - '0');
             }
         } else if (header_is(line, len, "authorization", &value, &value_len)) {
-            if (authorized || value_len < 7 || strncasecmp(value, "bearer ", 7) != 0) return NOT_MINE;
-            const char *token = value + 7;
-            size_t token_len = value_len - 7;
-            while (token_len && *token == ' ') token++, token_len--;
-            pthread_mutex_lock(&f->lock);
-            int same = f->token && token_len == f->token_len;
-            unsigned char difference = 0;
-            if (same) for (size_t i = 0; i < token_len; i++) difference |= token[i] ^ f->token[i];
-            struct stat file;
-            int current = same && f->token_path && stat(f->token_path, &file) == 0
-                          && (long long)file.st_mtim.tv_sec * 1000000000 + file.st_mtim.tv_nsec == f->token_mtime_ns
-                          && file.st_size == f->token_size;
-            pthread_mutex_unlock(&f->lock);
-            if (!same || difference || !current) return NOT_MINE;  // the Python server reads the Secret, decides
+            if (authorized || !token_matches(f, value, value_len)) return NOT_MINE;
             authorized = 1;
         } else if (header_is(line, len, "transfer-encoding", &value, &value_len)
                    || header_is(line, len, "content-encoding", &value, &value_len)
@@ -626,36 +532,27 @@ static void hand_over(Front *f, connection_t *c) {
     signal_fd(f->handed_fd);
 }
 
-static void queue_request(Front *f, connection_t *c, request_t *r) {
+// Queue a request (its connection and stream set): 0, or the status it is refused with (503 while the server drains,
+// 429 when the queue is full) and why. Its deadline: the pool's requestTimeoutMs, or `limit_ns` when shorter (-1: none).
+int enqueue(Front *f, request_t *r, int64_t limit_ns, char *why, size_t why_cap, int *why_len) {
     int64_t now = now_ns();
     r->arrived = now;
     pthread_mutex_lock(&f->lock);
     if (f->draining || f->stopping) {
-        pthread_mutex_unlock(&f->lock);
-        static const char why[] = "the server is shutting down";
-        respond_error(f, c, 503, why, sizeof why - 1, 0);
-        pthread_mutex_lock(&f->lock);
         f->failed++;
         pthread_mutex_unlock(&f->lock);
-        free(r->id);
-        free(r);
-        return;
+        *why_len = snprintf(why, why_cap, "the server is shutting down");
+        return 503;
     }
     if (f->queued + f->others >= f->queue_limit) {
         int limit = f->queue_limit;
         f->rejected++;
         pthread_mutex_unlock(&f->lock);
-        char why[200];
-        int n = snprintf(why, sizeof why, "queue full: %d requests already waiting (queue_limit=%d); retry later",
-                         limit, limit);
-        respond_error(f, c, 429, why, n, 0);
-        free(r->id);
-        free(r);
-        return;
+        *why_len = snprintf(why, why_cap, "queue full: %d requests already waiting (queue_limit=%d); retry later",
+                            limit, limit);
+        return 429;
     }
-    r->deadline = now + f->timeout_ns;
-    r->connection = c;
-    c->current = r;
+    r->deadline = now + (limit_ns >= 0 && limit_ns < f->timeout_ns ? limit_ns : f->timeout_ns);
     if (f->queue_tail) f->queue_tail->next = r;
     else f->queue_head = r;
     f->queue_tail = r;
@@ -666,6 +563,20 @@ static void queue_request(Front *f, connection_t *c, request_t *r) {
     if (wake) f->want_rows = 0;
     pthread_mutex_unlock(&f->lock);
     if (wake) signal_fd(f->want_fd);
+    return 0;
+}
+
+static void queue_request(Front *f, connection_t *c, request_t *r) {
+    char why[200];
+    int why_len;
+    r->connection = c;
+    c->current = r;
+    int refused = enqueue(f, r, -1, why, sizeof why, &why_len);
+    if (refused) {
+        c->current = NULL;
+        respond_error(f, c, refused, why, why_len, 0);
+        free_request(r);
+    }
 }
 
 // Take the requests at the front of the connection's input while none is in flight and its client reads answers.
@@ -777,11 +688,19 @@ static void answer_batch(Front *f, batch_t *b, char **scratch, size_t *scratch_c
     else f->failed += answered;
     pthread_mutex_unlock(&f->lock);
     long offset = 0;
+    connection_t *dirty = NULL;  // gRPC connections answered: each flushed once, after the batch
     for (int i = 0; i < b->n; i++) {
         request_t *r = b->requests[i];
         connection_t *c = r->connection;
         long rows = r->rows;
-        if (c) {
+        if (c && c->h2) {
+            h2_answer(f, r, b, offset);
+            if (!c->dirty) {
+                c->dirty = 1;
+                c->next_released = dirty;  // unused while the connection is open
+                dirty = c;
+            }
+        } else if (c) {
             answer_request(f, b, i, offset, scratch, scratch_cap, closing);
             if (closing) {
                 close_when_written(f, c);
@@ -789,9 +708,15 @@ static void answer_batch(Front *f, batch_t *b, char **scratch, size_t *scratch_c
                 take_requests(f, c);  // flushes
             }
         }
-        free(r->id);
-        free(r);
+        free_request(r);
         offset += rows;
+    }
+    while (dirty) {
+        connection_t *c = dirty;
+        dirty = c->next_released;
+        c->next_released = NULL;
+        c->dirty = 0;
+        h2_writable(f, c);
     }
     free(b->y);
     free(b->message);
@@ -801,6 +726,10 @@ static void answer_batch(Front *f, batch_t *b, char **scratch, size_t *scratch_c
 // A request still waiting is answered now with `status` (a deadline passed, or the server stops); its batch, if a
 // worker holds it, frees it later.
 static void answer_early(Front *f, request_t *r, int status, const char *message, size_t len, int closing) {
+    if (r->stream) {
+        h2_answer_error(f, r, status, message, len);
+        return;
+    }
     connection_t *c = r->connection;
     r->connection = NULL;
     c->current = NULL;
@@ -812,7 +741,28 @@ static void answer_early(Front *f, request_t *r, int status, const char *message
     }
 }
 
-// Deadlines (504) and idle connections (closed).
+// A request past its deadline is answered 504 (DEADLINE_EXCEEDED over gRPC).
+void expire(Front *f, request_t *r, int64_t now) {
+    pthread_mutex_lock(&f->lock);
+    int queued = !r->taken;
+    if (queued) {  // out of the queue, freed here
+        unqueue(f, r);
+        f->expired++;
+        f->expired_ns += now - r->arrived;
+    }
+    f->pending--;
+    f->failed++;
+    pthread_mutex_unlock(&f->lock);
+    char why[160];  // its own timeout: a change of the pool's applies to requests received after it
+    int why_len = r->stream && r->deadline - r->arrived < f->timeout_ns
+        ? snprintf(why, sizeof why, "no output within the call's deadline of %.0f ms", (r->deadline - r->arrived) / 1e6)
+        : snprintf(why, sizeof why, "no output within the pool's requestTimeoutMs of %.0f ms",
+                   (r->deadline - r->arrived) / 1e6);
+    answer_early(f, r, 504, why, why_len, 0);
+    if (queued) free_request(r);
+}
+
+// Deadlines (504) and idle HTTP/1.1 connections (closed).
 static void sweep(Front *f) {
     int64_t now = now_ns();
     pthread_mutex_lock(&f->lock);
@@ -820,26 +770,13 @@ static void sweep(Front *f) {
     pthread_mutex_unlock(&f->lock);
     for (connection_t *c = f->connections, *next; c; c = next) {
         next = c->next;
+        if (c->h2) {
+            h2_sweep(f, c, now);
+            continue;
+        }
         request_t *r = c->current;
         if (r && now > r->deadline) {
-            pthread_mutex_lock(&f->lock);
-            int queued = !r->taken;
-            if (queued) {  // out of the queue, freed here
-                unqueue(f, r);
-                f->expired++;
-                f->expired_ns += now - r->arrived;
-            }
-            f->pending--;
-            f->failed++;
-            pthread_mutex_unlock(&f->lock);
-            char why[160];  // its own timeout: a change of the pool's applies to requests received after it
-            int why_len = snprintf(why, sizeof why, "no output within the pool's requestTimeoutMs of %.0f ms",
-                                   (r->deadline - r->arrived) / 1e6);
-            answer_early(f, r, 504, why, why_len, 0);
-            if (queued) {
-                free(r->id);
-                free(r);
-            }
+            expire(f, r, now);
             continue;
         }
         if (!r && !c->in_len && !c->out_len && now - c->last_activity > idle) close_connection(f, c);
@@ -862,7 +799,9 @@ static void stop_all(Front *f) {
     pthread_mutex_unlock(&f->lock);
     for (connection_t *c = f->connections, *next; c; c = next) {
         next = c->next;
-        if (c->current) {
+        if (c->h2) {
+            h2_stop(f, c, message, len);
+        } else if (c->current) {
             pthread_mutex_lock(&f->lock);
             f->pending--;
             f->failed++;
@@ -875,8 +814,7 @@ static void stop_all(Front *f) {
     }
     for (request_t *r = queued, *next; r; r = next) {
         next = r->next;
-        free(r->id);
-        free(r);
+        free_request(r);
     }
 }
 
@@ -912,6 +850,7 @@ static void watch_adopted(Front *f) {
             c->next = f->connections;
             if (f->connections) f->connections->prev = c;
             f->connections = c;
+            if (a->grpc) h2_start(f, c);
         }
         free(a);
         a = next;
@@ -932,6 +871,7 @@ static void serve(Front *f) {
                 uint64_t count;
                 if (read(f->wake_fd, &count, sizeof count) < 0 && errno != EAGAIN) continue;
                 watch_adopted(f);
+                h2_write_call_answers(f);
                 pthread_mutex_lock(&f->lock);
                 batch_t *b = f->answered_head;
                 f->answered_head = f->answered_tail = NULL;
@@ -945,6 +885,11 @@ static void serve(Front *f) {
             }
             connection_t *c = what;
             if (c->closed) continue;  // closed or handed over by an earlier event of this wait
+            if (c->h2) {
+                if (events[i].events & EPOLLOUT) h2_writable(f, c);
+                if (!c->closed && events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR | EPOLLRDHUP)) h2_readable(f, c);
+                continue;
+            }
             if (events[i].events & EPOLLOUT) {
                 if (flush(f, c) < 0 || (c->closing && !c->out_len)) {
                     close_connection(f, c);
@@ -972,13 +917,6 @@ static void serve(Front *f) {
 }
 
 // -- the Python type ----------------------------------------------------------------------------------------------
-
-static char *copied(const char *s, size_t len) {
-    char *copy = grown(NULL, len + 1);
-    memcpy(copy, s, len);
-    copy[len] = 0;
-    return copy;
-}
 
 static int Front_init(Front *f, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"model", "version", "input_name", "example_shape", "output_name", "max_body",
@@ -1042,7 +980,12 @@ static int Front_init(Front *f, PyObject *args, PyObject *kwargs) {
     f->answer_head = copied(head_bytes, head_len);
     f->answer_head_len = head_len;
     Py_DECREF(head);
+    f->model_name = copied(model, model_len);
+    f->model_name_len = model_len;
+    f->version = copied(version, version_len);
+    f->version_len = version_len;
     f->max_body = max_body;
+    f->max_message = 64 << 20;
     f->max_rows = max_rows;
     f->queue_limit = queue_limit;
     f->timeout_ns = (int64_t)(timeout_ms * 1e6);
@@ -1069,6 +1012,7 @@ static void Front_dealloc(Front *f) {
     for (connection_t *c = f->connections, *next; c; c = next) {
         next = c->next;
         close(c->fd);
+        if (c->h2) h2_release(f, c);
         free(c->in);
         free(c->out);
         free(c);
@@ -1079,6 +1023,16 @@ static void Front_dealloc(Front *f) {
         close(h->fd);
         free(h->data);
         free(h);
+    }
+    while (f->calls_head) {
+        struct call *call = f->calls_head;
+        f->calls_head = call->next;
+        free_call(call);
+    }
+    while (f->call_answers_head) {
+        struct call_answer *answer = f->call_answers_head;
+        f->call_answers_head = answer->next;
+        free_call_answer(answer);
     }
     while (f->adopted_head) {
         struct adopted *a = f->adopted_head;
@@ -1093,6 +1047,8 @@ static void Front_dealloc(Front *f) {
     free(f->input_name);
     free(f->output_name);
     free(f->answer_head);
+    free(f->model_name);
+    free(f->version);
     free(f->token);
     free(f->token_path);
     free(f->stop_message);
@@ -1117,15 +1073,105 @@ static PyObject *Front_run(Front *f, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Front_adopt(Front *f, PyObject *arg) {
+static PyObject *adopt(Front *f, PyObject *arg, int grpc) {
     if (!ready(f)) return NULL;
     int fd = PyLong_AsLong(arg);
     if (fd < 0) return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "not a file descriptor");
     struct adopted *a = grown(NULL, sizeof *a);
     a->fd = fd;
+    a->grpc = grpc;
     pthread_mutex_lock(&f->lock);  // the connections are the I/O thread's: it watches this one when woken
     a->next = f->adopted_head;
     f->adopted_head = a;
+    pthread_mutex_unlock(&f->lock);
+    signal_fd(f->wake_fd);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Front_adopt(Front *f, PyObject *arg) { return adopt(f, arg, 0); }
+
+static PyObject *Front_adopt_grpc(Front *f, PyObject *arg) { return adopt(f, arg, 1); }
+
+// calls() -> [(serial, stream, {header: value}, body)]: the gRPC calls for the Python server since the last call,
+// oldest first (see answer_call). Header names and values as latin-1, a repeated name's last value. (serial,
+// stream, None, None): that call is cancelled (its client reset it or left).
+static PyObject *Front_calls(Front *f, PyObject *unused) {
+    pthread_mutex_lock(&f->lock);
+    struct call *call = f->calls_head;
+    f->calls_head = NULL;
+    pthread_mutex_unlock(&f->lock);
+    struct call *in_order = NULL;
+    while (call) {
+        struct call *next = call->next;
+        call->next = in_order;
+        in_order = call;
+        call = next;
+    }
+    PyObject *list = PyList_New(0);
+    for (call = in_order; call; ) {
+        PyObject *headers = list ? PyDict_New() : NULL;
+        for (const char *p = call->fields, *end = call->fields + call->fields_len; headers && p < end; ) {
+            uint32_t name_len, value_len;  // (u32 length, bytes) each
+            memcpy(&name_len, p, 4);
+            memcpy(&value_len, p + 4 + name_len, 4);
+            PyObject *name = PyUnicode_DecodeLatin1(p + 4, name_len, NULL);
+            PyObject *value = PyUnicode_DecodeLatin1(p + 8 + name_len, value_len, NULL);
+            if (!name || !value || PyDict_SetItem(headers, name, value) < 0) Py_CLEAR(headers);
+            Py_XDECREF(name);
+            Py_XDECREF(value);
+            p += 8 + name_len + value_len;
+        }
+        PyObject *item;
+        if (call->cancelled) {
+            Py_XDECREF(headers);
+            item = list ? Py_BuildValue("KIOO", (unsigned long long)call->serial, (unsigned int)call->stream, Py_None,
+                                        Py_None) : NULL;
+        } else {
+            item = headers ? Py_BuildValue("KINy#", (unsigned long long)call->serial, (unsigned int)call->stream,
+                                           headers, call->body ? call->body : "", (Py_ssize_t)call->body_len) : NULL;
+        }
+        if (!item || PyList_Append(list, item) < 0) Py_CLEAR(list);
+        Py_XDECREF(item);
+        struct call *next = call->next;
+        free_call(call);
+        call = next;
+    }
+    return list;
+}
+
+static int optional_bytes(PyObject *object, char **copy, size_t *len) {
+    *copy = NULL;
+    *len = 0;
+    if (object == Py_None) return 0;
+    char *bytes;
+    Py_ssize_t n;
+    if (PyBytes_AsStringAndSize(object, &bytes, &n) < 0) return -1;
+    *copy = grown(NULL, n ? n : 1);
+    memcpy(*copy, bytes, n);
+    *len = n;
+    return 0;
+}
+
+// answer_call(serial, stream, headers, data, trailers): the Python server's answer to a call, as HTTP/2 header blocks
+// (headers: None for a trailers-only answer) and the DATA between them (None: none); dropped if the call is gone.
+static PyObject *Front_answer_call(Front *f, PyObject *args) {
+    unsigned long long serial;
+    unsigned int stream;
+    PyObject *headers, *data, *trailers;
+    if (!PyArg_ParseTuple(args, "KIOOS", &serial, &stream, &headers, &data, &trailers)) return NULL;
+    struct call_answer *answer = grown(NULL, sizeof *answer);
+    memset(answer, 0, sizeof *answer);
+    answer->serial = serial;
+    answer->stream = stream;
+    if (optional_bytes(headers, &answer->headers, &answer->headers_len) < 0
+        || optional_bytes(data, &answer->data, &answer->data_len) < 0
+        || optional_bytes(trailers, &answer->trailers, &answer->trailers_len) < 0) {
+        free_call_answer(answer);
+        return NULL;
+    }
+    pthread_mutex_lock(&f->lock);
+    answer->next = f->call_answers_head;
+    f->call_answers_head = answer;
     pthread_mutex_unlock(&f->lock);
     signal_fd(f->wake_fd);
     Py_RETURN_NONE;
@@ -1344,15 +1390,15 @@ static PyObject *Front_handed(Front *f, PyObject *unused) {
 
 static PyObject *Front_configure(Front *f, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"queue_limit", "timeout_ms", "max_body", "max_rows", "token", "token_path",
-                            "token_stamp", NULL};
+                            "token_stamp", "max_message", NULL};
     int queue_limit = -1;
     double timeout_ms = -1;
-    long max_body = -1, max_rows = -1;
+    long max_body = -1, max_rows = -1, max_message = -1;
     PyObject *token = NULL;
     const char *token_path = NULL;
     long long mtime_ns = 0, size = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|idllSs(LL)", names, &queue_limit, &timeout_ms, &max_body,
-                                     &max_rows, &token, &token_path, &mtime_ns, &size))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|idllSs(LL)l", names, &queue_limit, &timeout_ms, &max_body,
+                                     &max_rows, &token, &token_path, &mtime_ns, &size, &max_message))
         return NULL;
     if (token && !token_path) {
         PyErr_SetString(PyExc_TypeError, "a token needs its token_path and token_stamp");
@@ -1371,6 +1417,7 @@ static PyObject *Front_configure(Front *f, PyObject *args, PyObject *kwargs) {
     if (timeout_ms > 0) f->timeout_ns = (int64_t)(timeout_ms * 1e6);
     if (max_body > 0) f->max_body = max_body;
     if (max_rows >= 0) f->max_rows = max_rows;
+    if (max_message > 0) f->max_message = max_message;
     if (token) {
         free(f->token);
         free(f->token_path);
@@ -1421,6 +1468,11 @@ static PyObject *Front_handed_fd(Front *f, void *unused) { return PyLong_FromLon
 static PyMethodDef Front_methods[] = {
     {"run", (PyCFunction)Front_run, METH_NOARGS, "run(): serve on this thread until stop()"},
     {"adopt", (PyCFunction)Front_adopt, METH_O, "adopt(fd): serve a connection accepted elsewhere (its fd is ours)"},
+    {"adopt_grpc", (PyCFunction)Front_adopt_grpc, METH_O, "adopt_grpc(fd): serve a gRPC connection (HTTP/2, h2c)"},
+    {"calls", (PyCFunction)Front_calls, METH_NOARGS, "calls() -> [(serial, stream, headers, body)]: gRPC calls for "
+     "Python (handed_fd is readable when there are)"},
+    {"answer_call", (PyCFunction)Front_answer_call, METH_VARARGS,
+     "answer_call(serial, stream, headers, data, trailers): answer a call calls() gave"},
     {"take", (PyCFunction)Front_take, METH_VARARGS,
      "take(max_rows, max_requests, oversized) -> (float32 examples, rows, handle, arrivals) or None"},
     {"give", (PyCFunction)Front_give, METH_VARARGS, "give(handle, outputs, example_shape): answer a taken batch"},
@@ -1432,7 +1484,7 @@ static PyMethodDef Front_methods[] = {
     {"wait_wanted", (PyCFunction)Front_wait_wanted, METH_NOARGS, "block until want() is met; False once stopped"},
     {"handed", (PyCFunction)Front_handed, METH_NOARGS, "handed() -> [(fd, bytes read)]: connections for Python"},
     {"configure", (PyCFunction)(void (*)(void))Front_configure, METH_VARARGS | METH_KEYWORDS,
-     "configure(queue_limit=, timeout_ms=, max_body=, max_rows=, token=, token_path=, token_stamp=)"},
+     "configure(queue_limit=, timeout_ms=, max_body=, max_rows=, token=, token_path=, token_stamp=, max_message=)"},
     {"counters", (PyCFunction)Front_counters, METH_NOARGS, "counters() -> dict of the requests served here"},
     {"drain", (PyCFunction)Front_drain, METH_NOARGS, "drain(): answer new requests 503"},
     {"stop", (PyCFunction)Front_stop, METH_VARARGS, "stop(message): answer the rest 503, close, end run()"},
@@ -1460,7 +1512,7 @@ static PyTypeObject FrontType = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "_front", .m_size = -1};
 
 PyMODINIT_FUNC PyInit__front(void) {
-    if (PyType_Ready(&FrontType) < 0) return NULL;
+    if (PyType_Ready(&FrontType) < 0 || h2_init_tables() < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&FrontType);

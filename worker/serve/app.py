@@ -100,7 +100,7 @@ class InferenceServer:
         self._http: HttpServer | None = None
         self._grpc: GrpcServer | None = None
         self.front: NativeFront | None = None  # httpFront native, once the model is loaded
-        self._listener: socket.socket | None = None  # the HTTP port's, when the front is asked for
+        self._listeners: list[socket.socket] = []  # the HTTP and gRPC ports', when the front is asked for
         self._owns_process = False  # run() (tandem serve): process-wide tuning such as freezing the heap
 
     async def start(self, host: str = "127.0.0.1", port: Listen = 0, grpc_port: Listen | None = None,
@@ -115,18 +115,26 @@ class InferenceServer:
         self._http = HttpServer(self.routes.handle, lambda: self.max_body, on_error=_log_crash)
         native = self.spec.http_front == "native"
         if native and not isinstance(port, HandedOver):  # the front's connections are accepted here
-            self._listener = listening_socket(host, port, "HTTP")
-            port = HandedOver(self._listener.getsockname()[1])
-            accept_on(self._listener, self._take_http)
+            port = HandedOver(self._listen(host, port, "HTTP", self._take_http))
         self.port = await self._http.start(host, port)
         if grpc_port is not None:
             self._grpc = GrpcServer(GrpcService(self, self.token).methods(), MAX_MESSAGE_BYTES)
+            if native and not isinstance(grpc_port, HandedOver):
+                grpc_port = HandedOver(self._listen(host, grpc_port, "gRPC", self._take_grpc))
             self.grpc_port = await self._grpc.start(host, grpc_port)
         if channel is not None:
             receive_connections(channel, {HTTP: self._take_http if native else self._http.adopt,
-                                          **({GRPC: self._grpc.adopt} if self._grpc else {})})
+                                          **({GRPC: self._take_grpc if native else self._grpc.adopt}
+                                             if self._grpc else {})})
         self.loading = asyncio.create_task(self._load())
         return self.port
+
+    def _listen(self, host: str, port: int, protocol: str, take) -> int:
+        """Accept connections on host:port here, each given to `take` (the front's once it serves); the port."""
+        listener = listening_socket(host, port, protocol)
+        self._listeners.append(listener)
+        accept_on(listener, take)
+        return listener.getsockname()[1]
 
     async def _load(self) -> None:
         loaded = await self.model.load()
@@ -143,11 +151,12 @@ class InferenceServer:
                     "httpFront native: %s; the Python server serves every request", reason)
             return
         front = NativeFront(loaded, self.name, self.version, self.model.batching, self.max_body,
-                            self._http.idle_timeout, error_status)
-        front.start(self.model.inference, self._http.adopt, self.token)
+                            self._http.idle_timeout, error_status, MAX_MESSAGE_BYTES)
+        front.start(self.model.inference, self._http.adopt, self.token, self._grpc)
         self.model.inference.stats.fed_outcomes(front.counters)
         self.front = front
-        log.info("httpFront native: the C front serves JSON inference requests; the Python server the rest")
+        log.info("httpFront native: the C front serves JSON inference requests%s; the Python server the rest",
+                 " and gRPC's ModelInfer with raw contents" if self._grpc else "")
 
     def _take_http(self, connection: socket.socket) -> None:
         """A connection to the HTTP port: the front's once it serves, the Python server's until then."""
@@ -155,6 +164,13 @@ class InferenceServer:
             self.front.adopt(connection)
         else:
             self._http.adopt(connection)
+
+    def _take_grpc(self, connection: socket.socket) -> None:
+        """A connection to the gRPC port: the front's once it serves, the Python server's until then."""
+        if self.front is not None:
+            self.front.adopt_grpc(connection)
+        else:
+            self._grpc.adopt(connection)
 
     def _answer(self, request, context, output, error: BaseException | None) -> None:
         if request.__class__ is GrpcCall:
@@ -244,10 +260,10 @@ class InferenceServer:
         await cancel_and_wait(self.loading)
         await self.model.stop_following()
         await self.pending.stop_sweep()
-        if self._listener is not None:
-            asyncio.get_running_loop().remove_reader(self._listener)
-            self._listener.close()
-            self._listener = None
+        for listener in self._listeners:
+            asyncio.get_running_loop().remove_reader(listener)
+            listener.close()
+        self._listeners.clear()
         self.model.refuse_requests()
         self.pending.cut_off(why)  # their answers are written before the connections close below
         if self.front is not None:

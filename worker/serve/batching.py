@@ -99,17 +99,16 @@ def as_input(x: Any) -> torch.Tensor | np.ndarray:
     return x
 
 
-def pop_batch(queue: deque[Ticket], limit: int, batched: bool,
-              scan_limit: int) -> tuple[list[Ticket], int, list[Ticket]]:
+def pop_batch(queue: deque[Ticket], limit: int, batched: bool, scan_limit: int, key: Any = None,
+              rows: int = 0) -> tuple[list[Ticket], int, list[Ticket]]:
     """Take the next batch from `queue`: the oldest request and, when `batched`, the queued requests of the same
     per-example shape and dtype after it, up to `limit` examples (looking past at most `scan_limit` requests of
-    other shapes, which stay queued in order). Returns the batch, its examples, and the requests found past their
-    deadline."""
+    other shapes, which stay queued in order). With `key`, the batch holds `rows` examples of that shape and dtype
+    already, and only requests of it join. Returns the requests taken, the batch's examples (`rows` included), and the
+    requests found past their deadline."""
     now = time.monotonic()
     expired: list[Ticket] = []
     batch: list[Ticket] = []
-    rows = 0
-    key = None
     kept: list[Ticket] | None = None  # requests skipped over (other shape), to put back in order
     while queue:
         request = queue.popleft()

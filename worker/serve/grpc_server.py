@@ -202,9 +202,22 @@ RESPONSE_HEADERS = header_field(b":status", b"200") + header_field(b"content-typ
 OK_TRAILERS = header_field(b"grpc-status", b"0")
 
 
+UNSUPPORTED_MEDIA = header_field(b":status", b"415")
+"""The answer to a request whose content-type is not gRPC's (a trailers-only HTTP answer)."""
+
+
 def status_block(code: grpc.StatusCode, message: str) -> bytes:
     return header_field(b"grpc-status", str(code.value[0]).encode()) + \
         header_field(b"grpc-message", percent_encode(message))
+
+
+def as_grpc_error(error: BaseException) -> GrpcError:
+    """What a call failing with `error` answers: a handler's own errors are GrpcErrors; anything else is a defect,
+    logged and answered INTERNAL, never a crash."""
+    if isinstance(error, GrpcError):
+        return error
+    log.error("unexpected error in a gRPC call", exc_info=error)
+    return GrpcError(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}")
 
 
 # -- the server ---------------------------------------------------------------------------------------------
@@ -253,6 +266,47 @@ class GrpcServer:
             raise OSError(f"cannot listen for gRPC on {host}:{port}: {error}") from error
         self.started = True
         return port_of(self._server, port)
+
+    def start_call(self, headers: dict[str, str], body: bytes | bytearray,
+                   loop: asyncio.AbstractEventLoop) -> asyncio.Future | Awaitable[Message] | None:
+        """Start the call of a complete request (its headers and body): the handler's future or coroutine of the
+        answer; None when the request is not gRPC's (its content-type: answered 415). Raises GrpcError where the
+        request is refused before its handler runs (or the handler's own error)."""
+        if not headers.get("content-type", "").startswith("application/grpc"):
+            return None
+        method = self.methods.get(headers.get(":path", ""))
+        if method is None:
+            raise GrpcError(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {headers.get(':path')!r}")
+        message_type, handler = method
+        body = unary_message(body, headers.get("grpc-encoding"), self.max_message)
+        try:
+            request = message_type.FromString(body)
+        except DecodeError as error:
+            raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request is not a valid {message_type.DESCRIPTOR.full_name}: {error}") from None
+        timeout = headers.get("grpc-timeout")
+        deadline = None if timeout is None else loop.time() + parse_timeout(timeout)
+        return handler(request, CallContext(headers, deadline, loop))
+
+    def encode(self, message: Message) -> bytes:
+        """An answer's DATA: the message, length-prefixed; GrpcError when it is larger than the server's limit."""
+        answer = message.SerializeToString()
+        if len(answer) > self.max_message:
+            raise GrpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the answer of {len(answer)} bytes is larger "
+                            f"than the server's limit of {self.max_message} bytes")
+        return b"\0" + len(answer).to_bytes(4, "big") + answer
+
+    def outcome(self, answer: Message | None, error: BaseException | None) -> tuple[bytes | None, bytes | None, bytes]:
+        """A call's answer, or the error it failed with, as HTTP/2 sends it: (headers, DATA, trailers), the header
+        blocks in HPACK (headers None: a trailers-only answer); for the C front, which owns the connection
+        (native.py)."""
+        if error is None:
+            try:
+                return RESPONSE_HEADERS, self.encode(answer), OK_TRAILERS
+            except Exception as failure:
+                error = failure
+        error = as_grpc_error(error)
+        return None, None, RESPONSE_HEADERS + status_block(error.code, error.message)
 
     async def close(self, grace_seconds: float = 1.0) -> None:
         """Stop listening and taking calls; calls still running get `grace_seconds` to write their answers."""
@@ -550,34 +604,16 @@ class _Connection(asyncio.Protocol):
 
     def _dispatch(self, stream: _Stream) -> None:
         """The request is complete: start its call (or answer its failure)."""
-        headers = stream.headers
-        method = self.server.methods.get(headers.get(":path", ""))
         try:
-            if not headers.get("content-type", "").startswith("application/grpc"):
-                self._write(frame(HEADERS, END_HEADERS | END_STREAM, stream.id, header_field(b":status", b"415")))
-                self._forget(stream)
-                return
-            if method is None:
-                raise GrpcError(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {headers.get(':path')!r}")
-            message_type, handler = method
-            body = unary_message(stream.body, headers.get("grpc-encoding"), self.server.max_message)
-            stream.body = bytearray()
-            try:
-                request = message_type.FromString(body)
-            except DecodeError as error:
-                raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the request is not a valid {message_type.DESCRIPTOR.full_name}: {error}") from None
-            timeout = headers.get("grpc-timeout")
-            deadline = None if timeout is None else self.loop.time() + parse_timeout(timeout)
-        except GrpcError as error:
-            self._answer_status(stream, error.code, error.message)
-            return
-        try:
-            call = handler(request, CallContext(headers, deadline, self.loop))
+            call = self.server.start_call(stream.headers, stream.body, self.loop)
         except Exception as error:
             self._failed(stream, error)
             return
-        if isinstance(call, asyncio.Future):
+        stream.body = bytearray()
+        if call is None:
+            self._write(frame(HEADERS, END_HEADERS | END_STREAM, stream.id, UNSUPPORTED_MEDIA))
+            self._forget(stream)
+        elif isinstance(call, asyncio.Future):
             stream.call = call
             call.add_done_callback(lambda done: self._settled(stream, done))
         else:
@@ -601,23 +637,17 @@ class _Connection(asyncio.Protocol):
             self._failed(stream, error)
 
     def _failed(self, stream: _Stream, error: BaseException) -> None:
-        if not isinstance(error, GrpcError):  # the handler's own errors are GrpcErrors: this is a defect, not a crash
-            log.error("unexpected error in a gRPC call", exc_info=error)
-            error = GrpcError(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}")
+        error = as_grpc_error(error)
         self._answer_status(stream, error.code, error.message)
 
     def _answer(self, stream: _Stream, message: Message) -> None:
         try:
-            answer = message.SerializeToString()
-            if len(answer) > self.server.max_message:
-                raise GrpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the answer of {len(answer)} bytes is larger "
-                                f"than the server's limit of {self.server.max_message} bytes")
+            data = self.server.encode(message)
         except Exception as error:
             self._failed(stream, error)
             return
         if self.streams.get(stream.id) is not stream:
             return  # reset by the client meanwhile
-        data = b"\0" + len(answer).to_bytes(4, "big") + answer
         size = len(data)
         if size <= self.send_window and size <= stream.send_window and size <= self.max_send_frame:
             self.send_window -= size

@@ -365,15 +365,20 @@ class ParallelInference:
                             continue
                     limit = self.batch_limit if batched else 1
                     batch, rows, expired = ([], 0, [])
-                    if queue:
+                    feed_first = fed and (not queue or fed_oldest < queue[0].submitted)  # oldest request first
+                    if queue and not feed_first:
                         batch, rows, expired = pop_batch(queue, limit, batched, self.queue_limit)
-                        if feed is not None:
-                            feed.others(len(queue))
                     if fed and (not batch or (batched and rows < limit and batch[0].key == feed.key)):
                         taken = feed.take(limit - rows if batched else limit, limit if batched else 1, not batch)
                         if taken is not None:
                             batch.append(taken)
                             rows += taken.rows
+                    if queue and feed_first and (not batch or (batched and rows < limit)):
+                        more, rows, expired = pop_batch(queue, limit, batched, self.queue_limit,
+                                                        feed.key if batch else None, rows)
+                        batch += more
+                    if feed is not None:
+                        feed.others(len(queue))
                     self._running += len(batch)
                     self._running_rows += rows
                     return batch, rows, expired

@@ -1,4 +1,5 @@
-"""The HTTP front in C: the common inference request served with no Python per request (`httpFront: native`).
+"""The front in C: the common inference request served with no Python per request (`httpFront: native`), over HTTP
+and over gRPC.
 
 On a CPU-bound server every microsecond the interpreter spends per request comes out of the model's forwards: the
 Python HTTP layer and the request's validation cost 45-60 us of the event loop per request under wrk, a C request
@@ -9,15 +10,22 @@ shape, is parsed there into a queue that ParallelInference's workers take from a
 by the Python server as before: the front hands the connection over with the bytes it has read (`handed`), so the
 Python server stays the one place where requests are validated and errors explained.
 
+The gRPC port's connections are the front's too (HTTP/2 and HPACK in C, `_front_grpc.c`): ModelInfer for the served
+model with one FP32 input in raw_input_contents, as tritonclient.grpc sends it, is queued and answered there; every
+other call goes whole (headers and body) to grpc_server.py's GrpcServer, which answers it as it answers calls on its
+own connections, and the front writes the answer (`calls`, `answer_call`).
+
 What the front answers itself, as the Python server would: the outputs (200), a full queue (429, queueLimit counted
 over the front's queue), a request past requestTimeoutMs (504), the server draining or stopped (503), a failed
-forward (its status and message). Its counts join the server's statistics and /metrics. A model whose input or output
+forward (its status and message); over gRPC the same as status codes (RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, also
+at the client's grpc-timeout, UNAVAILABLE, ...). Its counts join the server's statistics and /metrics. A model whose input or output
 is not FP32 is served by the Python server alone (the log says so).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import socket
 import threading
@@ -26,8 +34,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tandem.worker.serve.errors import ModelError
+from tandem.worker.serve.grpc_server import UNSUPPORTED_MEDIA
 
 if TYPE_CHECKING:
+    from tandem.worker.serve.grpc_server import GrpcServer
     from tandem.worker.serve.inference import ParallelInference
     from tandem.worker.serve.model_loading import LoadedModel
 
@@ -102,13 +112,64 @@ class Bundle:
         front.fail(self.handle, self.front.status_of(error), str(error))
 
 
+class CallBridge:
+    """The gRPC calls a front leaves to the Python server: each started on `grpc` (GrpcServer) as it starts calls on
+    its own connections, its answer given back to the front to write; a call the front says is cancelled (its client
+    reset it, or left) is cancelled here too, as on GrpcServer's own connections."""
+
+    def __init__(self, front, grpc: GrpcServer, loop: asyncio.AbstractEventLoop):
+        self.front = front
+        self.grpc = grpc
+        self.loop = loop
+        self._running: dict[tuple[int, int], asyncio.Future] = {}
+
+    def take(self) -> None:
+        """Start the calls the front has handed over, cancel those it says are cancelled (on the event loop)."""
+        for serial, stream, headers, body in self.front.calls():
+            if headers is None:
+                running = self._running.pop((serial, stream), None)
+                if running is not None:
+                    running.cancel()
+            else:
+                self._start(serial, stream, headers, body)
+
+    def _start(self, serial: int, stream: int, headers: dict[str, str], body: bytes) -> None:
+        answer = functools.partial(self.front.answer_call, serial, stream)
+        try:
+            call = self.grpc.start_call(headers, body, self.loop)
+        except Exception as error:
+            answer(*self.grpc.outcome(None, error))
+            return
+        if call is None:
+            answer(None, None, UNSUPPORTED_MEDIA)
+            return
+        if not isinstance(call, asyncio.Future):
+            call = self.loop.create_task(call)
+        key = (serial, stream)
+        self._running[key] = call
+
+        def settled(done: asyncio.Future) -> None:
+            if self._running.get(key) is done:
+                del self._running[key]
+            if not done.cancelled():
+                error = done.exception()
+                answer(*self.grpc.outcome(None if error else done.result(), error))
+
+        call.add_done_callback(settled)
+
+    def cancel_all(self) -> None:
+        running, self._running = self._running, {}
+        for call in running.values():
+            call.cancel()
+
+
 class NativeFront:
     """The front of one server process: `_front.Front`, its I/O thread, and the thread that wakes ParallelInference's
     workers when the queue holds what they wait for. `adopt` gives it a connection; connections it hands back go to
     `hand_back(socket, data)` on the event loop."""
 
     def __init__(self, loaded: LoadedModel, name: str, version: str, batching, max_body: int, idle_timeout: float,
-                 status_of):
+                 status_of, max_message: int):
         signature = loaded.signature
         self.key = (tuple(signature.input.shape), np.dtype(np.float32))
         self.status_of = status_of
@@ -117,15 +178,19 @@ class NativeFront:
                            max_body=max_body, queue_limit=batching.queue_limit,
                            timeout_ms=float(batching.request_timeout_ms), idle_timeout_s=idle_timeout,
                            max_rows=signature.max_batch_size)
+        self.front.configure(max_message=max_message)
         self._inference: ParallelInference | None = None
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._refresh: asyncio.TimerHandle | None = None
+        self._calls: CallBridge | None = None
 
-    def start(self, inference: ParallelInference, hand_back, token=None) -> None:
-        """Serve: the I/O thread, the waker, connections handed back to `hand_back(socket, data)` on this loop, and
-        the token (auth.BearerToken, or None) kept current."""
+    def start(self, inference: ParallelInference, hand_back, token=None, grpc: GrpcServer | None = None) -> None:
+        """Serve: the I/O thread, the waker, connections handed back to `hand_back(socket, data)` on this loop, gRPC
+        calls not the front's to `grpc` (when the server has a gRPC port), and the token (auth.BearerToken, or None)
+        kept current."""
         self._inference = inference
+        self._calls = None if grpc is None else CallBridge(self.front, grpc, asyncio.get_running_loop())
         self._loop = asyncio.get_running_loop()
         self._token = token
         self._refresh_token()
@@ -138,6 +203,8 @@ class NativeFront:
         def handed() -> None:
             for descriptor, data in self.front.handed():
                 hand_back(socket.socket(fileno=descriptor), data)
+            if self._calls is not None:
+                self._calls.take()
 
         self._loop.add_reader(self.front.handed_fd, handed)
 
@@ -180,6 +247,9 @@ class NativeFront:
     def adopt(self, connection: socket.socket) -> None:
         self.front.adopt(connection.detach())
 
+    def adopt_grpc(self, connection: socket.socket) -> None:
+        self.front.adopt_grpc(connection.detach())
+
     def configure(self, batching, max_body: int, max_rows: int) -> None:
         self.front.configure(queue_limit=batching.queue_limit, timeout_ms=float(batching.request_timeout_ms),
                              max_body=max_body, max_rows=max_rows)
@@ -200,6 +270,8 @@ class NativeFront:
             self._loop.remove_reader(self.front.handed_fd)
         if self._refresh is not None:
             self._refresh.cancel()
+        if self._calls is not None:
+            self._calls.cancel_all()
         self.front.stop(f"the server stopped before this request was answered ({why})")
         for thread in self._threads:
             await asyncio.to_thread(thread.join)

@@ -41,8 +41,6 @@ from tritonclient.utils import InferenceServerException
 from tandem.cli import main as cli_main
 from tandem.worker.serve.app import InferenceServer
 from tandem.worker.serve.model_loading import ModelLoadError
-from tandem.worker.serve.native import UNAVAILABLE
-
 
 pytestmark = pytest.mark.usefixtures("http_front")  # every test here, under both fronts (conftest.py)
 

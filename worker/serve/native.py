@@ -18,8 +18,8 @@ own connections, and the front writes the answer (`calls`, `answer_call`).
 What the front answers itself, as the Python server would: the outputs (200), a full queue (429, queueLimit counted
 over the front's queue), a request past requestTimeoutMs (504), the server draining or stopped (503), a failed
 forward (its status and message); over gRPC the same as status codes (RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, also
-at the client's grpc-timeout, UNAVAILABLE, ...). Its counts join the server's statistics and /metrics. A model whose input or output
-is not FP32 is served by the Python server alone (the log says so).
+at the client's grpc-timeout, UNAVAILABLE, ...). Its counts join the server's statistics and /metrics. A model whose
+input or output is not FP32 is served by the Python server alone (the log says so).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ setup: $(STAMP)
 
 # torch first, pinned: on the project's machines torch==2.13.0 is a CPU build on local disk;
 # any other spec may pull a multi-GB CUDA build.
-# setup.py builds the C extension (worker/serve/_front.c) in the editable install: a change to it installs again.
-$(STAMP): pyproject.toml setup.py constraints.txt worker/serve/_front.c
+# setup.py builds the C extension (worker/serve/_front*.c) in the editable install: a change to it installs again.
+$(STAMP): pyproject.toml setup.py constraints.txt $(wildcard worker/serve/_front*.c worker/serve/_front*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
@@ -63,7 +63,8 @@ sanitize: $(STAMP)
 	CFLAGS="-fsanitize=address -fno-omit-frame-pointer -g -O1" $(BIN)/python setup.py -q build_ext --inplace --force
 	LD_PRELOAD=$$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 TANDEM_FUZZ_CASES=1500 \
 		$(BIN)/python -m pytest -q tests/integration/test_native_front.py tests/integration/test_server.py \
-		tests/integration/test_serve_processes.py tests/integration/test_http.py; \
+		tests/integration/test_serve_processes.py tests/integration/test_http.py tests/integration/test_native_grpc.py \
+		tests/integration/test_grpc.py tests/integration/test_grpc_server.py; \
 		status=$$?; $(BIN)/python setup.py -q build_ext --inplace --force; exit $$status
 
 # For bench/device_check.sh: what the device machine's image lacks of what `tandem run`, `tandem serve` and the

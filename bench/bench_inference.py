@@ -29,9 +29,10 @@ loop, keep-alive connections) drives them all from this process, on the same cor
 5. grpc: the same over gRPC, driven by h2load (C; Debian's nghttp2-client) posting a pre-serialised
    ModelInferRequest at 8, 64 and 256 concurrent calls; skipped, saying so, where h2load is missing. --against,
    --rounds and the bound as for wrk.
-6. native: `tandem serve` with httpFront python and native (the C front: no Python per common request), both as one
-   process per worker, under wrk at each point, alternating over --rounds, the ceiling after each round. Printed:
-   each one's share of the ceiling and its bound, CPU per request (request path, workers, wrk), and native / python.
+6. native: `tandem serve` with httpFront python and native (the C front: no Python per common request, HTTP or
+   gRPC), both as one process per worker, under wrk (HTTP) and h2load (gRPC) at each point, alternating over
+   --rounds, the ceiling after each round. Printed: each one's share of the ceiling and its bound, CPU per request
+   (request path, workers, load generator), and native / python.
 
     .venv/bin/python bench/bench_inference.py                 # parts 1-3, about 2 minutes on 2 cores
     .venv/bin/python bench/bench_inference.py --only modes --seconds 5
@@ -40,7 +41,7 @@ loop, keep-alive connections) drives them all from this process, on the same cor
     .venv/bin/python bench/bench_inference.py --only wrk --rounds 3 --against main   # A/B against main
     .venv/bin/python bench/bench_inference.py --only wrk --client-cpus 1   # wrk on CPU 1, the server on the others
     .venv/bin/python bench/bench_inference.py --only grpc       # h2load over gRPC
-    .venv/bin/python bench/bench_inference.py --only native --connections 64,256 --rounds 3   # the two HTTP fronts
+    .venv/bin/python bench/bench_inference.py --only native --connections 64,256 --rounds 3   # the two fronts
     .venv/bin/python bench/bench_inference.py --only grpc --rounds 2 --against main   # A/B against main
     .venv/bin/python bench/bench_inference.py --only grpc --connections 64,256 --rounds 6 --against main
                                                               # fewer points, more rounds: a change of ~5% resolved
@@ -64,6 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,8 +109,9 @@ class Server:
     child processes that outlive their parent otherwise)."""
 
     def __init__(self, command: list[str], port: int, ready_path: str, source: Path | None = None,
-                 variables: dict[str, str] | None = None):
+                 variables: dict[str, str] | None = None, grpc_port: int | None = None):
         self.port = port
+        self.grpc_port = grpc_port
         environment = {**os.environ, **(variables or {}), **({} if source is None else {"PYTHONPATH": str(source)})}
         self.process = subprocess.Popen(command, cwd=source or ROOT, env=environment, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -159,7 +162,7 @@ def tandem_server(mode: str, workers: int, directory: Path, source: Path | None 
     port = free_port()
     grpc = ["--no-grpc"] if grpc_port is None else ["--grpc-port", str(grpc_port)]
     return Server([sys.executable, "-m", "tandem.cli", "serve", str(manifest), "--port", str(port), *grpc], port,
-                  "/v2/health/ready", source, variables)
+                  "/v2/health/ready", source, variables, grpc_port)
 
 
 def checkout(ref: str, directory: Path) -> Path:
@@ -544,60 +547,97 @@ class CpuPoint:
 
 
 def bench_native(seconds: float, workers: int, directory: Path, rounds: int) -> None:
-    """`tandem serve` with its HTTP port read by the Python server and by the C front (httpFront native), both as
-    `workers` processes of one worker, alternating under wrk at each point, the ceiling after each round: the share of
-    the ceiling each keeps, where each request's CPU goes, and native / python."""
+    """`tandem serve` with its ports read by the Python server and by the C front (httpFront native), both as
+    `workers` processes of one worker, alternating under wrk (HTTP) and h2load (gRPC) at each point, the ceiling after
+    each round: the share of the ceiling each keeps, where each request's CPU goes, and native / python."""
+    loads = {}
     if shutil.which("wrk") is None:
-        print("native: skipped: wrk is not installed (Debian: apt-get install wrk)")
+        print("native: HTTP skipped: wrk is not installed (Debian: apt-get install wrk)")
+    else:
+        body = wrk_body(directory)
+        loads["HTTP, wrk"] = lambda server, connections: _cpu_point(
+            server, connections, seconds, workers, lambda: wrk(server.port, body, connections, seconds),
+            lambda: wrk_warm_up(server.port, body, connections))
+    if shutil.which("h2load") is None:
+        print("native: gRPC skipped: h2load is not installed (Debian: apt-get install nghttp2-client)")
+    else:
+        request_file = grpc_request_file(directory)
+        loads["gRPC, h2load"] = lambda server, concurrency: _cpu_point(
+            server, concurrency, seconds, workers,
+            lambda: _h2load_outside(server, request_file, concurrency, seconds, directory),
+            lambda: h2load(server.grpc_port, request_file, concurrency, 1, directory))
+    if not loads:
         return
-    body = wrk_body(directory)
     labels = ("python", "native")
-    points: dict[tuple[str, int], list[CpuPoint]] = {}
+    points: dict[tuple[str, str, int], list[CpuPoint]] = {}
     ceilings = []
     for round_ in range(rounds):
         for label in _in_turn(labels, round_):
-            with tandem_server("batched", workers, directory, processes=workers, http_front=label) as server:
-                for connections in WRK_CONNECTIONS:
-                    point = _cpu_point(server, body, connections, seconds, workers)
-                    points.setdefault((label, connections), []).append(point)
-                    print(f"httpFront {label}: c={connections:<3d} {point.line()}", flush=True)
+            with tandem_server("batched", workers, directory, processes=workers, http_front=label,
+                               grpc_port=free_port()) as server:
+                check_grpc(server.grpc_port, grpc_request_file(directory))
+                for load, measure in loads.items():
+                    for connections in WRK_CONNECTIONS:
+                        point = measure(server, connections)
+                        points.setdefault((label, load, connections), []).append(point)
+                        print(f"httpFront {label}: {load} c={connections:<3d} {point.line()}", flush=True)
         ceilings.append(bench_ceiling(seconds, workers))
     ceiling = max(ceilings)
-    print(f"\n`tandem serve`, {workers} processes x 1 worker, best of {rounds} round(s); share of the ceiling (bound: "
-          "with the workers at the raw forward's cost); CPU per request at the best round: request path (the "
-          "processes' threads other than the workers) / workers / wrk")
-    print("| connections | python front req/s (p99 ms) | share (bound) | us | native front req/s (p99 ms) | share "
-          "(bound) | us | native / python, median of rounds |")
-    print("|---|---|---|---|---|---|---|---|")
-    for connections in WRK_CONNECTIONS:
-        cells = []
-        for label in labels:
-            best = max(points[label, connections], key=lambda p: p.rate)
-            rest = best.path_us + (best.client_us if CLIENT_CPUS is None else 0.0)
-            cells.append(f"{best.rate:.0f} ({best.p99_ms:.1f}) | **{best.rate / ceiling:.2f}** "
-                         f"({_bound(rest, ceiling):.2f}) | {best.path_us:.0f} / {best.workers_us:.0f} / "
-                         f"{best.client_us:.0f}")
-        ratios = [native.rate / python.rate for python, native
-                  in zip(points[labels[0], connections], points[labels[1], connections], strict=True)]
-        cells.append(f"{statistics.median(ratios):.2f}x ({', '.join(f'{r:.2f}' for r in ratios)})")
-        print(f"| {connections} | {' | '.join(cells)} |")
+    for load in loads:
+        print(f"\n{load}: `tandem serve`, {workers} processes x 1 worker, best of {rounds} round(s); share of the "
+              "ceiling (bound: with the workers at the raw forward's cost); CPU per request at the best round: request "
+              "path (the processes' threads other than the workers) / workers / load generator")
+        print("| connections | python front req/s (p99 ms) | share (bound) | us | native front req/s (p99 ms) | share "
+              "(bound) | us | native / python, median of rounds |")
+        print("|---|---|---|---|---|---|---|---|")
+        for connections in WRK_CONNECTIONS:
+            cells = []
+            for label in labels:
+                best = max(points[label, load, connections], key=lambda p: p.rate)
+                rest = best.path_us + (best.client_us if CLIENT_CPUS is None else 0.0)
+                cells.append(f"{best.rate:.0f} ({best.p99_ms:.1f}) | **{best.rate / ceiling:.2f}** "
+                             f"({_bound(rest, ceiling):.2f}) | {best.path_us:.0f} / {best.workers_us:.0f} / "
+                             f"{best.client_us:.0f}")
+            ratios = [native.rate / python.rate for python, native
+                      in zip(points[labels[0], load, connections], points[labels[1], load, connections], strict=True)]
+            cells.append(f"{statistics.median(ratios):.2f}x ({', '.join(f'{r:.2f}' for r in ratios)})")
+            print(f"| {connections} | {' | '.join(cells)} |")
     print(_ceiling_line(ceilings, workers))
 
 
-def _cpu_point(server: Server, body: Path, connections: int, seconds: float, workers: int) -> CpuPoint:
-    wrk_warm_up(server.port, body, connections)
+def _cpu_point(server: Server, connections: int, seconds: float, workers: int, run, warm_up) -> CpuPoint:
+    """One load point: `run()` -> (req/s, p99 ms, mean ms, failed) after `warm_up()`, with the CPU of the server's
+    threads and of the load generator over it."""
+    warm_up()
     pids = server_processes(server.process.pid)
 
     def threads() -> dict[int, tuple[float, float]]:
         return {tid: times for pid in pids for tid, times in thread_times(pid).items()}
 
     threads_before, client_before = threads(), children_cpu()
-    rate, p99_ms, _, failed = wrk(server.port, body, connections, seconds)
+    rate, p99_ms, _, failed = run()
     threads_after, client = threads(), children_cpu() - client_before
     loop, busiest, other, _ = split_threads(threads_before, threads_after, pids, workers)
     per_request = 1e6 / max(1.0, rate * max(1, round(seconds)))
     return CpuPoint(rate, p99_ms, failed, (loop + other) * per_request, sum(busiest) * per_request,
                     client * per_request)
+
+
+def _h2load_outside(server: Server, request_file: Path, concurrency: int, seconds: float,
+                    directory: Path) -> tuple[float, float, float, int]:
+    """h2load's figures, with the calls not answered OK counted from the server's statistics read before and after
+    (outside the measured run: h2load sees only HTTP statuses, 200 for a failed call too)."""
+    before = _inference_counts(server.port)
+    rate, p99_ms, mean_ms, done = h2load(server.grpc_port, request_file, concurrency, seconds, directory)
+    success, failure = (after - then for after, then in zip(_inference_counts(server.port), before, strict=True))
+    return rate, p99_ms, mean_ms, max(failure, done - success)
+
+
+def _inference_counts(port: int) -> tuple[int, int]:
+    """The served model's successful and failed inference requests so far (its statistics)."""
+    with urllib.request.urlopen(f"http://{HOST}:{port}/v2/models/mlp/stats", timeout=30) as answer:
+        stats = json.load(answer)["model_stats"][0]["inference_stats"]
+    return int(stats["success"]["count"]), int(stats["fail"]["count"])
 
 
 def grpc_request_file(directory: Path) -> Path:
@@ -627,23 +667,30 @@ def check_grpc(port: int, request_file: Path) -> None:
         raise AssertionError(f"unexpected gRPC answer: {answer}")
 
 
-def run_h2load(server: Server, grpc_port: int, request_file: Path, concurrency: int, seconds: float,
-               workers: int, directory: Path) -> Point:
-    """h2load's req/s and p99 (from its per-request log) over `seconds` after a 1 s warm-up. Failed calls are
-    counted by the server (its failure and success counters over the run), not by h2load (see check_grpc)."""
+def h2load(grpc_port: int, request_file: Path, concurrency: int, seconds: float,
+           directory: Path) -> tuple[float, float, float, int]:
+    """h2load posting `request_file` at `concurrency` calls for `seconds`: req/s, p99 and mean ms (from its
+    per-request log), and the calls done."""
     connections = min(concurrency, GRPC_CONNECTIONS)
     log = directory / f"h2load-{concurrency}.log"
-    base = ["h2load", "-t1", f"-c{connections}", f"-m{concurrency // connections}", "-d", str(request_file),
-            "-H", "content-type: application/grpc", "-H", "te: trailers",
-            f"http://{HOST}:{grpc_port}/inference.GRPCInferenceService/ModelInfer"]
-    run_client([*base, "-D", "1"])  # warm-up
-    with ServeCosts(server.process.pid, server.port, "mlp", BATCH_LIMIT, workers) as costs:
-        out = run_client([*base, "-D", str(max(1, round(seconds))), "--log-file", str(log)], text=True).stdout
+    command = ["h2load", "-t1", f"-c{connections}", f"-m{concurrency // connections}", "-d", str(request_file),
+               "-H", "content-type: application/grpc", "-H", "te: trailers", "-D", str(max(1, round(seconds))),
+               "--log-file", str(log), f"http://{HOST}:{grpc_port}/inference.GRPCInferenceService/ModelInfer"]
+    out = run_client(command, text=True).stdout
     rate = float(re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out).group(1))
     durations = sorted(int(line.split("\t")[2]) for line in log.read_text().splitlines() if line.strip())
     p99_ms = durations[min(len(durations) - 1, int(0.99 * len(durations)))] / 1000
-    mean_ms = statistics.fmean(durations) / 1000
     done = int(re.search(r"requests: \d+ total, \d+ started, (\d+) done", out).group(1))
+    return rate, p99_ms, statistics.fmean(durations) / 1000, done
+
+
+def run_h2load(server: Server, grpc_port: int, request_file: Path, concurrency: int, seconds: float,
+               workers: int, directory: Path) -> Point:
+    """h2load's figures over `seconds` after a 1 s warm-up. Failed calls are counted by the server (its failure and
+    success counters over the run), not by h2load (see check_grpc)."""
+    h2load(grpc_port, request_file, concurrency, 1, directory)  # warm-up
+    with ServeCosts(server.process.pid, server.port, "mlp", BATCH_LIMIT, workers) as costs:
+        rate, p99_ms, mean_ms, done = h2load(grpc_port, request_file, concurrency, seconds, directory)
     failed = done - costs.result.requests if costs.result.requests < done else 0
     return Point(rate, p99_ms, mean_ms, failed, costs.result)
 

@@ -615,15 +615,17 @@ static int64_t timeout_ns(const char *value, uint32_t len) {
         if (!isdigit((unsigned char)value[i])) return -1;
         n = n * 10 + (value[i] - '0');
     }
+    double unit;
     switch (value[len - 1]) {
-        case 'H': return n * 3600 * 1000000000LL;
-        case 'M': return n * 60 * 1000000000LL;
-        case 'S': return n * 1000000000LL;
-        case 'm': return n * 1000000;
-        case 'u': return n * 1000;
-        case 'n': return n;
+        case 'H': unit = 3600e9; break;
+        case 'M': unit = 60e9; break;
+        case 'S': unit = 1e9; break;
+        case 'm': unit = 1e6; break;
+        case 'u': unit = 1e3; break;
+        case 'n': unit = 1; break;
         default: return -1;
     }
+    return n * unit > 9e18 ? INT64_MAX : (int64_t)(n * unit);  // past any pool's timeout
 }
 
 // The call as a request the front serves, with its deadline's limit (-1: none); NULL if it is not one.

@@ -7,7 +7,8 @@ InferenceServer puts the pieces together on one event loop and owns their lifecy
 stop, the `tandem serve` process); each piece owns its state:
 
     http.py          the HTTP/1.1 layer: an asyncio protocol over httptools, on uvloop
-    native.py        with httpFront native, a C front before it that serves the common inference request itself
+    native.py        with httpFront native, a C front before both ports that serves the common inference request
+                     itself (_front.c, and _front_grpc.c for gRPC)
     routes.py        what each endpoint answers (the wire shapes: protocol.py, and triton.py for Triton's)
     grpc_service.py  the same answers over gRPC (inference.GRPCInferenceService; its wire: grpc_protocol.py,
                      carried by grpc_server.py: gRPC over HTTP/2 as an asyncio protocol)
@@ -19,7 +20,7 @@ stop, the `tandem serve` process); each piece owns its state:
     inference.py     ParallelInference, the batching engine (its counters: stats.py; Prometheus: metrics.py)
 
 The event loop only parses, validates and encodes, with numpy and orjson, and never calls torch; with the C front
-(httpFront native, the default) it sees only the HTTP requests the front hands it, and gRPC's. Forwards run on
+(httpFront native, the default) it sees only the HTTP requests and gRPC calls the front hands it. Forwards run on
 ParallelInference's worker threads, whose results come back to the loop in bursts (one wake-up for a whole
 batch). Readiness turns on after the model is loaded and warmed up at every batch size in use; SIGTERM turns it
 off, lets queued and running requests finish within a grace period, answers 503 to those still unanswered when

@@ -4,7 +4,7 @@ serving, userland, inference_models) are importable by name from any test: pypro
 from __future__ import annotations
 
 import pytest
-from serving import Servers
+from serving import Servers, make_pool
 
 from tandem.worker.serve.native import UNAVAILABLE
 
@@ -26,3 +26,12 @@ def http_front(request):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TANDEM_TEST_HTTP_FRONT", request.param)
         yield request.param
+
+
+@pytest.fixture(scope="module")
+def fronts():
+    """The same pool behind each front, HTTP and gRPC: {"python": server, "native": server} (the C front's tests
+    send both the same requests and compare the answers)."""
+    with Servers() as servers:
+        yield {front: servers(make_pool(httpFront=front, workersPerReplica=1), grpc=True)
+               for front in ("python", "native")}

@@ -42,13 +42,6 @@ INFER = "/v2/models/digits/infer"
 FUZZ_CASES = 150
 
 
-@pytest.fixture(scope="module")
-def fronts():
-    """The same pool behind each front: {"python": server, "native": server}."""
-    with Servers() as servers:
-        yield {front: servers(make_pool(httpFront=front, workersPerReplica=1)) for front in ("python", "native")}
-
-
 def served_by_front(server) -> int:
     """Requests the C front answered 200 (the Python server's answers are not counted there)."""
     return server.server.front.counters()["success"]

@@ -15,7 +15,7 @@ import hpack
 import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
-from serving import WAIT_S, Servers, inputs, make_pool, reference
+from serving import WAIT_S, Servers, inputs, reference
 from tritonclient.grpc import service_pb2
 
 from tandem.worker.serve.grpc_server import (
@@ -37,14 +37,6 @@ pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"the C front is
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 FUZZ_CASES = 150
-
-
-@pytest.fixture(scope="module")
-def fronts():
-    """The same pool behind each front, with gRPC: {"python": server, "native": server}."""
-    with Servers() as servers:
-        yield {front: servers(make_pool(httpFront=front, workersPerReplica=1), grpc=True)
-               for front in ("python", "native")}
 
 
 class Client:

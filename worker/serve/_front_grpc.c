@@ -1045,15 +1045,19 @@ void h2_answer_error(Front *f, request_t *r, int status, const char *message, si
     s->request = NULL;
     r->connection = NULL;
     r->stream = NULL;
-    send_status(c, s, status_code(status), message, len);
-    if (!c->closing) h2_writable(f, c);
+    send_status(c, s, status_code(status), message, len);  // written by the caller (a write may close c)
 }
 
 void h2_sweep(Front *f, connection_t *c, int64_t now) {
+    int expired = 0;
     for (stream_t *s = c->h2->streams, *next; s; s = next) {
         next = s->next;
-        if (s->request && now > s->request->deadline) expire(f, s->request, now);
+        if (s->request && now > s->request->deadline) {
+            expire(f, s->request, now);
+            expired = 1;
+        }
     }
+    if (expired) h2_writable(f, c);
 }
 
 // The server stops: calls not answered are answered UNAVAILABLE, GOAWAY, closed once written.

@@ -141,7 +141,9 @@ def test_a_worker_alone_waits_for_as_many_examples_as_its_last_forward_had(gate)
     (2, 1, True, 0, 0, 4, 0),           # light load (less than a full batch in all): the partial batch goes at once
     (4, 2, True, 0, 0, 4, 0),           # a full batch goes at once
     (9, 2, True, 0, 0, 4, 0),
-    (3, 0, True, 0, 0, 4, 0),           # nothing else runs: the partial batch goes at once
+    (3, 0, True, 0, 0, 4, 1000),        # nothing else runs: as a worker alone (below), fewer than the last forward
+    (3, 0, True, 1000, 1000, 4, 0),     # ... until it has idled as long as the last forward took
+    (4, 0, True, 0, 0, 9, 0),           # ... and a full batch goes at once
     (1, 0, False, 0, 0, 3, 1000),       # a worker alone: fewer queued than its last forward had: wait
     (1, 2, False, 0, 0, 3, 1000),       # ... whatever runs on other devices
     (2, 0, False, 700, 700, 3, 300),    # ... until it has idled as long as the last forward took

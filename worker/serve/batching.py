@@ -144,22 +144,27 @@ def fuller_batch_wait(queued_rows: int, batch_limit: int, running_rows: int, sha
     nothing back for longer): counted from the oldest request's arrival where replicas share the device, from the
     end of the worker's last forward (`idle_ns` ago) where it is alone.
 
-    Where replicas share the device: while another replica runs a forward there and the examples queued and
+    Where replicas share the device and another replica runs a forward there: while the examples queued and
     running together make at least a full batch (the cores are busy: a full batch will form). Two partial forwards
     side by side on the same cores each cost more per example than one fuller forward after the other (measured in
     bench/RESULTS.md); under lighter load the partial forwards run side by side, each on a core that would otherwise
     idle.
 
-    A worker alone on its device (one replica, or one per GPU): while fewer examples are queued than its last
-    forward took (`last_rows`). The clients answered by that forward are likely to send again (a closed loop, each
-    client waiting for its answer), and a forward of the first few of them streams the weights once for little:
-    a server process of one replica under 64 connections ran 116 forwards of 1 example and 190 of 4 in 8 s beside
-    its full ones. Under steady open load the queue already holds as many as the last forward when it ends (they
-    arrived during it), so nothing waits; where the load falls, one forward waits, and the next expects fewer."""
-    if queued_rows >= fill_target(batch_limit, shared_device, last_rows):
+    A worker alone on its device (one replica, or one per GPU), or sharing it with replicas none of which runs a
+    forward: while fewer examples are queued than the last forward took (`last_rows`). The clients answered by that
+    forward are likely to send again (a closed loop, each client waiting for its answer), and a forward of the first
+    few of them streams the weights once for little: a server process of one replica under 64 connections ran 116
+    forwards of 1 example and 190 of 4 in 8 s beside its full ones. Under steady open load the queue already holds
+    as many as the last forward when it ends (they arrived during it), so nothing waits; where the load falls, one
+    forward waits, and the next expects fewer. (Replicas sharing the cores that took what was queued as soon as none
+    ran split the clients of two full batches into short ones, and kept splitting them: one process of two workers
+    under 64 connections ran 94% of its examples in full batches and answered 0.63 of the raw forward;
+    bench/RESULTS.md, twelfth pass.)"""
+    shared = shared_device and running_rows > 0
+    if queued_rows >= fill_target(batch_limit, shared, last_rows):
         return 0
-    if shared_device:
-        if not running_rows or queued_rows + running_rows < batch_limit:
+    if shared:
+        if queued_rows + running_rows < batch_limit:
             return 0
         return max(0, last_forward_ns - oldest_waited_ns)
     # Not since the oldest arrived: requests left over from a capped batch arrived during the last forward, and
@@ -167,10 +172,11 @@ def fuller_batch_wait(queued_rows: int, batch_limit: int, running_rows: int, sha
     return max(0, last_forward_ns - idle_ns)
 
 
-def fill_target(batch_limit: int, shared_device: bool, last_rows: int) -> int:
-    """The examples a worker waiting for a fuller batch waits for (fuller_batch_wait): a full batch where replicas
-    share its device; as many as its last forward had, up to a full batch, where it is alone."""
-    return batch_limit if shared_device else min(batch_limit, last_rows)
+def fill_target(batch_limit: int, shared: bool, last_rows: int) -> int:
+    """The examples a worker waiting for a fuller batch waits for (fuller_batch_wait): a full batch where another
+    replica runs a forward on its device (`shared`); as many as the last forward had, up to a full batch,
+    otherwise."""
+    return batch_limit if shared else min(batch_limit, last_rows)
 
 
 def join_inputs(batch: list[Ticket]) -> tuple[torch.Tensor, bool]:

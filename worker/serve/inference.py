@@ -358,7 +358,8 @@ class ParallelInference:
                                                     now - oldest, now - self._forward_end_ns,
                                                     self._forward_ns, self._last_rows)
                         if wait_ns:
-                            target = fill_target(self.batch_limit, self._shared_device, self._last_rows)
+                            target = fill_target(self.batch_limit, self._shared_device and self._running_rows > 0,
+                                                 self._last_rows)
                             if feed is not None:
                                 feed.want(target - rows + fed_rows)
                             self._wait_for_fuller_batch(wait_ns / 1e9, target)

@@ -172,9 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "workersPerReplica model replicas, under a supervisor (default: the manifest's "
                             "spec.processesPerReplica, 1)")
     serve.add_argument("--http-front", choices=("python", "native"),
-                       help="who reads the HTTP port: native (a C front serving the common JSON inference "
-                            "request with no Python per request, the rest handed to the Python server) or python "
-                            "(default: the manifest's spec.httpFront, native)")
+                       help="who reads the HTTP and gRPC ports: native (a C front serving the common inference "
+                            "request, JSON or gRPC's ModelInfer with raw contents, with no Python per request, the "
+                            "rest handed to the Python server) or python (default: the manifest's spec.httpFront, "
+                            "native)")
     serve.set_defaults(handler=_serve)
 
     from tandem.operator import main as operator_main  # its options only: kopf is imported when it runs

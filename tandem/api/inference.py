@@ -193,10 +193,11 @@ class InferencePoolSpec(BatchingSettings, PodSettings):
     grpc_port: Annotated[int, Field(ge=1, le=65535)] = 8001
     """gRPC port of the Open Inference Protocol (`inference.GRPCInferenceService`; 8001 as Triton's)."""
     http_front: Literal["native", "python"] = "native"
-    """Who reads the HTTP port: `native`, a C front on a thread of its own that serves the common inference request
-    (JSON, FP32 in and out) with no Python per request and hands every other request to the Python server (on CPU it
-    leaves the model's forwards more of the cores: bench/RESULTS.md); or `python`, the Python server alone. Where the
-    C front is not built, or cannot serve the model, the Python server serves everything and the log says why."""
+    """Who reads the HTTP and gRPC ports: `native`, a C front on a thread of its own that serves the common inference
+    request (JSON over HTTP, ModelInfer with raw contents over gRPC; FP32 in and out) with no Python per request and
+    hands every other request to the Python server (on CPU it leaves the model's forwards more of the cores:
+    bench/RESULTS.md); or `python`, the Python server alone. Where the C front is not built, or cannot serve the
+    model, the Python server serves everything and the log says why."""
     autoscaling: Autoscaling | None = None
     model_repository: ModelRepository = Field(default_factory=ModelRepository)
     auth: Auth | None = None

@@ -1096,19 +1096,10 @@ static PyObject *Front_adopt_grpc(Front *f, PyObject *arg) { return adopt(f, arg
 // oldest first (see answer_call). Header names and values as latin-1, a repeated name's last value. (serial,
 // stream, None, None): that call is cancelled (its client reset it or left).
 static PyObject *Front_calls(Front *f, PyObject *unused) {
-    pthread_mutex_lock(&f->lock);
-    struct call *call = f->calls_head;
-    f->calls_head = NULL;
-    pthread_mutex_unlock(&f->lock);
-    struct call *in_order = NULL;
-    while (call) {
-        struct call *next = call->next;
-        call->next = in_order;
-        in_order = call;
-        call = next;
-    }
+    struct call *call;
+    TAKE_IN_ORDER(f, calls_head, struct call, call);
     PyObject *list = PyList_New(0);
-    for (call = in_order; call; ) {
+    while (call) {
         PyObject *headers = list ? PyDict_New() : NULL;
         for (const char *p = call->fields, *end = call->fields + call->fields_len; headers && p < end; ) {
             uint32_t name_len, value_len;  // (u32 length, bytes) each
@@ -1361,19 +1352,10 @@ static PyObject *Front_wait_wanted(Front *f, PyObject *unused) {
 static PyObject *Front_handed(Front *f, PyObject *unused) {
     uint64_t count;
     if (read(f->handed_fd, &count, sizeof count) < 0 && errno != EAGAIN) return PyErr_SetFromErrno(PyExc_OSError);
-    pthread_mutex_lock(&f->lock);
-    struct handed *h = f->handed_head;
-    f->handed_head = NULL;
-    pthread_mutex_unlock(&f->lock);
-    struct handed *in_order = NULL;
-    while (h) {
-        struct handed *next = h->next;
-        h->next = in_order;
-        in_order = h;
-        h = next;
-    }
+    struct handed *h;
+    TAKE_IN_ORDER(f, handed_head, struct handed, h);
     PyObject *list = PyList_New(0);
-    for (h = in_order; h; ) {
+    while (h) {
         PyObject *item = list ? Py_BuildValue("iy#", h->fd, h->data, (Py_ssize_t)h->len) : NULL;
         if (!item || PyList_Append(list, item) < 0) {
             close(h->fd);

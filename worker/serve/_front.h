@@ -148,6 +148,21 @@ struct call_answer {
     size_t headers_len, data_len, trailers_len;
 };
 
+// Take the list at f->field, which other threads push onto newest first under f->lock, into `taken`, oldest first.
+#define TAKE_IN_ORDER(f, field, type, taken) do {  \
+        pthread_mutex_lock(&(f)->lock);             \
+        type *pushed_ = (f)->field;                 \
+        (f)->field = NULL;                          \
+        pthread_mutex_unlock(&(f)->lock);           \
+        (taken) = NULL;                             \
+        while (pushed_) {                           \
+            type *next_ = pushed_->next;            \
+            pushed_->next = (taken);                \
+            (taken) = pushed_;                      \
+            pushed_ = next_;                        \
+        }                                           \
+    } while (0)
+
 // _front.c
 int64_t now_ns(void);
 void *grown(void *memory, size_t size);

@@ -77,7 +77,6 @@ struct h2 {
     uint32_t continuing;       // the stream of a header block awaiting CONTINUATION (0: none)
     int continuing_flags;
     buffer_t block;
-    int going_away;
     int64_t send_window, initial_send_window, unacknowledged;
     uint32_t max_send_frame;
     entry_t *table;            // HPACK's dynamic table, oldest first
@@ -1105,18 +1104,9 @@ void h2_release(Front *f, connection_t *c) {
 
 // The Python server's answers to calls (answer_call), written to the calls' streams if still open.
 void h2_write_call_answers(Front *f) {
-    pthread_mutex_lock(&f->lock);
-    struct call_answer *answer = f->call_answers_head;
-    f->call_answers_head = NULL;
-    pthread_mutex_unlock(&f->lock);
-    struct call_answer *in_order = NULL;
+    struct call_answer *answer;
+    TAKE_IN_ORDER(f, call_answers_head, struct call_answer, answer);
     while (answer) {
-        struct call_answer *next = answer->next;
-        answer->next = in_order;
-        in_order = answer;
-        answer = next;
-    }
-    for (answer = in_order; answer;) {
         connection_t *c = f->connections;
         while (c && !(c->h2 && c->h2->serial == answer->serial)) c = c->next;
         stream_t *s = c ? find(c->h2, answer->stream) : NULL;

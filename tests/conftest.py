@@ -4,9 +4,7 @@ serving, userland, inference_models) are importable by name from any test: pypro
 from __future__ import annotations
 
 import pytest
-from serving import Servers, make_pool
-
-from tandem.worker.serve.native import UNAVAILABLE
+from serving import Servers, make_pool, skip_without_c_front
 
 
 @pytest.fixture
@@ -21,8 +19,7 @@ def http_front(request):
     """A module's tests, under both fronts (its `pytestmark` uses this fixture): the pools made by make_pool get
     httpFront python, then native (the C front answers the JSON inference requests and gRPC's ModelInfer with raw
     contents, and the Python server everything else)."""
-    if request.param == "native" and UNAVAILABLE is not None:
-        pytest.skip(f"the C front is not built here: {UNAVAILABLE}")
+    skip_without_c_front(request.param)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TANDEM_TEST_HTTP_FRONT", request.param)
         yield request.param

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+import pytest
 import torch
 import tritonclient.http as triton
 from inference_models import GATES, seeded_mlp
@@ -21,11 +22,21 @@ from inference_models import GATES, seeded_mlp
 from tandem.api.inference import InferencePool
 from tandem.worker import checkpoint
 from tandem.worker.serve.app import InferenceServer
+from tandem.worker.serve.native import UNAVAILABLE
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 WAIT_S = 60.0
+NO_C_FRONT = None if UNAVAILABLE is None else f"the C front is not built here: {UNAVAILABLE}"
+"""Why the C front's tests skip, where they do."""
+needs_c_front = pytest.mark.skipif(NO_C_FRONT is not None, reason=str(NO_C_FRONT))
+
+
+def skip_without_c_front(http_front: str) -> None:
+    """Skip a test run under `http_front` where that is the C front and it is not built here."""
+    if http_front == "native" and NO_C_FRONT is not None:
+        pytest.skip(NO_C_FRONT)
 
 
 def make_pool(name: str = "digits", **spec) -> InferencePool:

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from serving import wait_until
+from serving import skip_without_c_front, wait_until
 from tritonclient.grpc import service_pb2
 
 from tandem.worker.serve.grpc_server import (
@@ -52,7 +52,7 @@ from tandem.worker.serve.grpc_server import (
     header_field,
 )
 from tandem.worker.serve.http import new_event_loop
-from tandem.worker.serve.native import UNAVAILABLE, CallBridge, Front
+from tandem.worker.serve.native import CallBridge, Front
 from tandem.worker.serve.processes import accept_on, listening_socket
 
 WAIT_S = 30
@@ -119,8 +119,7 @@ class Loop:
 
 @pytest.fixture(params=["python", "native"])
 def loop(request) -> Iterator[Loop]:
-    if request.param == "native" and UNAVAILABLE is not None:
-        pytest.skip(f"the C front is not built here: {UNAVAILABLE}")
+    skip_without_c_front(request.param)
     running = Loop(native=request.param == "native")
     yield running
     running.close()

@@ -26,6 +26,7 @@ from serving import (
     inputs,
     json_body,
     make_pool,
+    needs_c_front,
     port_from_log,
     reference,
     request,
@@ -34,9 +35,7 @@ from serving import (
 )
 from test_http import closed_by_server, connect, read_response
 
-from tandem.worker.serve.native import UNAVAILABLE
-
-pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"the C front is not built here: {UNAVAILABLE}")
+pytestmark = needs_c_front
 
 INFER = "/v2/models/digits/infer"
 FUZZ_CASES = 150

@@ -13,9 +13,8 @@ import zlib
 
 import hpack
 import numpy as np
-import pytest
 from google.protobuf.message import DecodeError
-from serving import WAIT_S, Servers, inputs, reference
+from serving import WAIT_S, Servers, inputs, needs_c_front, reference
 from tritonclient.grpc import service_pb2
 
 from tandem.worker.serve.grpc_server import (
@@ -31,9 +30,8 @@ from tandem.worker.serve.grpc_server import (
     SETTINGS,
     frame,
 )
-from tandem.worker.serve.native import UNAVAILABLE
 
-pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"the C front is not built here: {UNAVAILABLE}")
+pytestmark = needs_c_front
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 FUZZ_CASES = 150

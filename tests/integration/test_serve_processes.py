@@ -19,12 +19,22 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as tgrpc
-from serving import WAIT_S, inputs, json_body, make_pool, ports_in, reference, request, serve_process, wait_until
+from serving import (
+    WAIT_S,
+    inputs,
+    json_body,
+    make_pool,
+    ports_in,
+    reference,
+    request,
+    serve_process,
+    skip_without_c_front,
+    wait_until,
+)
 
 from tandem.cli import main as cli_main
 from tandem.worker import cores
 from tandem.worker.serve.app import InferenceServer
-from tandem.worker.serve.native import UNAVAILABLE
 from tandem.worker.serve.processes import (
     GRPC,
     HTTP,
@@ -107,8 +117,7 @@ def test_two_processes_share_the_ports_answer_every_connection_and_stop_together
     mapping one file of weights, served the connections in turn (half each, over HTTP and over gRPC); a fresh
     connection each time, every request answered right; SIGTERM stops both (each drains), exit 0, nothing left
     behind. With either HTTP front (native: each child's C front takes the connections it is handed)."""
-    if http_front == "native" and UNAVAILABLE is not None:
-        pytest.skip(f"the C front is not built here: {UNAVAILABLE}")
+    skip_without_c_front(http_front)
     process = serve_process(write_pool(tmp_path, processesPerReplica=2, httpFront=http_front))
     pids: list[int] = []
     try:

@@ -188,8 +188,46 @@ def test_through_503s_and_429s_the_latest_checkpoint_never_regresses(cluster):
     assert checkpoints[-1] == 60 and checkpoints == sorted(checkpoints)
 
 
-def test_the_final_status_is_delivered_through_three_refusals_in_a_row(cluster, capsys):
-    sink = KubernetesStatusSink("digits", NS, interval=60)
+class Waits(threading.Condition):
+    """A threading.Condition that records the timeout of each `wait_for` and the thread that asked for it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[tuple[threading.Thread, float | None]] = []
+
+    def wait_for(self, predicate, timeout=None):
+        self.asked.append((threading.current_thread(), timeout))
+        return super().wait_for(predicate, timeout)
+
+    def timeouts(self, thread: threading.Thread) -> list[float]:
+        """What `thread` asked to wait at most, in order (a wait for a change alone asks no timeout)."""
+        return [timeout for by, timeout in self.asked if by is thread and timeout is not None]
+
+
+def sink_recording_waits(monkeypatch, **options) -> tuple[KubernetesStatusSink, Waits]:
+    """A sink whose condition (`_wake`: the one its sender waits on between attempts, and close() for the final
+    status) is a `Waits`, so that the delays the sender chooses and the time close() allows are recorded as asked
+    rather than measured: a loaded machine stretches what is measured, never what is asked. threading.Condition is
+    replaced only while the sink is built."""
+    with monkeypatch.context() as patch:
+        patch.setattr(status_sink.threading, "Condition", Waits)
+        sink = KubernetesStatusSink("digits", NS, **options)
+    return sink, sink._wake
+
+
+def reached(answers: Answers) -> None:
+    """Wait (at most 10 s) until the first scripted patch has reached the API."""
+    for _ in range(1000):
+        if answers.times:
+            return
+        time.sleep(0.01)
+    raise AssertionError("no status patch reached the API within 10 s")
+
+
+def test_the_final_status_is_delivered_through_three_refusals_in_a_row(cluster, monkeypatch, capsys):
+    """close() allows the final status the whole deadline it was given (the timeout it asks, recorded), so it does
+    not give up while the retries are within it."""
+    sink, waits = sink_recording_waits(monkeypatch, interval=60)
     sink.publish(status(10))
     assert sink.flush(10)
     answers = answer(cluster, 503, 503, 503, None)
@@ -198,16 +236,59 @@ def test_the_final_status_is_delivered_through_three_refusals_in_a_row(cluster, 
     assert len(answers.times) == 4
     assert stored(cluster)["progress"]["step"] == 40
     assert "not delivered" not in capsys.readouterr().err
+    assert waits.timeouts(threading.current_thread())[-1] == sink.deadline == 30.0
 
 
-def test_close_gives_up_at_its_deadline_with_one_line(cluster, capsys):
-    sink = KubernetesStatusSink("digits", NS, interval=60, deadline=0.5)
-    answer(cluster, *[503] * 100)
+@pytest.mark.parametrize(("script", "first_wait", "last_error"), [
+    pytest.param([503] * 100, (0.01, 0.02), "503", id="503s"),
+    pytest.param([(429, {"Retry-After": "600"}, "slow down")], (status_sink.RETRY_AFTER_CAP,) * 2, "429",
+                 id="a-retry-after-past-the-cap"),
+])
+def test_close_gives_up_at_its_deadline_with_one_line(cluster, monkeypatch, capsys, script, first_wait, last_error):
+    """While every attempt fails, close() waits for the final status exactly the deadline it was given (the timeout
+    it asks of the sink's condition, recorded rather than measured), then gives up with one line naming the last
+    error, and the sender stops at once, in the middle of a wait too: a Retry-After of 600 s is waited at most
+    RETRY_AFTER_CAP (30 s), and close() cuts that short."""
+    answers = answer(cluster, *script)
+    sink, waits = sink_recording_waits(monkeypatch, interval=60, deadline=0.5)
     sink.publish(status(10))
+    reached(answers)  # the sender is retrying before close() starts counting
     sink.close()
-    err = capsys.readouterr().err
-    assert err.count("the final status of default/digits was not delivered within 0.5 s (last error: 503") == 1
+    sink._thread.join(10)
+    assert not sink._thread.is_alive(), "the sender stopped when close() gave up"
+    assert waits.timeouts(threading.current_thread()) == [0.5]
+    low, high = first_wait
+    assert low <= waits.timeouts(sink._thread)[0] <= high
+    line = f"the final status of default/digits was not delivered within 0.5 s (last error: {last_error}"
+    assert capsys.readouterr().err.count(line) == 1
     assert "progress" not in stored(cluster)
+
+
+@pytest.mark.parametrize(("script", "expected"), [
+    pytest.param([503, 503, 503, 503], [(0.01, 0.02), (0.02, 0.04), (0.04, 0.08), (0.08, 0.16)], id="503s"),
+    pytest.param([(429, {"Retry-After": "1"}, "slow down"), 503, 503], [(1.0, 1.0), (0.02, 0.04), (0.04, 0.08)],
+                 id="a-429-with-retry-after-then-503s"),
+    pytest.param([503, 503, None, 503], [(0.01, 0.02), (0.02, 0.04), (0.01, 0.02)], id="started-over-after-a-success"),
+])
+def test_the_senders_wait_doubles_over_failures_in_a_row_and_starts_over_after_a_success(cluster, monkeypatch,
+                                                                                          script, expected):
+    """The delays rank 0's sender asks between attempts (recorded, not measured; the jitter is real) while it sends
+    two statuses, the second once the first is stored, through the script's answers: under the cluster fixture's
+    backoff (base 0.02 s: the n-th failure in a row waits between 0.01 x 2^(n-1) and 0.02 x 2^(n-1) s), each failure
+    doubles the wait, a 429's Retry-After is the least it waits without changing the count, and a delivered status
+    starts the next one's count over."""
+    answers = answer(cluster, *script)
+    sink, waits = sink_recording_waits(monkeypatch, interval=0)
+    sink.publish(status(10))
+    assert sink.flush(10)
+    sink.publish(status(20))
+    assert sink.flush(10)
+    sink.close()
+    assert len(answers.times) == len(script)
+    assert stored(cluster)["progress"]["step"] == 20
+    asked = waits.timeouts(sink._thread)
+    assert len(asked) == len(expected), asked
+    assert all(low <= wait <= high for wait, (low, high) in zip(asked, expected, strict=True)), asked
 
 
 def test_retry_after_is_honoured(cluster):
@@ -302,6 +383,30 @@ def test_a_group_restarted_from_scratch_removes_no_checkpoint(cluster):
     for version in versions:
         assert version["checkpoint"]["latest"] == paths[-1]
         assert [record["path"] for record in version["checkpoint"]["history"]] == paths
+
+
+LIMIT = status_sink.HISTORY_LIMIT
+FULL = [10 * n for n in range(1, LIMIT + 1)]
+"""A stored history at its limit: steps 10, 20, ... 10 x LIMIT."""
+
+
+@pytest.mark.parametrize(("stored", "written", "kept"), [
+    ([], [*range(1, LIMIT + 2)], [*range(2, LIMIT + 2)]),
+    (FULL, [FULL[-1] + 10], [*FULL[1:], FULL[-1] + 10]),
+    (FULL, [FULL[-1], FULL[-1] + 10], [*FULL[1:], FULL[-1] + 10]),
+], ids=["one group writes one checkpoint past the limit", "a restarted group's first checkpoint after a full history",
+        "a resumed group records the stored latest again, then a new one"])
+def test_the_checkpoint_history_past_its_limit_keeps_the_newest(stored, written, kept):
+    """What rank 0 records (Reporter.checkpoint) and what its patch sends over the stored history (keep_stored_history):
+    the newest HISTORY_LIMIT records, oldest first."""
+    recorder = Recorder()
+    reporter = Reporter([recorder], workers=2, total_steps=1000)
+    for step in written:
+        reporter.checkpoint(Path(f"/ckpt/step-{step:04d}.pt"), step)
+    own = recorder.published[-1].to_dict()["checkpoint"]
+    history = [{"path": f"/ckpt/step-{step:04d}.pt", "step": step, "time": "2026-01-01T00:00:00Z"} for step in stored]
+    merged = status_sink.keep_stored_history({"history": history}, own)
+    assert [record["step"] for record in merged["history"]] == kept
 
 
 def test_a_status_behind_the_one_handed_over_keeps_its_preemption_cost_consistent_with_what_is_sent(cluster):

@@ -253,39 +253,109 @@ def test_a_refused_call_becomes_a_condition_at_the_next_publish_and_is_cleared_a
     assert cluster.patches[1]["conditions"][0]["status"] == "False"
 
 
-def test_the_loop_decides_a_failed_pass_again_within_seconds_and_a_clean_pass_clears_a_refusal(monkeypatch):
-    """The loop's waits, recorded instead of waited: after each failure the pass runs again, within seconds for a
-    transient failure or a stale read, never kopf's 60 s; a refusal waits for a change or REFUSED_SECONDS; the
-    clean pass after a refusal is followed at once by one that clears its condition."""
+def loop_waits(monkeypatch, script, state: daemon.Reconciliation | None = None
+               ) -> tuple[list[float | None], daemon.Reconciliation]:
+    """Runs the daemon loop over `script`, one item a pass: an exception the pass raises, a coroutine function the
+    pass awaits (its result is the pass's), or what the pass returns; after the last, FINISHED. Returns the wait the
+    loop asked for after each pass and the loop's state (`state`, or a job's new one). `daemon.sleep` is replaced
+    so that the waits are recorded instead of waited: the loop's decision is the seconds it asks for, and a loaded
+    machine cannot stretch those."""
     waits = []
 
     async def sleep(waker, stopped, seconds):
         waits.append(seconds)
 
     monkeypatch.setattr(daemon, "sleep", sleep)
-    script = [Unavailable("create", "Pod", "x", 503, "", "", retry_after=None),
-              Unavailable("create", "Pod", "x", 429, "", "", retry_after=2.0),
-              Stale("replace", "Deployment", "x", 409, "", ""),
-              Refused("create", "Pod", "x", 403, "Forbidden", ""),
-              5.0, 5.0, daemon.FINISHED]
+    passes = iter(script)
 
     async def one_pass():
-        answer = script.pop(0)
+        answer = next(passes, daemon.FINISHED)
+        if callable(answer):
+            answer = await answer()
         if isinstance(answer, Exception):
             raise answer
         return answer
 
-    class Stopped:
+    class Running:  # kopf's DaemonStopped is false until the daemon is stopped
         def __bool__(self):
             return False
 
-    state = daemon.Reconciliation("paralleltrainingjobs", "default", "j")
-    asyncio.run(daemon.run(state, asyncio.Event(), Stopped(), one_pass))
-    assert not script
+    state = state or daemon.Reconciliation("paralleltrainingjobs", "default", "j")
+    asyncio.run(daemon.run(state, asyncio.Event(), Running(), one_pass))
+    return waits, state
+
+
+def test_the_loop_decides_a_failed_pass_again_within_seconds_and_a_clean_pass_clears_a_refusal(monkeypatch):
+    """The loop's waits, recorded instead of waited: after each failure the pass runs again, within seconds for a
+    transient failure or a stale read, never kopf's 60 s; a refusal waits for a change or REFUSED_SECONDS; the
+    clean pass after a refusal is followed at once by one that clears its condition."""
+    waits, state = loop_waits(monkeypatch, [Unavailable("create", "Pod", "x", 503, "", "", retry_after=None),
+                                            Unavailable("create", "Pod", "x", 429, "", "", retry_after=2.0),
+                                            Stale("replace", "Deployment", "x", 409, "", ""),
+                                            Refused("create", "Pod", "x", 403, "Forbidden", ""),
+                                            5.0, 5.0])
+    assert len(waits) == 6
     assert 0.25 <= waits[0] <= 0.5 and waits[1] >= 2.0 and waits[1] <= 5.0
     assert waits[2] == daemon.STALE_SECONDS and waits[3] == daemon.REFUSED_SECONDS
     assert waits[4] == 0.0 and state.refusal is None, "a clean pass after a refusal: at once again, to clear it"
     assert waits[5] == 5.0
+
+
+FIRST, SECOND, THIRD, FOURTH, CAPPED = (0.25, 0.5), (0.5, 1.0), (1.0, 2.0), (2.0, 4.0), (2.5, 5.0)
+"""PASS_BACKOFF's jittered waits after 1, 2, 3, 4 and more transient failures in a row: between c/2 and c, where c
+doubles from 0.5 s to its cap, 5 s."""
+CLEAN = 10.0
+"""What a clean pass in these scripts asks for: look again in 10 s."""
+STALE = Stale("replace", "ConfigMap", "default/j-spec", 409, "Conflict", "")
+GONE = api_error(404)  # an object gone under a call whose caller does not absorb the 404
+FORBIDDEN = Refused("create", "Pod", "default/j-worker-0", 403, "Forbidden", "")
+
+
+def unavailable(retry_after: float | None = None) -> Unavailable:
+    return Unavailable("create", "Pod", "default/j-worker-0", 503, "Service Unavailable", "", retry_after)
+
+
+@pytest.mark.parametrize(("script", "expected"), [
+    pytest.param([unavailable()] * 7, [FIRST, SECOND, THIRD, FOURTH, CAPPED, CAPPED, CAPPED],
+                 id="doubling-up-to-the-cap"),
+    pytest.param([unavailable(), unavailable(), unavailable(), CLEAN, unavailable(), unavailable()],
+                 [FIRST, SECOND, THIRD, CLEAN, FIRST, SECOND], id="started-over-by-a-clean-pass"),
+    pytest.param([unavailable(3.0), unavailable(), unavailable(0.1), unavailable(8.0)], [3.0, SECOND, THIRD, 8.0],
+                 id="retry-after-the-least-even-past-the-cap"),
+    pytest.param([unavailable(), unavailable(), STALE, GONE, unavailable()],
+                 [FIRST, SECOND, daemon.STALE_SECONDS, daemon.STALE_SECONDS, THIRD], id="stale-or-gone-in-between"),
+    pytest.param([unavailable(), FORBIDDEN, unavailable(), FORBIDDEN, CLEAN, CLEAN, unavailable()],
+                 [FIRST, daemon.REFUSED_SECONDS, SECOND, daemon.REFUSED_SECONDS, 0.0, CLEAN, FIRST],
+                 id="refused-in-between"),
+])
+def test_the_wait_after_each_pass_follows_the_transient_failures_in_a_row(monkeypatch, script, expected):
+    """The loop over a run of pass outcomes (the waits recorded, not waited; the jitter is real, and each expected
+    wait is the range it falls in, or an exact number): each transient failure in a row doubles the wait up to the
+    cap, never below the server's Retry-After (which may exceed the cap) and without that Retry-After changing the
+    count; a clean pass starts the count over; a stale read, an object gone, or a refusal waits its own fixed time
+    and leaves the count as it was (they are not transient failures, nor a pass that got through); the clean pass
+    after a refusal is followed at once by one that clears its condition."""
+    waits, _ = loop_waits(monkeypatch, script)
+    expected = [wait if isinstance(wait, tuple) else (wait, wait) for wait in expected]
+    assert len(waits) == len(expected), waits
+    assert all(low <= wait <= high for wait, (low, high) in zip(waits, expected, strict=True)), waits
+
+
+def test_the_servers_retry_after_travels_from_the_failed_call_to_the_next_pass(monkeypatch, slept):
+    """A pass whose create is answered 503 with Retry-After: 3 on every attempt (the `kubernetes` client's
+    ApiException raised by a fake client method: `call` reads the answer as the client hands it over, no API server
+    is needed) waits 3 s between its attempts (recorded by `slept`, not waited) and ends Unavailable; the loop then
+    decides the pass again no sooner than the server asked, though its own backoff would start at half a second.
+    The next pass's create is answered and the loop goes on as that pass asks."""
+    method = Answers(*[api_error(503, {"Retry-After": "3"})] * Backoff().attempts, "created")
+
+    async def creates():
+        await call("create", "Pod", "default/j-worker-0", method, "default", {})
+        return CLEAN
+
+    waits, _ = loop_waits(monkeypatch, [creates, creates])
+    assert slept == [3.0] * (Backoff().attempts - 1)
+    assert waits == [3.0, CLEAN]
 
 
 def test_every_event_handler_runs_on_the_event_loop():

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from kubernetes.client.exceptions import ApiException
+from test_api_policy import loop_waits
 from test_queueing import EVICTED, KUEUE, queued_job
 from test_training_reconcile import NOW, SETTINGS, applied, job, pod, running
 
@@ -217,7 +218,7 @@ def test_a_failed_call_ends_the_pass_only_once_the_calls_sent_beside_it_are_sett
     assert not failure.not_sent or not [what for what in sent if what.startswith(failure.not_sent)]
 
 
-def test_a_404_under_a_replace_marks_the_child_gone_decides_again_at_once_and_then_creates_it():
+def test_a_404_under_a_replace_marks_the_child_gone_decides_again_at_once_and_then_creates_it(monkeypatch):
     """pool_handlers._apply in the daemon's loop: kopf's index holds the pool's Deployment, which was deleted while a
     watch was down; replacing it is answered 404. The loop's state after it: the Deployment is gone (left out of
     every later pass though the index keeps it), no refusal is recorded (no APIRequestRefused condition), the pass is
@@ -232,27 +233,16 @@ def test_a_404_under_a_replace_marks_the_child_gone_decides_again_at_once_and_th
             self.fail = {"Deployment/p-server": ApiException(status=404, reason="Not Found")} if existing else {}
             return await super().put(manifest, existing)
 
-    cluster, waits, passes = Vanished(), [], []
+    cluster, passes = Vanished(), []
 
     async def one_pass():
-        if len(passes) == 2:
-            return daemon.FINISHED
         indexed = state.present([ghost])  # kopf's index keeps the ghost for good
         passes.append(indexed)
         await pool_handlers._apply(PoolPlan(apply=[manifest]), body, {"Deployment": next(iter(indexed), None)},
                                    cluster, pool_handlers.RecentlyPut(), state)
         return None
 
-    async def sleep(waker, stopped, seconds):
-        waits.append(seconds)
-
-    class Running:
-        def __bool__(self):
-            return False
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(daemon, "sleep", sleep)
-        asyncio.run(daemon.run(state, asyncio.Event(), Running(), one_pass))
+    waits, _ = loop_waits(monkeypatch, [one_pass, one_pass], state)
     assert passes == [[ghost], []]
     assert state.gone == {"d1"} and state.refusal is None
     assert waits == [daemon.STALE_SECONDS, None]

@@ -69,6 +69,7 @@ def test_the_gate(name, gate, candidate, served, promoted, reason):
     (ACCURACY, [("a", {"accuracy": 0.5}), ("b", {"accuracy": 0.9}), ("c", {"accuracy": 0.4})], "b"),
     (ACCURACY, [("a", {"accuracy": 0.9}), ("b", {"accuracy": 0.9})], "b"),  # the newest of equals
     (LOSS, [("a", {"evalLoss": 0.5}), ("b", {"evalLoss": 0.2}), ("c", {"evalLoss": 0.3})], "b"),
+    (LOSS, [("a", {"evalLoss": 0.2}), ("b", {"evalLoss": 0.2})], "b"),  # min mode too: the newest of equals
     (ACCURACY, [("a", {}), ("b", {"accuracy": 0.3}), ("c", {})], "b"),
     (ACCURACY, [("a", {}), ("b", {"evalLoss": 0.3})], None),  # none has it: the server starts on the latest
     (ACCURACY, [], None),

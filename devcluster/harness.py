@@ -15,11 +15,12 @@ On entering: the emulator serves on a real TCP port of 127.0.0.1 (`url`), `kubec
 event loop in a background thread. `shutdown()` (on leaving) kills every process (pods' and spawned ones), stops the
 server and the loop and joins the thread, so nothing is left between tests.
 
-Kueue (kueue.py): `Cluster(kueue=True)` also installs Kueue's upstream CRDs (`KUEUE_CRDS`: Workload, ClusterQueue,
+Kueue (kueue.py): `Cluster(kueue=True)` also installs Kueue's CRDs (`KUEUE_CRDS`: Workload, ClusterQueue,
 LocalQueue, ResourceFlavor, WorkloadPriorityClass, kueue.x-k8s.io/v1beta2) and runs `cluster.kueue`, an emulation of
 Kueue's admission (quota, queue order, preemption, the Workload's conditions) beside the kubelet; its `history` lists
-what it decided. Other upstream CRDs go in `crds`: `Cluster(crds=[CRDS, COSCHEDULING_CRDS, VOLCANO_CRDS])` (PodGroups
-of scheduler-plugins and Volcano, validated against their schemas; nothing acts on them).
+what it decided. The other projects' CRDs go in `crds`: `Cluster(crds=[CRDS, COSCHEDULING_CRDS, VOLCANO_CRDS])`
+(PodGroups of scheduler-plugins and Volcano, validated against their schemas; nothing acts on them). All three are
+written here after those projects' APIs, modelling what Tandem and devcluster use (devcluster/crds/README.md).
 
 CRDs: the rules of their schemas (`x-kubernetes-validations`) are enforced as on a cluster (a create that breaks one
 answers 422 naming the field and the rule's message; devcluster/cel.py); `crd_without_rules(name)` serves a CRD
@@ -82,7 +83,7 @@ REPO = Path(__file__).resolve().parents[1]
 CRDS = REPO / "crds"
 T = TypeVar("T")
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 never goes via a proxy
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: Kueue's 1.4 MB Workload CRD in 0.15 s, not 2 s
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where there is one: CRDs read faster
 _TRANSIENT = (kubernetes.client.ApiException, KeyError, IndexError, TypeError, AttributeError)
 
 

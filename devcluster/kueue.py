@@ -5,9 +5,9 @@ that creates Workloads for its jobs (the job integration's part) be tested on th
 Deployment controller (deployments.py), it is a client of the API: it lists and watches Workloads, ClusterQueues,
 LocalQueues, ResourceFlavors and Namespaces, and writes Workloads' status through the status subresource (a merge
 patch with the resourceVersion it read: a conflict is decided again, on what the watch brought). `Cluster(kueue=True)`
-installs the upstream CRDs (`KUEUE_CRDS`) and runs it; its requests are client `kueue`'s (faults.py). The decisions are
-pure functions: kueue_admission.py (flavors, victims, one pass) over kueue_objects.py (quantities, requests, conditions,
-a ClusterQueue's quotas).
+installs Kueue's CRDs (`KUEUE_CRDS`: written here after Kueue's API, devcluster/crds/) and runs it; its requests are
+client `kueue`'s (faults.py). The decisions are pure functions: kueue_admission.py (flavors, victims, one pass) over
+kueue_objects.py (quantities, requests, conditions, a ClusterQueue's quotas).
 
 What it does (Kueue's wording throughout):
 
@@ -64,8 +64,10 @@ is looked for in every flavor, then the first one preemption can make room in), 
 DRA, pod-level resources (spec.resources of the pod) and LimitRanges, MultiKueue, the ClusterQueue's and LocalQueue's
 status (usage, pending counts), WorkloadPriorityClass resolution (the Workload's spec.priority is read, as Kueue's
 scheduler does; the job integration sets it), the Workload finalizer, v1beta1 (only the storage version v1beta2 is
-served: catalog.py), Kueue's webhooks (the CRDs' OpenAPI schemas and CEL rules are enforced by the emulator), and the
-job integration itself (suspending a job, clearing a reservation, Finished: the operator's part, or a test's).
+served: catalog.py), Kueue's webhooks (the CRDs' OpenAPI schemas and CEL rules are enforced by the emulator; of the
+webhook's checks only one is, as a rule of KUEUE_CRDS: spec.podSets is immutable while the Workload holds a quota
+reservation), and the job integration itself (suspending a job, clearing a reservation, Finished: the operator's
+part, or a test's).
 Deviations: same-second creation or admission times are ordered by when this controller saw the Workloads (Kueue: by
 uid); where Kueue meets a pod set's resources in Go's (random) map order, they are taken sorted here, an uncovered
 resource first.
@@ -88,10 +90,11 @@ from .writes import timestamp
 
 logger = logging.getLogger(__name__)
 
-UPSTREAM_CRDS = Path(__file__).resolve().parents[1] / "tests" / "upstream_crds"
-KUEUE_CRDS = UPSTREAM_CRDS / "kueue"  # Workload, ClusterQueue, LocalQueue, ResourceFlavor, WorkloadPriorityClass
-COSCHEDULING_CRDS = UPSTREAM_CRDS / "scheduler-plugins"  # scheduling.x-k8s.io/v1alpha1 PodGroup
-VOLCANO_CRDS = UPSTREAM_CRDS / "volcano"  # scheduling.volcano.sh/v1beta1 PodGroup
+# Other projects' APIs as written here (devcluster/crds/README.md: what each follows and leaves out)
+OTHER_CRDS = Path(__file__).resolve().parent / "crds"
+KUEUE_CRDS = OTHER_CRDS / "kueue.yaml"  # Workload, ClusterQueue, LocalQueue, ResourceFlavor, WorkloadPriorityClass
+COSCHEDULING_CRDS = OTHER_CRDS / "coscheduling.yaml"  # scheduler-plugins' scheduling.x-k8s.io/v1alpha1 PodGroup
+VOLCANO_CRDS = OTHER_CRDS / "volcano.yaml"  # scheduling.volcano.sh/v1beta1 PodGroup
 API = "/apis/kueue.x-k8s.io/v1beta2"
 HISTORY_LIMIT = 10_000
 

@@ -1,7 +1,8 @@
 """The emulated Kueue admission (devcluster/kueue.py, kueue_admission.py) on the emulated cluster, with hand-written
 Workloads and the tests playing the job integration's part (the owner clearing a reservation, finishing a Workload);
-no operator. Also: the upstream CRDs (tests/upstream_crds) install, and the emulator validates objects against them
-(422 for what their OpenAPI schemas or CEL rules refuse), cluster-scoped kinds included. Then the pure functions
+no operator. Also: the CRDs of Kueue and the gang schedulers (devcluster/crds/, written after their APIs) install,
+and the emulator validates objects against them (422 for what their OpenAPI schemas or CEL rules refuse),
+cluster-scoped kinds included. Then the pure functions
 (quantities, requests, flavor assignment, victims, one pass) table by table."""
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def settled(cluster: Cluster, *names: str, quiet: float = 0.4) -> None:
     raise AssertionError(f"{names} kept changing")
 
 
-# -- the upstream CRDs in the emulator ----------------------------------------------------------------------------
+# -- Kueue's and the gang schedulers' CRDs in the emulator -------------------------------------------------------
 def test_cluster_scoped_kinds_are_served_at_their_paths(cluster):
     """ClusterQueue, ResourceFlavor and WorkloadPriorityClass (scope: Cluster) answer create/get/list/watch at
     /apis/kueue.x-k8s.io/v1beta2/<plural>, with the CRD's defaults; a namespaced path for them is 404."""
@@ -177,8 +178,8 @@ def test_cluster_scoped_kinds_are_served_at_their_paths(cluster):
     assert ("ADDED", "scoped") in [(e["type"], e["object"]["metadata"]["name"]) for e in events]
 
 
-def test_objects_the_upstream_schemas_refuse_answer_422(cluster):
-    """The Workload's and ClusterQueue's schemas (OpenAPI and CEL) are the upstream ones."""
+def test_objects_kueues_schemas_refuse_answer_422(cluster):
+    """The Workload's and ClusterQueue's schemas (OpenAPI and CEL rules, Kueue's) refuse what Kueue's refuse."""
     pod = {"spec": {"containers": [{"name": "c", "image": "x"}]}}
     for spec, expected in (
             ({"podSets": [{"name": "main", "count": 1}]}, "spec.podSets.0: 'template' is a required property"),
@@ -199,9 +200,10 @@ def test_objects_the_upstream_schemas_refuse_answer_422(cluster):
     assert cluster.get("workloads", NS, "refused") is None
 
 
-def test_upstream_transition_rules_hold_on_updates(cluster):
+def test_kueues_transition_rules_hold_on_updates(cluster):
     """The CRDs' rules on `oldSelf` (evaluated by cel-python on updates): a LocalQueue's clusterQueue is immutable,
-    a Workload's queueName too while it holds a quota reservation."""
+    a Workload's queueName and pod sets too while it holds a quota reservation (the pod sets: Kueue's webhook's
+    check, a rule of devcluster's CRD)."""
     flavor(cluster, "default")
     queue(cluster, "rules")
     workload(cluster, "rules-one", "rules")
@@ -212,6 +214,10 @@ def test_upstream_transition_rules_hold_on_updates(cluster):
     code, body = cluster.request("PATCH", f"{API}/namespaces/{NS}/workloads/rules-one",
                                  {"spec": {"queueName": "other"}}, MERGE)
     assert code == 422 and "queueName is immutable while workload quota reserved" in body["message"]
+    pod_sets = get(cluster, "rules-one")["spec"]["podSets"]
+    code, body = cluster.request("PATCH", f"{API}/namespaces/{NS}/workloads/rules-one",
+                                 {"spec": {"podSets": [{**pod_sets[0], "count": 2}]}}, MERGE)
+    assert code == 422 and 'spec.podSets: Invalid value: "object": field is immutable' in body["message"], body
     code, body = cluster.request("PATCH", f"{API}/namespaces/{NS}/workloads/rules-one/status", {"status": {
         "admission": {"clusterQueue": "rules", "podSetAssignments": []}}}, MERGE)
     assert code == 422 and "podSetAssignments must have the same number of podSets as the spec" in body["message"]
@@ -221,7 +227,7 @@ def test_upstream_transition_rules_hold_on_updates(cluster):
     ("/apis/scheduling.x-k8s.io/v1alpha1", "scheduling.x-k8s.io/v1alpha1"),
     ("/apis/scheduling.volcano.sh/v1beta1", "scheduling.volcano.sh/v1beta1"),
 ], ids=["scheduler-plugins", "volcano"])
-def test_podgroups_are_validated_against_their_upstream_schemas(cluster, path, api_version):
+def test_podgroups_are_validated_against_their_schedulers_schemas(cluster, path, api_version):
     group = {"apiVersion": api_version, "kind": "PodGroup", "metadata": {"name": "gang"},
              "spec": {"minMember": 4, "minResources": {"cpu": "4"}}}
     code, body = cluster.request("POST", f"{path}/namespaces/{NS}/podgroups", group)

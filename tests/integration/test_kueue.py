@@ -1,7 +1,8 @@
 """Queued training on the emulated cluster: `tandem operator --kueue` against devcluster's emulated Kueue admission
 (devcluster/kueue.py: a ClusterQueue's quota, the queue order, preemption, the Workload's conditions; not Kueue
-itself, which needs a real cluster) and the upstream Kueue CRDs (tests/upstream_crds/), so that every Workload the
-operator writes is checked against Kueue's own schema. The ranks are real gloo processes run by the test kubelet.
+itself, which needs a real cluster) and Kueue's CRDs as devcluster serves them (devcluster/crds/, written after
+Kueue's API), so that every Workload the operator writes is checked against Kueue's schema and rules. The ranks are
+real gloo processes run by the test kubelet.
 
 One ClusterQueue of 2 CPUs (a flavour whose node label the node has), and jobs of 2 ranks asking 1 CPU each: one job
 fits at a time."""
@@ -138,7 +139,7 @@ def test_a_job_without_a_queue_label_is_untouched_by_kueue(cluster):
 
 
 def test_a_gang_gets_its_podgroup_which_follows_a_resize(cluster):
-    """spec.gang: the operator creates the Volcano PodGroup (the upstream CRD's schema checks it) before the pods,
+    """spec.gang: the operator creates the Volcano PodGroup (Volcano's CRD schema checks it) before the pods,
     which carry Volcano's annotation and scheduler; no Volcano runs here, so they stay unscheduled, Pending. A resize
     replaces the group, and the PodGroup's minMember follows it (a patch of the existing one)."""
     create(cluster, custom_job("gang", gang={"scheduler": "volcano", "queue": "research"}))

@@ -128,6 +128,12 @@ def admission_of(manifest: dict[str, Any]) -> Admission:
         reason, message = evicted.get("reason", "Evicted"), (preempted or evicted).get("message", "")
     elif admitted:
         reason, message = "Admitted", (true("Admitted") or {}).get("message", "")
+    elif holds_quota:  # quota reserved, not admitted: admission checks (provisioning, say) are not all Ready yet
+        unready = [f"{check.get('name')} ({check.get('state')})" for check in status.get("admissionChecks") or []
+                   if check.get("state") != "Ready"]
+        reason = (condition(conditions, "Admitted") or {}).get("reason") or "UnsatisfiedChecks"
+        message = f"{reserved.get('message') or 'quota reserved'}; waiting for admission checks: " + (
+            ", ".join(unready) or "none reported yet")
     else:
         waiting = condition(conditions, "QuotaReserved") or {}
         reason = waiting.get("reason") or "Pending"

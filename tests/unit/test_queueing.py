@@ -110,7 +110,8 @@ CASES = [
          workload_patch={"PodsReady": "False"}),
     Case("quota reserved while admission checks (provisioning) are pending starts no rank",
          queued_job({"phase": "Queued"}), Queueing(workload=CHECKS_PENDING, placement=ON_GPUS),
-         queue={"admitted": False, "clusterQueue": "cq"}),
+         reason="UnsatisfiedChecks", queue={"admitted": False, "clusterQueue": "cq", "message": (
+             "QuotaReserved QuotaReserved; waiting for admission checks: provisioning (Pending)")}),
     Case("an admitted job's group runs and reports PodsReady", queued_job(running(phase="Running")),
          Queueing(workload=ADMITTED), [pod(0), pod(1)], phase="Running", workload_patch={"PodsReady": "True"},
          queue={"admitted": True}),

@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from jobs import TESTS, final_weights, leftover_processes, manifest, tandem_run
@@ -131,6 +132,58 @@ def test_a_failed_local_rank_ends_its_siblings_and_the_pod_names_it(tmp_path):
     head, *tail = message.read_text().splitlines()
     assert head == "rank 3 (local rank 1) exited with code 7"
     assert tail[-1] == "rank 3 ran out of luck"
+
+
+KILLED = """
+    import os, resource, signal, time
+    if os.environ["LOCAL_RANK"] == "1":
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
+        print("rank 3 is going down", flush=True)
+        os.kill(os.getpid(), signal.{signal})
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSEGV], ids=["oom-killed", "segfault"])
+def test_a_local_rank_killed_by_a_signal_ends_the_pod_with_128_plus_the_signal(tmp_path, signum):
+    """As a shell reports a signal, and the kubelet a container killed by one (137 for an OOM kill). The sibling,
+    asleep for 2 minutes, is killed, not waited for."""
+    job = custom_job(tmp_path, "killed", KILLED.format(signal=signum.name))
+    message = tmp_path / "termination-log"
+    pod = start_pod(job, 1, 2, 4, 29514, termination_log=message)
+    assert pod.wait(timeout=60) == 128 + signum
+    assert not leftover_processes("killed"), "a sibling rank outlived its pod"
+    head, *tail = message.read_text().splitlines()
+    assert head == f"rank 3 (local rank 1) exited with code {-signum} (killed by {signum.name})"
+    assert tail == ["rank 3 is going down"]
+
+
+LONG_LOG = """
+    import os, time
+    if os.environ["LOCAL_RANK"] == "1":
+        for line in range(100):
+            print(f"line {line:03} " + "é" * 300, flush=True)
+        raise RuntimeError("rank 3's last words")
+    time.sleep(120)
+"""
+
+
+def test_the_termination_message_of_a_long_log_keeps_its_end_within_4096_bytes(tmp_path):
+    """A rank that logs about 60 KB (the message is built from its last 30 lines: about 16 KB), then a traceback:
+    the message is the cause and as much of the log's end as fits the kubelet's 4,096 bytes, the traceback whole, no
+    character cut in half (each "é" is 2 bytes: one the limit cuts is dropped whole)."""
+    job = custom_job(tmp_path, "long-log", LONG_LOG)
+    message = tmp_path / "termination-log"
+    pod = start_pod(job, 1, 2, 4, 29515, termination_log=message)
+    assert pod.wait(timeout=60) == 1
+    written = message.read_bytes()
+    assert 4096 - 1 <= len(written) <= 4096
+    head, *tail = written.decode().splitlines()
+    assert head == "rank 3 (local rank 1) exited with code 1"
+    assert tail[-4:] == ["Traceback (most recent call last):",
+                         f'  File "{tmp_path / "long-log.py"}", line 6, in <module>',
+                         "    raise RuntimeError(\"rank 3's last words\")", "RuntimeError: rank 3's last words"]
+    assert tail[-5] == "line 099 " + "é" * 300
 
 
 STOPPING = """

@@ -66,5 +66,5 @@ def launch(termination_log: Path = TERMINATION_LOG) -> int:
     message = termination_message(ended, group.tail(ended.failed_rank))
     print(f"tandem worker launch: {ended.cause}; the pod's other ranks were stopped", file=sys.stderr, flush=True)
     with contextlib.suppress(OSError):  # run by hand, outside a container: stderr has said it
-        termination_log.write_text(message)
+        termination_log.write_text(message, encoding="utf-8")  # as measured against the limit
     return exit_code(ended.code)

@@ -187,6 +187,23 @@ BUGS = [
         "share_cores(self.spec.workers_per_replica * (1 if self.group is None else self.group.size))",
         "share_cores(self.spec.workers_per_replica)",
         "tests/integration/test_serve_processes.py::test_the_cores_are_shared_by_every_replica_of_the_group"),
+    Bug("a failure of any but the first of a pass's concurrent calls swallowed (the pass looks clean)",
+        "operator/daemon.py", "    for result in results:\n        if isinstance(result, BaseException):",
+        "    for result in results[:1]:\n        if isinstance(result, BaseException):",
+        "tests/unit/test_apply.py::test_a_failed_call_ends_the_pass_only_once_the_calls_sent_beside_it_are_settled"),
+    Bug("the server's Retry-After dropped between the call and the next pass", "operator/api_policy.py",
+        "raise Unavailable(verb, kind, target, code, reason, message, retry_after)",
+        "raise Unavailable(verb, kind, target, code, reason, message)",
+        "tests/unit/test_api_policy.py::test_the_servers_retry_after_travels_from_the_failed_call_to_the_next_pass"),
+    Bug("a pod's termination message keeps the head of a long log, not its end", "worker/train/launch.py",
+        'tail = log_tail.encode()[-room:].decode(errors="ignore")',
+        'tail = log_tail.encode()[:room].decode(errors="ignore")',
+        "tests/integration/test_ranks_per_pod.py::"
+        "test_the_termination_message_of_a_long_log_keeps_its_end_within_4096_bytes"),
+    Bug("ranks started on quota Kueue reserved before its admission checks are ready", "operator/queueing.py",
+        'admitted = holds_quota and true("Admitted") is not None and evicted is None',
+        "admitted = holds_quota and evicted is None",
+        "tests/unit/test_queueing.py::test_reconcile_under_a_queue"),
 ]
 
 

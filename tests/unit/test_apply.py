@@ -186,7 +186,7 @@ class Failure:
     slow: str
     """A call sent beside it that takes many turns: it must be answered before the pass ends."""
     not_sent: str = ""
-    """Calls on objects starting so that must not be sent once the failure is known."""
+    """No call on an object whose Kind/name starts so may be sent once the failure is known."""
     config_map: dict[str, Any] | None = None
 
 

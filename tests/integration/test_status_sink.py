@@ -23,6 +23,7 @@ from pathlib import Path
 import kmock
 import pytest
 from jobs import Recorder
+from serving import wait_until
 
 from devcluster import Cluster
 from tandem.api import ParallelTrainingJob, ParallelTrainingJobStatus
@@ -215,15 +216,6 @@ def sink_recording_waits(monkeypatch, **options) -> tuple[KubernetesStatusSink, 
     return sink, sink._wake
 
 
-def reached(answers: Answers) -> None:
-    """Wait (at most 10 s) until the first scripted patch has reached the API."""
-    for _ in range(1000):
-        if answers.times:
-            return
-        time.sleep(0.01)
-    raise AssertionError("no status patch reached the API within 10 s")
-
-
 def test_the_final_status_is_delivered_through_three_refusals_in_a_row(cluster, monkeypatch, capsys):
     """close() allows the final status the whole deadline it was given (the timeout it asks, recorded), so it does
     not give up while the retries are within it."""
@@ -252,7 +244,7 @@ def test_close_gives_up_at_its_deadline_with_one_line(cluster, monkeypatch, caps
     answers = answer(cluster, *script)
     sink, waits = sink_recording_waits(monkeypatch, interval=60, deadline=0.5)
     sink.publish(status(10))
-    reached(answers)  # the sender is retrying before close() starts counting
+    wait_until(lambda: answers.times, timeout=10, what="the first status patch")  # retrying before close()
     sink.close()
     sink._thread.join(10)
     assert not sink._thread.is_alive(), "the sender stopped when close() gave up"

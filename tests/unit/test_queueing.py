@@ -17,6 +17,7 @@ import yaml
 from test_training_reconcile import CHECKPOINT_MOUNT, NOW, ago, job, pod, running
 
 from devcluster import schema
+from devcluster.catalog import kinds_of_crd
 from devcluster.kueue import COSCHEDULING_CRDS, KUEUE_CRDS, VOLCANO_CRDS, one_queue
 from tandem.manifest import parse
 from tandem.operator import queueing
@@ -313,14 +314,9 @@ def test_gang_options_of_the_other_scheduler_are_refused_naming_the_fix():
 def served_schemas() -> dict[tuple[str, str], dict[str, Any]]:
     """(apiVersion, kind): the schema devcluster serves for each kind of Kueue's and the gang schedulers' (the CRDs'
     storage versions, devcluster/crds/)."""
-    served = {}
-    for path in (KUEUE_CRDS, COSCHEDULING_CRDS, VOLCANO_CRDS):
-        for crd in yaml.load_all(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
-            for version in (crd or {}).get("spec", {}).get("versions", []):
-                if version.get("storage"):
-                    key = (f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])
-                    served[key] = version["schema"]["openAPIV3Schema"]
-    return served
+    return {(f"{kind.group}/{kind.version}", kind.kind): kind.schema
+            for path in (KUEUE_CRDS, COSCHEDULING_CRDS, VOLCANO_CRDS)
+            for crd in yaml.safe_load_all(path.read_text()) if crd for kind in kinds_of_crd(crd)}
 
 
 def schema_problems(manifest: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:

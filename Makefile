@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup crds bench clean device-wheels images e2e sanitize
+.PHONY: run test lint setup system-packages crds bench clean device-wheels images e2e sanitize fuzz
 
 # tests/integration/test_kubectl.py needs kubectl >= 1.27 on PATH (it validates `apply` through the OpenAPI v3
 # documents; Debian bookworm's kubernetes-client is 1.20); without one those tests skip, saying why.
@@ -16,11 +16,29 @@ setup: $(STAMP)
 # any other spec may pull a multi-GB CUDA build.
 # setup.py builds the C extension (worker/serve/_front*.c) in the editable install: a change to it installs again.
 $(STAMP): pyproject.toml setup.py constraints.txt $(wildcard worker/serve/_front*.c worker/serve/_front*.h)
+	$(MAKE) --no-print-directory system-packages
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	TANDEM_REQUIRE_FRONT=$$($(FRONT_LIBRARIES) && echo 1) $(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
+
+# The C front's libraries come from the system's packages (setup.py says which and how they are found): installed
+# here when missing, where this is root with apt-get (as on the project's machines and in CI); elsewhere the line
+# below says what to install, and until then `tandem serve` serves in Python. Where they are there, the front must
+# build (TANDEM_REQUIRE_FRONT=1).
+SYSTEM_PACKAGES := gcc libc6-dev pkg-config libnghttp2-dev node-llhttp
+FRONT_LIBRARIES := pkg-config --exists libnghttp2 && test -f /usr/share/llhttp/llhttp.c
+system-packages:
+	@if $(FRONT_LIBRARIES) 2>/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "make setup: installing the C front's libraries: $(SYSTEM_PACKAGES)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			$(SYSTEM_PACKAGES) >/dev/null; \
+	else \
+		echo "make setup: the C front needs $(SYSTEM_PACKAGES) (Debian/Ubuntu; as root: apt-get install ...);" \
+			"without them tandem serve serves every request in Python"; \
+	fi
 
 run: $(STAMP)
 	$(BIN)/tandem validate examples/*.yaml

@@ -27,8 +27,12 @@ ARG PYTHON_BASE=python:3.12-slim-bookworm
 
 # --- the tandem wheel, built once for both images --------------------------------------------------------------
 FROM ${PYTHON_BASE} AS wheel
-# A C compiler for the HTTP front (worker/serve/_front.c, httpFront: native); the images keep only the built wheel.
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+# The C front (worker/serve/_front*.c, httpFront: native) and its libraries, as `make setup` installs them: a C
+# compiler, libnghttp2's headers and llhttp's sources (setup.py); the images keep only the built wheel, and the
+# front must build (TANDEM_REQUIRE_FRONT=1).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev pkg-config libnghttp2-dev node-llhttp \
+    && rm -rf /var/lib/apt/lists/*
+ENV TANDEM_REQUIRE_FRONT=1
 WORKDIR /src
 COPY constraints.txt pyproject.toml setup.py README.md ./
 COPY tandem/ tandem/
@@ -77,12 +81,15 @@ ARG TORCH_INDEX_URL=
 # node to pods that requested none).
 ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility
 COPY --from=wheel /wheels/ /tmp/wheels/
-# torch first, from the chosen variant's index (as `make setup` does), then tandem and the rest from PyPI.
+# libnghttp2, which the C front links; torch first, from the chosen variant's index (as `make setup` does), then
+# tandem and the rest from PyPI; the C front must import.
+RUN apt-get update && apt-get install -y --no-install-recommends libnghttp2-14 && rm -rf /var/lib/apt/lists/*
 RUN pip install ${TORCH_INDEX_URL:+--index-url "${TORCH_INDEX_URL}"} "torch==${TORCH_VERSION}" \
     && pip install -c /opt/tandem/constraints.txt /tmp/wheels/tandem-*.whl \
     && rm -rf /tmp/wheels \
     && python -c "import torch, torch.distributed; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
-'nccl', torch.distributed.is_nccl_available())"
+'nccl', torch.distributed.is_nccl_available())" \
+    && python -c "from tandem.worker.serve.native import UNAVAILABLE; assert UNAVAILABLE is None, UNAVAILABLE"
 LABEL org.opencontainers.image.title="tandem-worker" \
       org.opencontainers.image.description="Tandem's trainer ranks and inference servers (PyTorch, CUDA, NCCL)"
 USER ${UID}:${GID}

@@ -85,6 +85,20 @@ sanitize: $(STAMP)
 		tests/integration/test_grpc.py tests/integration/test_grpc_server.py; \
 		status=$$?; $(BIN)/python setup.py -q build_ext --inplace --force; exit $$status
 
+# The front's own parsers in C (HTTP/1.1 recogniser on llhttp, JSON infer body, ModelInferRequest decoder) under
+# libFuzzer with ASan and UBSan, FUZZ_SECONDS each (fuzz/run.sh prints executions and coverage; bench/RESULTS.md
+# keeps the latest). Needs clang, libFuzzer and llvm-cov: installed here when missing, as root with apt-get.
+FUZZ_SECONDS ?= 60
+FUZZ_PACKAGES := clang libfuzzer-14-dev llvm
+fuzz: system-packages
+	@if command -v clang >/dev/null 2>&1 && command -v llvm-cov >/dev/null 2>&1 \
+		&& test -f "$$(clang -print-file-name=libclang_rt.fuzzer-x86_64.a)"; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			$(FUZZ_PACKAGES) >/dev/null; \
+	else echo "make fuzz: needs $(FUZZ_PACKAGES) (Debian/Ubuntu)" >&2; exit 1; fi
+	bash fuzz/run.sh $(FUZZ_SECONDS)
+
 # For bench/device_check.sh: what the device machine's image lacks of what `tandem run`, `tandem serve` and the
 # benchmarks import (the image has torch, numpy, rich, pyyaml, attrs, prometheus-client, uvloop), for its Python 3.12.
 DEVICE_WHEELS := pydantic pydantic_core annotated-types typing-inspection pydantic-settings python-dotenv orjson httptools \

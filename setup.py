@@ -42,8 +42,9 @@ def front() -> Extension:
     nghttp2_libs = pkg_config("libnghttp2", "--libs", "NGHTTP2_LIBS") or ["-lnghttp2"]
     return Extension(
         "tandem.worker.serve._front",
-        ["worker/serve/_front.c", "worker/serve/_front_grpc.c"],
-        depends=["worker/serve/_front.h"],
+        ["worker/serve/_front.c", "worker/serve/_front_grpc.c", "worker/serve/_front_parse.c",
+         "worker/serve/_front_infer.c"],
+        depends=["worker/serve/_front.h", "worker/serve/_front_parse.h", "worker/serve/_front_infer.h"],
         include_dirs=[str(LLHTTP_INCLUDE)],
         optional=os.environ.get("TANDEM_REQUIRE_FRONT") != "1",
         extra_compile_args=["-O2", "-fvisibility=hidden", *nghttp2_cflags],

@@ -10,7 +10,9 @@ generated servicer).
 
 Candidates: grpc.aio with the generated servicer's (de)serialisers (what the server ran before); grpc.aio with a
 generic handler on bytes; grpclib (pure Python, on h2) on uvloop; a minimal gRPC server straight over h2 on an asyncio
-Protocol on uvloop; tandem.worker.serve.grpc_server (HTTP/2 framed by hand, on uvloop: what the server runs now).
+Protocol on uvloop; tandem.worker.serve.grpc_server (since issue 35 grpc.aio with its generic handler and the
+Limits' options, on uvloop: what the server runs where the C front does not own the gRPC port; before, HTTP/2 framed
+by hand).
 Needs h2load (Debian: apt-get install nghttp2-client), and grpclib and h2 for their rows (pip install grpclib==0.4.9
 h2==4.4.1; --stacks to leave them out).
 """
@@ -153,11 +155,13 @@ async def _serve_h2(port: int) -> None:
 
 async def _serve_tandem(port: int) -> None:
     from tandem.worker.serve.grpc_server import GrpcServer
+    from tandem.worker.serve.limits import Limits
 
     async def infer(request: service_pb2.ModelInferRequest, context) -> service_pb2.ModelInferResponse:
         return answer(request)
 
-    await GrpcServer({METHOD: (service_pb2.ModelInferRequest, infer)}, 64 << 20).start(HOST, port)
+    limits = Limits(max_message_bytes=64 << 20)
+    await GrpcServer({METHOD: (service_pb2.ModelInferRequest, infer)}, limits).start(HOST, port)
     await asyncio.Event().wait()
 
 

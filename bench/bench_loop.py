@@ -122,7 +122,7 @@ def serve_and_drive(connections: int, requests: int, rounds: int) -> None:
     """One measuring process: the server as `tandem serve` runs it, and the load on its own event loop."""
     from tandem.api.inference import InferencePool
     from tandem.worker.serve.app import InferenceServer
-    from tandem.worker.serve.http import new_event_loop
+    from tandem.worker.serve.background import new_event_loop
 
     server = InferenceServer(InferencePool.model_validate(POOL))
 

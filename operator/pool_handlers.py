@@ -8,15 +8,15 @@ How the operator learns which checkpoint each replica serves: it asks each ready
 /v2/models/{m}/ready` on the pod's IP, a readiness endpoint and so open even behind the pool's token, which the
 operator never reads; the answer's `parameters` carry `checkpoint`, `source` and `loaded_at`, the served checkpoint's
 recorded metrics and a promotion gate's last skipped candidate). Chosen over
-servers annotating their own pods because (1) a server then needs no API credentials at all (its pods mount no
-ServiceAccount token, so a compromised server cannot write to the API), (2) what is reported is what the process
+servers annotating their own pods because (1) a server then needs no write access to the API (its ServiceAccount
+may only read its own pool, so a compromised server cannot write to the API), (2) what is reported is what the process
 answering inference requests holds, not what it last managed to write, and (3) only ready pods are asked, so a
 replica that stopped answering drops out of the status by itself. The same answer carries the batching settings the
-server runs with; a server running other ones than the pool's is sent the pool's (`PUT /v2/models/{m}/batching`),
-for the same reasons, and because a ConfigMap change reaches a mounted file only after the kubelet's sync (a minute
-or more) and restarting servers to apply it would cost their warm-up (a pool with a token rolls its servers
-instead: the operator holds no token). The cost: the operator must reach the server pods' port (a NetworkPolicy
-that isolates them must admit the operator's pods; see README).
+server runs with, and the pool's settings it refused (its model failed its warm-up at them) with its error. The
+operator sends the servers nothing: each reads its pool's batching settings itself (worker/serve/pool_watch.py, with
+a ServiceAccount that may get and watch that one pool), so no port a client reaches takes a change. The cost: the
+operator must reach the server pods' port (a NetworkPolicy that isolates them must admit the operator's pods; see
+README).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from tandem.operator import daemon
 from tandem.operator.handlers import wake
 from tandem.operator.observed import read_resource
 from tandem.operator.pool_objects import POOL_LABEL, POOL_PLURAL
-from tandem.operator.pool_served import Refusal, Served, served_metrics, skipped_candidate
+from tandem.operator.pool_served import Served, refused_batching, served_metrics, skipped_candidate
 from tandem.operator.pools import PoolPlan, Sources, reconcile_pool, sources
 from tandem.operator.training_objects import JOB_PLURAL
 
@@ -90,7 +90,6 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
     waker = memo.pool_wakers.setdefault(key, asyncio.Event())
     state = daemon.Reconciliation(POOL_PLURAL, namespace, name)
     put = RecentlyPut()
-    refusals: dict[str, Refusal] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ASK_SECONDS)) as session:
 
         async def one_pass() -> float | None:
@@ -103,9 +102,7 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
             job = next(iter(training_jobs.get((namespace, reads.job), [])), None) if reads and reads.job else None
             served = await _ask_servers(session, reads, pods) if reads else []
             plan = reconcile_pool(observed, children, pods, served, job, datetime.now(UTC),
-                                  memo.settings.worker_image, refusals)
-            if plan.push:
-                await _push_batching(session, reads, plan, pods, refusals)
+                                  memo.settings.worker_image)
             await _apply(plan, observed.body, children, memo.cluster, put, state)
             return plan.requeue_after
 
@@ -135,7 +132,7 @@ async def _ask(session: aiohttp.ClientSession, pod: dict[str, Any], model: str, 
         return None
     return Served(name, parameters.get("checkpoint"), str(parameters.get("source", "")),
                   str(parameters.get("loaded_at", "")), _reported_batching(parameters), served_metrics(parameters),
-                  skipped_candidate(parameters))
+                  skipped_candidate(parameters), refused_batching(parameters))
 
 
 def _reported_batching(parameters: dict[str, Any]) -> BatchingSettings | None:
@@ -144,33 +141,6 @@ def _reported_batching(parameters: dict[str, Any]) -> BatchingSettings | None:
         return BatchingSettings.model_validate({name: parameters[name] for name in LIVE_FIELDS})
     except (KeyError, ValidationError):
         return None
-
-
-async def _push_batching(session: aiohttp.ClientSession, reads: Sources, plan: PoolPlan,
-                         pods: list[dict[str, Any]], refusals: dict[str, Refusal]) -> None:
-    """Send the pool's batching settings to the server pods that run others (`PUT /v2/models/{m}/batching`). A
-    server's refusal is kept in `refusals` (the decision waits before sending the same again, and says why); a
-    server not reached is tried again on the next pass (it still reports its old settings)."""
-    addresses = {p["metadata"]["name"]: p["status"]["podIP"] for p in pods if _ready(p)}
-    for gone in set(refusals) - set(addresses):
-        del refusals[gone]
-
-    async def push(pod: str) -> None:
-        url = f"http://{addresses[pod]}:{reads.port}/v2/models/{reads.model}/batching"
-        try:
-            async with session.put(url, json=plan.batching) as response:
-                if response.status != 200:
-                    message = f"{response.status} {(await response.text())[:500]}"
-                    refusals[pod] = Refusal(plan.batching, message, datetime.now(UTC))
-                    log.warning("server pod %s refused the batching settings: %s", pod, message)
-                    return
-        except (aiohttp.ClientError, TimeoutError) as error:
-            log.warning("could not send server pod %s the batching settings: %s", pod, error)
-            return
-        refusals.pop(pod, None)
-        log.info("server pod %s runs the pool's batching settings now", pod)
-
-    await asyncio.gather(*(push(pod) for pod in plan.push if pod in addresses))
 
 
 def _ready(pod: dict[str, Any]) -> bool:
@@ -201,7 +171,8 @@ class RecentlyPut:
 
 async def _apply(plan: PoolPlan, body: dict[str, Any], children: dict[str, dict[str, Any] | None], cluster,
                  put: RecentlyPut, state: daemon.Reconciliation) -> None:
-    """The pool's objects put and deleted (each concurrently: their retries overlap), then the status."""
+    """The servers' access to their pool created (kept where it exists), the pool's objects put and deleted (each
+    concurrently: their retries overlap), then the status."""
 
     async def put_one(manifest: dict[str, Any]) -> None:
         existing = children.get(manifest["kind"])
@@ -219,6 +190,7 @@ async def _apply(plan: PoolPlan, body: dict[str, Any], children: dict[str, dict[
         if not await cluster.delete(kind, name, state.namespace) and existing and existing["metadata"]["name"] == name:
             state.found_gone(existing)
 
+    await daemon.all_of(cluster.create(manifest) for manifest in plan.create)
     await daemon.all_of(put_one(manifest) for manifest in plan.apply)
     await daemon.all_of(delete_one(kind, name) for kind, name in plan.delete)
     await daemon.publish(cluster, state, body, plan.status, plan.events)

@@ -1,13 +1,16 @@
 """The Kubernetes objects an InferencePool becomes, built from its spec as plain manifests (pure functions):
 
-- a Deployment of server pods, each running `tandem serve` on the pool's manifest (a ConfigMap, mounted read-only),
-  listening on all the pod's interfaces; the pod template's spec hash leaves out the batching settings, which reach
-  the running servers without replacing them (pools.py; not for a pool with `spec.auth`); probes that tell the truth
-  (startup covers the model's load and warm-up, readiness is the server's own /v2/health/ready, liveness
-  /v2/health/live); a preStop pause so endpoints drop the pod before its drain begins, and a grace period longer than
-  pause and drain together; rolling updates that never go below the ready replicas (maxUnavailable 0);
+- a Deployment of server pods, each running `tandem serve --watch-pool` on the pool's manifest (a ConfigMap, mounted
+  read-only), listening on all the pod's interfaces; the pod template's spec hash leaves out the batching settings,
+  which the running servers read from the pool themselves (worker/serve/pool_watch.py) without being replaced;
+  probes that tell the truth (startup covers the model's load and warm-up, readiness is the server's own
+  /v2/health/ready, liveness /v2/health/live); a preStop pause so endpoints drop the pod before its drain begins,
+  and a grace period longer than pause and drain together; rolling updates that never go below the ready replicas
+  (maxUnavailable 0);
 - with `spec.auth`, the token's Secret mounted as a file (`--auth-token-file`): a rotated Secret reaches the running
   servers without a restart, and the operator itself never reads Secrets;
+- the servers' ServiceAccount, a Role allowing exactly get and watch on this one pool (resourceNames), nothing else,
+  and the binding: how the batching settings reach the servers, with no control endpoint on a port clients reach;
 - a ClusterIP Service on the pool's HTTP and gRPC ports; a PodDisruptionBudget when there is more than one replica; with
   `spec.autoscaling`, a HorizontalPodAutoscaler on the pool's scale subresource, on pending requests per replica.
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any
 
-from tandem.api import API_VERSION, InferencePool, InferencePoolSpec, ParallelTrainingJob
+from tandem.api import API_VERSION, GROUP, InferencePool, InferencePoolSpec, ParallelTrainingJob
 from tandem.api.inference import LIVE_FIELDS
 from tandem.contract import checkpoint_name
 from tandem.crd import RESOURCES
@@ -84,18 +87,13 @@ def served_spec(pool: InferencePool) -> dict[str, Any]:
     return {key: value for key, value in pool.spec.to_dict().items() if key not in ("replicas", "autoscaling")}
 
 
-def live_batching(pool: InferencePool) -> bool:
-    """Whether the operator sends a batching change to the running servers (pools.py) rather than replacing them: not
-    for a pool with a token, which the operator does not hold (it never reads Secrets) and the servers would ask of
-    it."""
-    return pool.spec.auth is None
+def server_account_name(pool: str) -> str:
+    return child_name(pool, "server")
 
 
 def rollout_spec(pool: InferencePool) -> dict[str, Any]:
-    """What, changed, replaces the servers: the served spec, less the batching settings where the operator sends them
-    to the running servers instead."""
-    if not live_batching(pool):
-        return served_spec(pool)
+    """What, changed, replaces the servers: the served spec, less the batching settings, which the running servers
+    read from the pool themselves (pool_watch.py)."""
     live = {InferencePoolSpec.model_fields[name].alias for name in LIVE_FIELDS}
     return {key: value for key, value in served_spec(pool).items() if key not in live}
 
@@ -111,9 +109,7 @@ def server_deployment(owner: dict[str, Any], pool: InferencePool, *, job: Parall
     directory (followed) or, with `pinned_step`, the checkpoint of that step in it."""
     name, spec = pool.metadata.name, pool.spec
     command = ["tandem", "serve", f"{SPEC_MOUNT}/{SPEC_FILE}", "--host", "0.0.0.0", "--port", str(spec.port),
-               "--grpc-port", str(spec.grpc_port), "--grace-period", str(DRAIN_SECONDS)]
-    if live_batching(pool):
-        command.append("--allow-batching-changes")
+               "--grpc-port", str(spec.grpc_port), "--grace-period", str(DRAIN_SECONDS), "--watch-pool"]
     mounts: list[dict[str, Any]] = []
     volumes: list[dict[str, Any]] = []
     if spec.auth is not None:
@@ -141,7 +137,8 @@ def server_deployment(owner: dict[str, Any], pool: InferencePool, *, job: Parall
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SECONDS)]}}},
     }
     pod = {
-        "automountServiceAccountToken": False,  # a server needs no API access
+        "serviceAccountName": server_account_name(name),  # get and watch on this pool, nothing else (server_access)
+        "automountServiceAccountToken": True,
         "terminationGracePeriodSeconds": PRE_STOP_SECONDS + DRAIN_SECONDS + 10,
     }
     served = {"spec": rollout_spec(pool), "command": command}
@@ -162,6 +159,26 @@ def server_deployment(owner: dict[str, Any], pool: InferencePool, *, job: Parall
                 default_image=default_image, mounts=mounts, volumes=volumes)},
         },
     }
+
+
+def server_access(owner: dict[str, Any], pool: InferencePool) -> list[dict[str, Any]]:
+    """The servers' ServiceAccount, a Role allowing exactly get and watch on this one pool, the binding: a server
+    reads its pool's batching settings (a GET, then a watch with `fieldSelector=metadata.name=<pool>`, which the API
+    server authorizes by resourceNames) and can change nothing, not even its pool's status."""
+    name = pool.metadata.name
+    account, namespace = server_account_name(name), owner["metadata"].get("namespace")
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": object_metadata(owner, account, labels(name)),
+         "automountServiceAccountToken": True},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": object_metadata(owner, account, labels(name)),
+         "rules": [{"apiGroups": [GROUP], "resources": [POOL_PLURAL], "resourceNames": [name],
+                    "verbs": ["get", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": object_metadata(owner, account, labels(name)),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]},
+    ]
 
 
 def service(owner: dict[str, Any], pool: InferencePool) -> dict[str, Any]:

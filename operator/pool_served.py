@@ -1,25 +1,25 @@
 """What the ready servers of an InferencePool report (their `/v2/models/{m}/ready` answers, asked by
 pool_handlers.py), and what the pool's decision (pools.py) makes of it: the model they serve (status.model, and a
 CheckpointsDiffer message while they serve different checkpoints), a promotion gate's Promoted and PromotionSkipped
-Events, and the batching settings they run (status.batching, which servers to send the pool's settings to, and
-which refused them lately)."""
+Events, and the batching settings they run (status.batching, and which servers refused the pool's: each server reads
+them from the pool itself, worker/serve/pool_watch.py, and reports a refusal in its readiness parameters)."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from tandem.api import InferencePool
 from tandem.api.inference import BatchingSettings
 from tandem.columns import file_name, four_figures
-from tandem.contract import SERVED_METRIC_PARAMETER, checkpoint_step
-
-REFUSED_PUSH_SECONDS = 30.0
-"""How long a server that refused the pool's batching settings (say its model fails at the new batch size) is left
-alone before they are sent again: each try costs it a warm-up."""
+from tandem.contract import (
+    REFUSED_BATCHING_PARAMETER,
+    REFUSED_RETRY_SECONDS,
+    SERVED_METRIC_PARAMETER,
+    checkpoint_step,
+)
 
 
 @dataclass(frozen=True)
@@ -31,41 +31,38 @@ class Served:
     source: str
     loaded_at: str
     batching: BatchingSettings | None = None
-    """The batching settings it runs with (None: it does not say, so it is neither counted nor pushed to)."""
+    """The batching settings it runs with (None: it does not say, so it is not counted)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """What the checkpoint's job recorded for it."""
     skipped: dict[str, Any] | None = None
     """With a promotion gate: the latest candidate it did not promote (status.lastSkipped's shape)."""
+    refused: tuple[BatchingSettings, str] | None = None
+    """The pool's batching settings it last refused (its model failed its warm-up at them), and its error."""
 
 
-@dataclass(frozen=True)
-class Refusal:
-    """A server's answer refusing the batching settings it was sent."""
-
-    settings: dict[str, Any]
-    message: str
-    at: datetime
-
-
-def batching_pushes(batching: BatchingSettings, served: list[Served],
-                    refused: dict[str, str] | None = None) -> list[str]:
-    """The ready servers to send the pool's `batching` to: those that report running other settings, less those that
-    refused them lately (`refused`: by pod)."""
-    return sorted(s.pod for s in served if s.batching is not None and s.batching != batching
-                  and s.pod not in (refused or {}))
+def refused_batching(parameters: dict[str, Any]) -> tuple[BatchingSettings, str] | None:
+    """The batching settings a server reports refusing (`refused_<setting>` and `refused_reason` parameters), or
+    None."""
+    prefix = REFUSED_BATCHING_PARAMETER
+    reason = parameters.get(f"{prefix}reason")
+    if not isinstance(reason, str):
+        return None
+    try:
+        settings = BatchingSettings.model_validate({name: parameters[f"{prefix}{name}"]
+                                                   for name in BatchingSettings.model_fields})
+    except (KeyError, ValueError):
+        return None
+    return settings, reason
 
 
-def refused_settings(batching: BatchingSettings, served: list[Served], refusals: dict[str, Refusal],
-                     now: datetime) -> dict[str, str]:
-    """The ready servers that refused the pool's batching settings within REFUSED_PUSH_SECONDS, with their answer."""
-    wanted = batching.to_dict()
-    pods = {s.pod for s in served}
-    return {pod: refusal.message for pod, refusal in sorted(refusals.items()) if pod in pods
-            and refusal.settings == wanted and (now - refusal.at).total_seconds() < REFUSED_PUSH_SECONDS}
+def refused_settings(batching: BatchingSettings, served: list[Served]) -> dict[str, str]:
+    """The ready servers that report refusing the pool's batching settings, with their error."""
+    return {s.pod: s.refused[1] for s in sorted(served, key=lambda s: s.pod)
+            if s.refused is not None and s.refused[0] == batching and s.batching != batching}
 
 
-def batching_status(batching: BatchingSettings, served: list[Served], refused: dict[str, str],
-                    live: bool) -> tuple[dict[str, Any] | None, str | None]:
+def batching_status(batching: BatchingSettings, served: list[Served],
+                    refused: dict[str, str]) -> tuple[dict[str, Any] | None, str | None]:
     """What the ready servers run (the settings most of them report), and a message while some run other settings
     than the pool's (naming those that refused them, with their answer)."""
     reported = [s for s in served if s.batching is not None]
@@ -76,12 +73,10 @@ def batching_status(batching: BatchingSettings, served: list[Served], refused: d
     others = [s for s in sorted(reported, key=lambda s: s.pod) if s.batching != batching]
     differ = None
     if others:
-        how = "which are being pushed to them" if live else \
-            "until the rolling update replaces them (a pool with a token rolls its servers for a batching change)"
-        differ = f"servers run other batching settings than the pool's, {how}: " + "; ".join(
+        differ = "servers run other batching settings than the pool's, which they are taking from it: " + "; ".join(
             f"{s.pod}: {s.batching.summary()}" for s in others)
     if refused:
-        differ = (f"{differ}. Refused (sent again after {REFUSED_PUSH_SECONDS:g} s; change the pool to try other "
+        differ = (f"{differ}. Refused (tried again after {REFUSED_RETRY_SECONDS:g} s; change the pool to try other "
                   "settings): " + "; ".join(f"{pod}: {message}" for pod, message in refused.items()))
     return running, differ
 

@@ -10,11 +10,12 @@ create or replace, objects to delete, the status, events, when to look again). W
   (they load each new checkpoint in process); `follow: false` pins the checkpoint latest when the pool was created
   or last changed, and the servers move only when the pool changes.
 - Batching (batchLimit, queueLimit, maxQueueDelayMicroseconds, requestTimeoutMs) never replaces a server: the pod
-  template's hash leaves it out (pool_objects.py), and each ready server that reports running other settings than
-  the pool's is sent the pool's (`PoolPlan.push`; the handler PUTs them to the server, pool_handlers.py), unless it
-  refused the same settings within REFUSED_PUSH_SECONDS (then BatchingDiffers has reason Refused and its answer). The
-  spec ConfigMap has them too, so that a server started later starts with them. A pool with `spec.auth` rolls its
-  servers instead (pool_objects.live_batching: the operator holds no token).
+  template's hash leaves it out (pool_objects.py), and the servers read the pool's settings from the pool themselves
+  (a watch, with a ServiceAccount that may get and watch that pool only: pool_objects.server_access), whether or not
+  the pool has `spec.auth`. The operator sends nothing: it reports what the servers run, a BatchingDiffers condition
+  while some run other settings (reason Refused, with the server's error, when its model failed at the pool's). The
+  spec ConfigMap has them too, so that a server started later starts with them. The servers' ServiceAccount, Role and
+  RoleBinding are created with the Deployment whenever it is put (an existing one is kept).
 - `fromTrainingJob.checkpoint` pins the servers to that checkpoint of the job (a rollback is a patch of it);
   `fromTrainingJob.promote` leaves the gate to the servers (worker/serve/promotion.py) and reports what they did:
   `status.model.metrics` of the served checkpoint, `status.lastSkipped`, and an Event for each promotion and skip.
@@ -49,17 +50,15 @@ from tandem.operator.pool_objects import (
     deployment_name,
     disruption_budget,
     endpoint,
-    live_batching,
     model_name,
+    server_access,
     server_deployment,
     service,
     spec_config_map,
 )
 from tandem.operator.pool_objects import selector as pool_selector
 from tandem.operator.pool_served import (
-    Refusal,
     Served,
-    batching_pushes,
     batching_status,
     latest_skipped,
     model_status,
@@ -68,8 +67,9 @@ from tandem.operator.pool_served import (
 )
 
 WATCH_SECONDS = 5.0
-PUSHED_SECONDS = 1.0
-"""How soon to look again after pushing batching settings, to show the servers running them."""
+CHANGING_SECONDS = 1.0
+"""How soon to look again while servers run other batching settings than the pool's (they are taking them), to show
+them running the new ones."""
 
 
 @dataclass
@@ -81,18 +81,15 @@ class PoolPlan:
     status: dict[str, Any] = field(default_factory=dict)
     events: list[tuple[str, str, str]] = field(default_factory=list)
     requeue_after: float | None = WATCH_SECONDS
-    push: list[str] = field(default_factory=list)
-    """Server pods to send `batching` to: they run other batching settings than the pool's."""
-    batching: dict[str, Any] = field(default_factory=dict)
-    """The pool's batching settings, as a server takes them."""
+    create: list[dict[str, Any]] = field(default_factory=list)
+    """Objects to create before those in `apply` (one that exists is kept): the servers' access to their pool."""
 
 
 def reconcile_pool(parsed: ParsedResource, children: dict[str, dict[str, Any] | None], pods: list[dict[str, Any]],
                    served: list[Served], job: dict[str, Any] | None, now: datetime,
-                   worker_image: str, refusals: dict[str, Refusal] | None = None) -> PoolPlan:
+                   worker_image: str) -> PoolPlan:
     """`children`: the pool's Deployment, ConfigMap, Service, PodDisruptionBudget and HorizontalPodAutoscaler as
-    they exist (None where they do not), by kind. `refusals`: the last refusal of batching settings by each server
-    pod that refused some."""
+    they exist (None where they do not), by kind."""
     body, pool = parsed.body, parsed.model
     status = dict(body.get("status") or {})
     conditions = list(status.get("conditions") or [])
@@ -115,6 +112,8 @@ def reconcile_pool(parsed: ParsedResource, children: dict[str, dict[str, Any] | 
         deployment = server_deployment(body, pool, job=source_job, pinned_step=_pinned_step(
             pool, body, children.get("Deployment"), job), default_image=worker_image)
         plan.apply += _changed(children, [spec_config_map(body, pool), service(body, pool), deployment])
+        if any(o["kind"] == "Deployment" for o in plan.apply):
+            plan.create += server_access(body, pool)
         _optional(plan, children, "PodDisruptionBudget", disruption_budget(body, pool) if pool.spec.replicas > 1
                   else None, deployment_name(pool.metadata.name))
         _optional(plan, children, "HorizontalPodAutoscaler", autoscaler(body, pool) if pool.spec.autoscaling
@@ -141,12 +140,10 @@ def reconcile_pool(parsed: ParsedResource, children: dict[str, dict[str, Any] | 
         conditions = with_condition(conditions, "CheckpointsDiffer", False, "Same", "every ready replica serves one "
                                     "checkpoint", now)
     batching = pool.spec.batching
-    refused = refused_settings(batching, served, refusals or {}, now)
-    if live_batching(pool):
-        plan.push, plan.batching = batching_pushes(batching, served, refused), batching.to_dict()
-    running_batching, differ = batching_status(batching, served, refused, live_batching(pool))
+    refused = refused_settings(batching, served)
+    running_batching, differ = batching_status(batching, served, refused)
     if differ:
-        conditions = with_condition(conditions, "BatchingDiffers", True, "Refused" if refused else "Pushing", differ,
+        conditions = with_condition(conditions, "BatchingDiffers", True, "Refused" if refused else "Changing", differ,
                                     now)
     elif condition(conditions, "BatchingDiffers"):
         conditions = with_condition(conditions, "BatchingDiffers", False, "Same", "every ready server runs the pool's "
@@ -179,7 +176,7 @@ def reconcile_pool(parsed: ParsedResource, children: dict[str, dict[str, Any] | 
         plan.status["batching"] = running_batching
     if last_skipped is not None:
         plan.status["lastSkipped"] = last_skipped
-    plan.requeue_after = PUSHED_SECONDS if plan.push else WATCH_SECONDS
+    plan.requeue_after = CHANGING_SECONDS if differ and not refused else WATCH_SECONDS
     return plan
 
 

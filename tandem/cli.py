@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -58,14 +59,15 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """`tandem serve [FILE] [--port P] [--grpc-port P | --no-grpc] [--host H] [--checkpoint PATH] [--grace-period S]
-    [--auth-token-file PATH] [--allow-batching-changes] [--processes N] [--http-front F]`: FILE, or else the
+    [--auth-token-file PATH] [--watch-pool] [--processes N] [--http-front F]
+    [--idle-timeout SECONDS]`: FILE, or else the
     InferencePool at $TANDEM_SPEC (the worker contract: what an InferencePool's pods run)."""
     import asyncio
     import logging
 
     from tandem.api.inference import InferencePool
     from tandem.manifest import load_one
-    from tandem.worker.serve.processes import member_from_environment, supervise
+    from tandem.worker.serve.processes import front_carries_grpc, member_from_environment, supervise
 
     path = args.file or os.environ.get(contract.SPEC)
     if not path:
@@ -82,21 +84,25 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     if args.http_front is not None:
         pool.spec.http_front = args.http_front
+    if args.idle_timeout is not None:
+        pool.spec.idle_timeout_seconds = args.idle_timeout
     port = pool.spec.port if args.port is None else args.port
     grpc_port = None if args.no_grpc else pool.spec.grpc_port if args.grpc_port is None else args.grpc_port
     processes = pool.spec.processes_per_replica if args.processes is None else args.processes
     if member is None and processes > 1:
-        return supervise(args.command_line, args.host, port, grpc_port, processes)  # imports no torch
+        return supervise(args.command_line, args.host, port, grpc_port, processes,  # imports no torch
+                         front_carries_grpc(pool.spec.http_front, pool.spec.inference_mode))
     from tandem.worker.process_exit import exit_without_teardown
     from tandem.worker.serve.app import InferenceServer  # imports torch
     from tandem.worker.serve.auth import AuthTokenError
-    from tandem.worker.serve.http import HandedOver, new_event_loop
+    from tandem.worker.serve.background import new_event_loop
     from tandem.worker.serve.model_loading import ModelLoadError
+    from tandem.worker.serve.processes import HandedOver
 
     try:
         server = InferenceServer(pool, args.checkpoint, grace_seconds=args.grace_period,
                                  auth_token_file=args.auth_token_file,
-                                 allow_batching_changes=args.allow_batching_changes,
+                                 watch_pool=args.watch_pool,
                                  group=None if member is None else member.group)
     except (ModelLoadError, AuthTokenError) as error:
         print(error, file=sys.stderr)
@@ -104,8 +110,9 @@ def _serve(args: argparse.Namespace) -> int:
     if member is None:
         listen = (port, grpc_port, None)
     else:  # the supervisor accepts, and hands the connections over
-        listen = (HandedOver(member.http_port), None if member.grpc_port is None else HandedOver(member.grpc_port),
-                  member.channel)
+        grpc_listen = member.grpc_port if member.grpc_port is None or not member.grpc_handed_over \
+            else HandedOver(member.grpc_port)  # else each process's grpc.aio binds the port (SO_REUSEPORT)
+        listen = (HandedOver(member.http_port), grpc_listen, member.channel)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         code = runner.run(server.run(args.host, *listen))
     exit_without_teardown(code)  # a forward still running past the grace period would abort the teardown
@@ -115,6 +122,16 @@ def _process_count(value: str) -> int:
     if not value.isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number of processes: give a whole number, 1 or more")
     return int(value)
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not seconds > 0 or math.isinf(seconds):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a time in seconds: give a number above 0, as in 60 or 0.5")
+    return seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,10 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--auth-token-file", metavar="PATH",
                        help="clients must send this file's token (Authorization: Bearer <token>); read again when "
                             "it changes. Required when the pool has spec.auth")
-    serve.add_argument("--allow-batching-changes", action="store_true",
-                       help="take PUT /v2/models/{m}/batching: new batchLimit, queueLimit, maxQueueDelayMicroseconds "
-                            "or requestTimeoutMs while serving (the operator starts its servers so, to push a "
-                            "pool's changes; off by default)")
+    serve.add_argument("--watch-pool", action="store_true",
+                       help="follow the InferencePool's batchLimit, queueLimit, maxQueueDelayMicroseconds and "
+                            "requestTimeoutMs in the Kubernetes API (the manifest's name and namespace; in-cluster "
+                            "credentials, else KUBECONFIG) while serving: the operator starts its servers so, with a "
+                            "ServiceAccount that may get and watch that one pool (off by default: the manifest's)")
+    serve.add_argument("--idle-timeout", type=_seconds, metavar="SECONDS",
+                       help="close a connection to either port with no request in flight after this long (default: "
+                            "the manifest's spec.idleTimeoutSeconds, 60)")
     serve.add_argument("--processes", type=_process_count, metavar="N",
                        help="server processes sharing the ports, each with its own event loop and the pool's "
                             "workersPerReplica model replicas, under a supervisor (default: the manifest's "

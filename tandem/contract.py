@@ -74,6 +74,15 @@ SERVED_METRIC_PARAMETER = "metric."
 `metric.<name>` (the protocol's parameter values are scalars); the operator reads them into status.model.metrics.
 With a promotion gate, also `skipped_checkpoint`, `skipped_reason` and `skipped_metric` for status.lastSkipped."""
 
+REFUSED_BATCHING_PARAMETER = "refused_"
+"""A server whose model failed its warm-up at the batching settings its pool asks for (`tandem serve --watch-pool`)
+reports them, until it runs other settings, as the parameters `refused_<setting>` (`refused_batch_limit`,
+`refused_queue_limit`, `refused_max_queue_delay_microseconds`, `refused_request_timeout_ms`) and `refused_reason`
+(its error): the operator reads them into the pool's BatchingDiffers condition (reason Refused)."""
+REFUSED_RETRY_SECONDS = 30.0
+"""How long a server that refused its pool's batching settings waits before trying the same settings again (each try
+costs it a warm-up); other settings are tried at once."""
+
 
 def checkpoint_step(name: str) -> int | None:
     """The step of a checkpoint file name (`step-00000200.pt`: 200); None for another name."""

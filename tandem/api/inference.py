@@ -141,9 +141,9 @@ class Auth(ApiModel):
 
 
 class BatchingSettings(ApiModel):
-    """How a server batches and queues: the pool's fields that reach running servers without restarting them (the
-    operator pushes a change to each ready server, `PUT /v2/models/{m}/batching`); each server reports the ones it
-    runs with (`GET /v2/models/{m}/batching`, the parameters of the model's metadata and readiness, /metrics)."""
+    """How a server batches and queues: the pool's fields that reach running servers without restarting them (each
+    server reads them from its pool, `tandem serve --watch-pool`); each server reports the ones it runs with (`GET
+    /v2/models/{m}/batching`, the parameters of the model's metadata and readiness, /metrics)."""
 
     batch_limit: Annotated[int, Field(ge=1)] = 32
     """Most requests merged into one forward pass (DL4J batchLimit; Triton max_batch_size)."""
@@ -167,9 +167,8 @@ LIVE_FIELDS = tuple(BatchingSettings.model_fields)
 
 class InferencePoolSpec(BatchingSettings, PodSettings):
     """Desired state of an InferencePool. A change of batchLimit, queueLimit, maxQueueDelayMicroseconds or
-    requestTimeoutMs reaches the running servers without replacing them (unless the pool has `auth`: the operator
-    holds no token to send it with, so it rolls them); replicas and autoscaling scale them; any other change
-    replaces them (a rolling update that fails no request)."""
+    requestTimeoutMs reaches the running servers without replacing them (they read it from the pool); replicas and
+    autoscaling scale them; any other change replaces them (a rolling update that fails no request)."""
 
     model_config = {"json_schema_extra": {"x-kubernetes-validations": [
         {"rule": "self.port != self.grpcPort", "message": "port and grpcPort must differ"},
@@ -198,6 +197,10 @@ class InferencePoolSpec(BatchingSettings, PodSettings):
     hands every other request to the Python server (on CPU it leaves the model's forwards more of the cores:
     bench/RESULTS.md); or `python`, the Python server alone. Where the C front is not built, or cannot serve the
     model, the Python server serves everything and the log says why."""
+    idle_timeout_seconds: Annotated[float, Field(gt=0)] = 60.0
+    """A connection to either port with no request in flight is closed after this long (over HTTP/2 with GOAWAY),
+    a minute as most load balancers keep (the server's Limits.idle_timeout_s); `tandem serve --idle-timeout`
+    overrides it."""
     autoscaling: Autoscaling | None = None
     model_repository: ModelRepository = Field(default_factory=ModelRepository)
     auth: Auth | None = None

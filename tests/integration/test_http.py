@@ -15,6 +15,7 @@ from inference_models import GATES
 from serving import WAIT_S, Servers, gated_pool, inputs, json_body, wait_until
 
 from tandem.worker.serve.http import HttpServer, Request
+from tandem.worker.serve.limits import Limits
 
 LIMIT = 1000
 
@@ -22,12 +23,12 @@ LIMIT = 1000
 class EchoServer:
     """HttpServer on a background event loop; its handler answers `METHOD PATH BODY`, or later for /slow."""
 
-    def __init__(self, idle_timeout: float = 75.0):
+    def __init__(self, limits: Limits | None = None):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.held: list[Request] = []
-        self.http = HttpServer(self.handle, lambda: LIMIT, idle_timeout=idle_timeout)
+        self.http = HttpServer(self.handle, lambda: LIMIT, limits=limits or Limits())
         self.port = asyncio.run_coroutine_threadsafe(self.http.start("127.0.0.1", 0), self.loop).result(WAIT_S)
 
     def handle(self, request: Request):
@@ -126,10 +127,10 @@ def test_keep_alive_and_pipelined_requests_are_answered_in_order(echo):
 
 def test_a_thousand_and_more_pipelined_requests_in_one_write_are_answered_in_order(echo):
     sock, buffer = connect(echo.port), bytearray()
-    sock.sendall(b"".join(b"GET /r%d HTTP/1.1\r\n\r\n" % i for i in range(1500)))
+    sock.sendall(b"".join(b"GET /r%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(1500)))
     for i in range(1500):
         assert read_response(sock, buffer)[2] == b"GET /r%d " % i
-    sock.sendall(b"HEAD /h HTTP/1.1\r\n\r\nGET /after HTTP/1.1\r\n\r\n")
+    sock.sendall(b"HEAD /h HTTP/1.1\r\nHost: x\r\n\r\nGET /after HTTP/1.1\r\nHost: x\r\n\r\n")
     status, headers, body = read_response_to_head(sock, buffer)
     assert (status, headers["content-length"], body) == (200, "8", b"")
     assert read_response(sock, buffer)[2] == b"GET /after "
@@ -153,12 +154,23 @@ def test_chunked_bodies_expect_100_continue_and_gzip(echo):
 
 @pytest.mark.parametrize(("request_bytes", "status", "words"), [
     (b"NOT HTTP AT ALL\r\n\r\n", 400, "malformed HTTP request"),
-    (b"POST /x HTTP/1.1\r\nContent-Length: 5000\r\n\r\n" + b"x" * 5000, 413, "5000 bytes; the limit is 1000"),
-    (b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + b"3e8\r\n" + b"x" * 1000 + b"\r\n"
+    (b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + b"x" * 5000, 413,
+     "5000 bytes; the limit is 1000"),
+    (b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + b"3e8\r\n" + b"x" * 1000 + b"\r\n"
      + b"3e8\r\n" + b"x" * 1000 + b"\r\n0\r\n\r\n", 413, "over 1000 bytes"),
-    (b"POST /x HTTP/1.1\r\nContent-Encoding: gzip\r\nContent-Length: 5\r\n\r\nnope!", 400, "cannot be decompressed"),
-    (b"POST /x HTTP/1.1\r\nContent-Encoding: br\r\nContent-Length: 1\r\n\r\nx", 415, "'br', which is not supported"),
-    (b"GET /crash HTTP/1.1\r\n\r\n", 500, "internal error: RuntimeError: boom"),
+    (b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\nContent-Length: 5\r\n\r\nnope!", 400,
+     "cannot be decompressed"),
+    (b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Encoding: br\r\nContent-Length: 1\r\n\r\nx", 415,
+     "'br', which is not supported"),
+    (b"GET /crash HTTP/1.1\r\nHost: x\r\n\r\n", 500, "internal error: RuntimeError: boom"),
+    # strict where the RFCs are
+    (b"GET /a\r\n\r\n", 400, "HTTP/0.9 request line"),
+    (b"GET /a\r\nHost: x\r\n\r\n", 400, "HTTP/0.9 request line"),
+    (b"GET /a HTTP/1.1\r\n\r\n", 400, "needs one Host header"),
+    (b"GET /a HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", 400, "needs one Host header"),
+    (b"GET /v2/models/a%2Finfer HTTP/1.1\r\nHost: x\r\n\r\n", 400, "encoded slash (%2F) in a segment"),
+    (b"GET /v2/models/a%2finfer?x=1 HTTP/1.1\r\nHost: x\r\n\r\n", 400, "send the path with plain slashes"),
+    (b"GET /a HTTP/1.1\r\nHost: x\r\nX: " + b"y" * 20_000 + b"\r\n\r\n", 431, "head is over 16384 bytes"),
 ])
 def test_bad_requests_are_answered_with_a_json_error(echo, request_bytes, status, words):
     sock, buffer = connect(echo.port), bytearray()
@@ -173,14 +185,15 @@ def test_bad_requests_are_answered_with_a_json_error(echo, request_bytes, status
 def test_a_gzip_bomb_is_refused_by_its_decompressed_size(echo):
     packed = gzip.compress(b"0" * 100_000)
     sock, buffer = connect(echo.port), bytearray()
-    sock.sendall(b"POST /x HTTP/1.1\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(packed) + packed)
+    sock.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(packed)
+                 + packed)
     status, _, body = read_response(sock, buffer)
     assert status == 413 and "once decompressed" in json.loads(body)["error"]
     sock.close()
 
 
 def test_http_1_0_and_connection_close_end_the_connection(echo):
-    for request_line in (b"GET /a HTTP/1.0\r\n\r\n", b"GET /a HTTP/1.1\r\nConnection: close\r\n\r\n"):
+    for request_line in (b"GET /a HTTP/1.0\r\n\r\n", b"GET /a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"):
         sock, buffer = connect(echo.port), bytearray()
         sock.sendall(request_line)
         status, headers, _ = read_response(sock, buffer)
@@ -189,15 +202,90 @@ def test_http_1_0_and_connection_close_end_the_connection(echo):
 
 
 def test_idle_keep_alive_connections_are_closed():
-    server = EchoServer(idle_timeout=0.2)
+    server = EchoServer(Limits(idle_timeout_s=0.2))
     try:
         sock, buffer = connect(server.port), bytearray()
-        sock.sendall(b"GET /a HTTP/1.1\r\n\r\n")
+        sock.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
         read_response(sock, buffer)
         assert closed_by_server(sock)  # recv blocks (up to WAIT_S) until the sweeper closes it
         sock.close()
     finally:
         server.close()
+
+
+def test_http_1_0_without_host_is_served(echo):
+    sock, buffer = connect(echo.port), bytearray()
+    sock.sendall(b"GET /a%20b HTTP/1.0\r\n\r\n")
+    assert read_response(sock, buffer)[:3:2] == (200, b"GET /a b ")
+    sock.close()
+
+
+@pytest.mark.parametrize(("sent", "late"), [
+    (b"GET /a HTTP/1.1\r\nHost: x\r\n", "head did not arrive within 0.3 s of its first byte"),
+    (b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n12", "body did not arrive within 0.3 s of its head"),
+])
+def test_a_slowloris_client_is_answered_408_and_closed(sent, late):
+    """A client that sends its request a byte at a time, never finishing it: each byte keeps it from being idle, but
+    its head (or body) is late all the same."""
+    server = EchoServer(Limits(header_timeout_s=0.3, body_timeout_s=0.3))
+    stop = threading.Event()
+    try:
+        sock, buffer = connect(server.port), bytearray()
+        sock.sendall(sent)
+
+        def trickle() -> None:
+            while not stop.wait(0.05):
+                try:
+                    sock.send(b"X" if b"Content-Length" not in sent else b"3")
+                except OSError:
+                    return
+        threading.Thread(target=trickle, daemon=True).start()
+        status, headers, body = read_response(sock, buffer)
+        assert (status, headers["connection"], json.loads(body)["error"]) == (408, "close", f"the request's {late}")
+        assert closed_by_server(sock)
+        sock.close()
+    finally:
+        stop.set()
+        server.close()
+
+
+def test_a_client_that_pipelines_and_never_reads_is_not_read_and_others_are_served():
+    """Its answers pile up unread to unsent_bytes, then its requests are no longer read (before, reading resumed as
+    soon as its queue of requests drained, and its answers grew without bound); another client is served meanwhile."""
+    unsent = 64 << 10
+    server = EchoServer(Limits(unsent_bytes=unsent))
+    try:
+        greedy = connect(server.port)
+        greedy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        flood = b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n" * 1000
+        sender = threading.Thread(target=lambda: _send_until_refused(greedy, flood, 400), daemon=True)
+        sender.start()
+        other, buffer = connect(server.port), bytearray()
+        for i in range(20):
+            other.sendall(b"GET /o%d HTTP/1.1\r\nHost: x\r\n\r\n" % i)
+            assert read_response(other, buffer)[2] == b"GET /o%d " % i
+        other.close()
+
+        def held() -> list:
+            return [c for c in server.http.connections if c.writing_paused and c.reading_paused]
+        wait_until(lambda: held(), what="the greedy client no longer read")
+        [connection] = held()
+        # what is buffered for it: at most unsent_bytes, and the answers to the requests of one read past it
+        assert connection.transport.get_write_buffer_size() < unsent + (1 << 20)
+        greedy.shutdown(socket.SHUT_RDWR)  # wakes the sender blocked in sendall
+        greedy.close()
+        sender.join(WAIT_S)
+        assert not sender.is_alive()
+    finally:
+        server.close()
+
+
+def _send_until_refused(sock: socket.socket, data: bytes, times: int) -> None:
+    try:
+        for _ in range(times):
+            sock.sendall(data)
+    except OSError:
+        pass
 
 
 def test_a_client_that_goes_away_withdraws_its_queued_request():
@@ -207,7 +295,8 @@ def test_a_client_that_goes_away_withdraws_its_queued_request():
         gate, inference = GATES[name], server.server.model.inference
         gate.close()
         body = json_body(inputs(1))
-        request = b"POST /v2/models/%s/infer HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (name.encode(), len(body))
+        request = b"POST /v2/models/%s/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (name.encode(),
+                                                                                               len(body))
         running = connect(server.port)
         running.sendall(request + body)
         gate.wait_entered(1)

@@ -4,6 +4,7 @@ server intact, on the same connection. tests/integration/test_server.py runs who
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import os
@@ -34,6 +35,10 @@ from serving import (
     wait_until,
 )
 from test_http import closed_by_server, connect, read_response
+
+from tandem.api.inference import BatchingSettings
+from tandem.worker.serve import app
+from tandem.worker.serve.limits import Limits
 
 pytestmark = needs_c_front
 
@@ -114,7 +119,8 @@ def _request_bytes(case: str, body: bytes) -> bytes:
     if case == "gzip":
         body, headers = gzip.compress(body), headers + b"Content-Encoding: gzip\r\n"
     elif case == "chunked":
-        return b"POST %s HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (path, len(body), body)
+        return b"POST %s HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (
+            path, len(body), body)
     elif case == "connection close":
         headers += b"Connection: close\r\n"
     elif case == "http/1.0":
@@ -159,13 +165,118 @@ def test_requests_the_front_does_not_take_are_answered_as_the_python_server_answ
 def _expect(port: int, body: bytes):
     sock, buffer = connect(port), bytearray()
     try:
-        sock.sendall(b"POST %s HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (INFER.encode(),
-                                                                                               len(body)))
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n"
+                     % (INFER.encode(), len(body)))
         assert read_response(sock, buffer)[0] == 100
         sock.sendall(body)
         return read_response(sock, buffer)
     finally:
         sock.close()
+
+
+def _with_body(body: bytes, head: bytes = b"POST %s HTTP/1.1\r\nHost: t\r\n" % INFER.encode()) -> bytes:
+    return head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def _data(values: list[float]) -> bytes:
+    return orjson.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
+                                     "data": [*values, *[0.5] * (64 - len(values))]}]})
+
+
+@pytest.mark.parametrize(("sent", "status", "words"), [
+    (b"POST %s\r\n\r\n" % INFER.encode(), 400, "an HTTP/0.9 request line (no HTTP version) is not served"),
+    (b"GET /v2/health/ready\r\n\r\n", 400, "an HTTP/0.9 request line (no HTTP version) is not served"),
+    (_with_body(json_body(inputs(1)), b"POST %s HTTP/1.1\r\n" % INFER.encode()), 400,
+     "an HTTP/1.1 request needs one Host header (RFC 9112 3.2); it has 0"),
+    (_with_body(json_body(inputs(1)), b"POST %s HTTP/1.1\r\nHost: a\r\nHost: b\r\n" % INFER.encode()), 400,
+     "an HTTP/1.1 request needs one Host header (RFC 9112 3.2); it has 2"),
+    (_with_body(json_body(inputs(1)), b"POST /v2/models/digits%2Finfer HTTP/1.1\r\nHost: t\r\n"), 400,
+     "has an encoded slash (%2F) in a segment, which is refused rather than decoded"),
+    (_with_body(json_body(inputs(1)), b"POST /v2/models%2fdigits/infer HTTP/1.1\r\nHost: t\r\n"), 400,
+     "send the path with plain slashes"),
+    (_with_body(_data([1e39])), 400, "input 'input': FP32 data out of range: 1e+39 is beyond the largest FP32 value"),
+    (_with_body(_data([0.0, -1e39])), 400, "input 'input': FP32 data out of range: -1e+39"),
+    (_with_body(_data([1e-50, -1e-60, 3.4028235e38])), 200, None),  # underflows to 0, the largest float32: fine
+])
+def test_what_the_rfcs_and_float32_refuse_is_refused_400_by_both_fronts(fronts, sent, status, words):
+    """Strict where the RFCs are: the front hands such requests over and the Python server refuses them, naming the
+    fix; a number float32 cannot hold is refused naming the input, one that underflows to 0 is served."""
+    before = served_by_front(fronts["native"])
+    for front, server in fronts.items():
+        got, _, body = raw(server.port, sent)
+        assert got == status, (front, body)
+        if words is not None:
+            assert words in json.loads(body)["error"], (front, body)
+    assert served_by_front(fronts["native"]) == before + (status == 200)
+
+
+@pytest.fixture(scope="module")
+def impatient():
+    """Both fronts with short head and body timeouts and a small budget of unread answers."""
+    limits = functools.partial(Limits, header_timeout_s=0.3, body_timeout_s=0.3, unsent_bytes=64 << 10)
+    with pytest.MonkeyPatch.context() as patch, Servers() as servers:
+        patch.setattr(app, "Limits", limits)
+        yield {front: servers(make_pool(httpFront=front, workersPerReplica=1)) for front in ("python", "native")}
+
+
+@pytest.mark.parametrize("part", ["head", "body"])
+@pytest.mark.parametrize("front", ["python", "native"])
+def test_a_slowloris_client_is_closed_once_its_request_is_late(impatient, front, part):
+    """A client sending an inference request a byte at a time, never finishing it (each byte keeps it from being
+    idle): its connection is closed, after a 408 from the Python server (the C front closes it)."""
+    sent = b"POST %s HTTP/1.1\r\nHost: t\r\n" % INFER.encode()
+    if part == "body":
+        sent += b"Content-Length: 5000\r\n\r\n{"
+    sock, stop = connect(impatient[front].port), threading.Event()
+    sock.sendall(sent)
+
+    def trickle() -> None:
+        while not stop.wait(0.05):
+            try:
+                sock.send(b" " if part == "body" else b"X")
+            except OSError:
+                return
+    threading.Thread(target=trickle, daemon=True).start()
+    try:
+        try:
+            status = read_response(sock, bytearray())[0]
+        except ConnectionError:
+            status = "closed"
+        assert status == 408 if front == "python" else status in (408, "closed")
+        assert closed_by_server(sock)
+    finally:
+        stop.set()
+        sock.close()
+    assert request(impatient[front].port, "POST", INFER, json_body(inputs(1)))[0] == 200
+
+
+@pytest.mark.parametrize("front", ["python", "native"])
+def test_a_client_that_pipelines_and_never_reads_does_not_stop_another_being_served(impatient, front):
+    port = impatient[front].port
+    greedy = socket.socket()
+    greedy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # its answers soon fill what the kernels hold
+    greedy.settimeout(WAIT_S)
+    greedy.connect(("127.0.0.1", port))
+    body = json_body(inputs(1))
+    flood = b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (INFER.encode(), len(body), body)
+
+    def send() -> None:
+        try:
+            for _ in range(100_000):
+                greedy.sendall(flood * 10)
+        except OSError:
+            pass
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    x = inputs(2, seed=11)
+    for _ in range(20):
+        status, _, answer = request(port, "POST", INFER, json_body(x))
+        assert status == 200
+        np.testing.assert_allclose(json.loads(answer)["outputs"][0]["data"], reference(x).ravel(), rtol=1e-6,
+                                   atol=1e-7)
+    assert sender.is_alive()  # its requests are no longer read: it cannot send them all
+    greedy.close()
+    sender.join(WAIT_S)
 
 
 def test_mangled_requests_get_the_python_servers_answer_and_never_stop_the_front(fronts):
@@ -269,7 +380,7 @@ def test_the_pools_timeout_is_504_from_the_front_for_queued_and_running_requests
             assert answer[0] == 504
             assert json.loads(answer[2])["error"] == "no output within the pool's requestTimeoutMs of 300 ms"
         leaving = connect(server.port)
-        head = b"POST %s HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (path.encode(), len(body))
+        head = b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % (path.encode(), len(body))
         leaving.sendall(head + body)
         wait_until(lambda: inference.queued == 1, what="a queued request")
         leaving.close()
@@ -303,12 +414,10 @@ def test_behind_a_token_the_front_answers_the_pools_token_and_the_python_server_
 
 def test_a_batching_change_reaches_the_front_and_concurrent_clients_each_get_their_own_rows():
     with Servers() as servers:
-        server = servers(make_pool(httpFront="native", workersPerReplica=1, batchLimit=4),
-                         allow_batching_changes=True)
+        server = servers(make_pool(httpFront="native", workersPerReplica=1, batchLimit=4))
         x = inputs(8, seed=9)
         assert request(server.port, "POST", INFER, json_body(x))[0] == 400  # 8 rows: over batchLimit 4
-        status, _, _ = request(server.port, "PUT", "/v2/models/digits/batching", b'{"batchLimit": 8}')
-        assert status == 200
+        server.update_batching(BatchingSettings(batchLimit=8))  # as a server following its pool does
         assert request(server.port, "POST", INFER, json_body(x))[0] == 200
         before = served_by_front(server)
 
@@ -341,7 +450,8 @@ def test_a_drain_answers_what_the_front_took_and_refuses_new_requests_503():
         draining.start()
         wait_until(lambda: background.server.draining, what="draining")
         body = json_body(x)
-        kept_open.sendall(b"POST %s HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
+        kept_open.sendall(b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s"
+                          % (path.encode(), len(body), body))
         status, headers, answer = read_response(kept_open, bytearray())
         assert (status, headers["retry-after"], json.loads(answer)["error"]) == (
             503, "1", "the server is shutting down")

@@ -6,42 +6,57 @@ test_grpc.py and test_grpc_server.py run whole under both fronts too (tritonclie
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
+import threading
 import zlib
 
 import hpack
 import numpy as np
+import pytest
+import tritonclient.grpc as tgrpc
 from google.protobuf.message import DecodeError
-from serving import WAIT_S, Servers, inputs, needs_c_front, reference
-from tritonclient.grpc import service_pb2
-
-from tandem.worker.serve.grpc_server import (
+from h2_frames import (
+    ACK,
     CONTINUATION,
     DATA,
     END_HEADERS,
     END_STREAM,
+    ENHANCE_YOUR_CALM,
     GOAWAY,
     HEADERS,
-    PADDED,
+    NO_ERROR,
     PREFACE,
+    PROTOCOL_ERROR,
     RST_STREAM,
     SETTINGS,
     frame,
+    goaway_code,
+    header_block,
+    hello,
+    read_until_closed,
+    rst_stream,
 )
+from serving import WAIT_S, Servers, inputs, needs_c_front, reference
+from tritonclient.grpc import service_pb2
+
+from tandem.worker.serve.limits import Limits
 
 pytestmark = needs_c_front
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
+PADDED = 0x8
+MAX_CONTINUATIONS = Limits().max_continuations
 FUZZ_CASES = 150
 
 
 class Client:
     """One HTTP/2 connection, framed by hand; `call` sends a unary call in the way asked and reads its answer."""
 
-    def __init__(self, port: int):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+    def __init__(self, port: int | None = None, sock: socket.socket | None = None):
+        self.sock = sock or socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
         self.sock.sendall(PREFACE + frame(SETTINGS, 0, 0, b""))
         self.encoder = hpack.Encoder()
         self.decoder = hpack.Decoder()
@@ -53,8 +68,10 @@ class Client:
         self.sock.close()
 
     def call(self, headers: list[tuple[str, str]], body: bytes, rng: random.Random | None = None):
-        """The answer: ("answer", headers and trailers as a dict, DATA), ("reset", code) or ("goaway", code)."""
-        rng = rng or random.Random(0)
+        """The answer: ("answer", headers and trailers as a dict, DATA), ("reset", code) or ("goaway", code). With
+        `rng`, the call is framed in one of the many ways HTTP/2 allows (see the module's docstring); without, as
+        plainly as it can be (one HEADERS, one DATA)."""
+        rng = rng or _Plain()
         stream, self.stream = self.stream, self.stream + 2
         if rng.random() < 0.2:
             self.encoder.header_table_size = rng.choice([0, 256, 4096])
@@ -64,8 +81,10 @@ class Client:
         first, rest = block[:cut], block[cut:]
         frames = self._padded(HEADERS, END_HEADERS * (not rest) | END_STREAM * (not body and not in_trailers), stream,
                               first, rng)
-        while rest:
-            size = rng.randint(1, len(rest))
+        continuations = 0
+        while rest:  # in at most MAX_CONTINUATIONS frames (Limits.max_continuations: more is a flood)
+            continuations += 1
+            size = rng.randint(-(-len(rest) // (MAX_CONTINUATIONS + 1 - continuations)), len(rest))
             piece, rest = rest[:size], rest[size:]
             frames += frame(CONTINUATION, END_HEADERS * (not rest), stream, piece)
         offset = 0
@@ -97,6 +116,8 @@ class Client:
         payload, self.received = self.received[9:9 + length], self.received[9 + length:]
         if kind == HEADERS:
             payload = dict(self.decoder.decode(payload))
+        elif kind == SETTINGS and not flags & ACK:
+            self.sock.sendall(frame(SETTINGS, ACK, 0, b""))
         self.events.setdefault(on, []).append((kind, flags, payload))
         return True
 
@@ -120,13 +141,24 @@ class Client:
                 return ("closed",)
 
 
+class _Plain:
+    """A random.Random whose draws frame a call plainly: no table size update, Huffman coding, padding, CONTINUATION,
+    split DATA or trailers."""
+
+    def random(self) -> float:
+        return 1.0
+
+    def choice(self, options):
+        return options[0]
+
+
 def normalized(answer):
     """What the two fronts must agree on: the status and message, and the answer's message with its outputs as
     arrays (compared with a tolerance: the fronts' batches differ)."""
     if answer[0] != "answer":
         return answer, None
     _, fields, data = answer
-    status = (fields.get(":status"), fields.get("grpc-status"), fields.get("grpc-message"))
+    status = (fields.get(":status"), fields.get("grpc-status"), fields.get("grpc-message") or None)
     if not data:
         return status, None
     try:
@@ -197,9 +229,12 @@ def test_a_modelinfer_call_is_answered_by_the_front_as_the_python_server_answers
     assert served_by_front(fronts["native"]) == before + len(requests)
 
 
-def _mangled_call(rng: random.Random) -> tuple[list[tuple[str, str]], bytes]:
+def _mangled_call(rng: random.Random) -> tuple[list[tuple[str, str]], bytes, str | None]:
     """A ModelInfer call, valid or not in one of the ways the front must leave to the Python server (or answer as it
-    would)."""
+    would), and what makes it a transport's own (None: nothing): a content-type not gRPC's ("content-type", which the
+    front answers HTTP 415, where grpc-core ignores it), a grpc-timeout that is not one or a body cut short ("other":
+    grpc-core ignores the first and waits out the call's deadline on the second, where the front leaves both to
+    GrpcServer.start_call, which refuses them)."""
     rows = rng.choice([1, 2, 4])
     x = inputs(rows, seed=rng.randrange(1000))
     request = infer_request(x, id=rng.choice(["", "", "r-7", "r-8", "naïve", "tab\there"]),
@@ -264,15 +299,19 @@ def _mangled_call(rng: random.Random) -> tuple[list[tuple[str, str]], bytes]:
     elif header_change == "authorization":
         headers.append(("authorization", "Bearer not-asked-for"))
     body = body_of(message, compressed)
+    transport = "content-type" if not headers[4][1].startswith("application/grpc") else \
+        "other" if header_change == "bad-timeout" else None
     if rng.random() < 0.05:
         body = body[:rng.randrange(len(body))]
-    return headers, body
+        transport = transport or "other"
+    return headers, body, transport
 
 
 def test_mangled_calls_get_the_python_servers_answer_and_never_stop_the_front(fronts):
     """Seeded random ModelInfer calls, each valid or mangled in one way (the message, its headers, how HPACK and the
-    frames carry them), several per connection so that HPACK's dynamic table carries over: each is answered by the
-    front as the Python server answers the same call; the front took its share itself. FUZZ_CASES of them
+    frames carry them to the C front), several per connection so that HPACK's dynamic table carries over: each is
+    answered by the front as the Python server (grpc.aio, sent the call plainly framed) answers the same call, but
+    for the calls whose answer is a transport's own (_mangled_call); the front took its share itself. FUZZ_CASES of them
     (TANDEM_FUZZ_CASES=5000 for a longer run by hand; TANDEM_FUZZ_SEED another seed)."""
     rng = random.Random(int(os.environ.get("TANDEM_FUZZ_SEED", "20")))
     before = served_by_front(fronts["native"])
@@ -283,11 +322,16 @@ def test_mangled_calls_get_the_python_servers_answer_and_never_stop_the_front(fr
         seed = rng.randrange(1 << 30)
         try:
             for _ in range(rng.randint(1, 4)):
-                headers, body = _mangled_call(rng)
-                answers = {front: client.call(headers, body, random.Random(seed))
-                           for front, client in clients.items()}
-                assert same(answers["python"], answers["native"]), (headers, body[:200], answers)
+                headers, body, transport = _mangled_call(rng)
+                native = clients["native"].call(headers, body, random.Random(seed))
                 done += 1
+                if transport == "content-type":
+                    assert native == ("answer", {":status": "415"}, b""), (headers, native)
+                elif transport is not None:
+                    assert native[0] == "answer" and native[1]["grpc-status"] != "0", (headers, native)
+                else:
+                    python = clients["python"].call(headers, body)
+                    assert same(python, native), (headers, body[:200], python, native)
         finally:
             for client in clients.values():
                 client.close()
@@ -338,3 +382,189 @@ def test_a_full_queue_and_a_deadline_are_status_codes_from_the_front(fronts):
                 assert answer[0] == "answer" and answer[1]["grpc-status"] == "0", answer
         finally:
             client.close()
+
+
+# -- limits and abuse: what libnghttp2 and the Limits given to the front make of a client that misbehaves ----------
+
+
+@contextlib.contextmanager
+def bare_front(**limits):
+    """A front with no model (`Front(**limits)`, as a server has from its start): every gRPC call goes to calls().
+    Yields it and connect(grpc=True), which opens a connection the front adopts (its client's socket)."""
+    from tandem.worker.serve._front import Front
+
+    front = Front(**Limits(**limits).for_front())
+    thread = threading.Thread(target=front.run, daemon=True)
+    thread.start()
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def connect(grpc: bool = True) -> socket.socket:
+        client = socket.create_connection(listener.getsockname(), timeout=WAIT_S)
+        accepted, _ = listener.accept()
+        (front.adopt_grpc if grpc else front.adopt)(accepted.detach())
+        return client
+
+    try:
+        yield front, connect
+    finally:
+        front.stop("the test is over")
+        thread.join(WAIT_S)
+        listener.close()
+
+
+def next_call(front) -> tuple:
+    """The next call the front hands to Python (calls())."""
+    import time
+
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        calls = front.calls()
+        if calls:
+            assert len(calls) == 1, calls
+            return calls[0]
+        time.sleep(0.01)
+    raise AssertionError("no call reached calls()")
+
+
+def test_a_message_over_the_limit_is_resource_exhausted_and_the_connection_serves_on():
+    with bare_front(max_message_bytes=1000) as (front, connect):
+        client = Client(sock=connect())
+        try:
+            refused = client.call(grpc_headers(), body_of(b"\x0a" * 5000))
+            assert refused[0] == "answer" and refused[1]["grpc-status"] == "8", refused  # RESOURCE_EXHAUSTED
+            assert "limit of 1000 bytes" in refused[1]["grpc-message"]
+            assert front.calls() == []
+            body = body_of(b"\x0a\x06digits")
+            answered = client.stream
+            client.sock.sendall(frame(HEADERS, END_HEADERS, answered, client.encoder.encode(grpc_headers())) +
+                                frame(DATA, END_STREAM, answered, body))
+            client.stream += 2
+            serial, stream, headers, received = next_call(front)
+            assert (stream, headers[":path"], received) == (answered, INFER, body)
+            front.answer_call(serial, stream, 0, "", body_of(b"\x0a\x02ok"))
+            answer = client._answer(answered)
+            assert answer[0] == "answer" and answer[1]["grpc-status"] == "0" and answer[2] == body_of(b"\x0a\x02ok")
+            front.answer_call(serial, stream, 0, "", None)  # a call answered already: dropped
+        finally:
+            client.close()
+
+
+HELD_OPEN = {
+    "nothing": (b"", ENHANCE_YOUR_CALM),
+    "half a preface": (PREFACE[:10], ENHANCE_YOUR_CALM),
+    "a stream held open": (hello() + frame(HEADERS, END_HEADERS, 1, header_block(grpc_headers())) +
+                           frame(DATA, 0, 1, b"\0\0\0"), ENHANCE_YOUR_CALM),
+    "a header block never ended": (hello() + frame(HEADERS, 0, 1, header_block(grpc_headers())),
+                                   ENHANCE_YOUR_CALM),
+    "no stream": (hello(), NO_ERROR),
+}
+
+
+@pytest.mark.parametrize("opening", HELD_OPEN)
+def test_a_grpc_connection_that_holds_the_server_without_a_request_is_closed(opening):
+    """Within the header timeout (the preface, a header block), the body timeout (a request's body) or the idle
+    timeout (no stream open): GOAWAY, then closed; no call reached Python."""
+    sent, code = HELD_OPEN[opening]
+    with bare_front(header_timeout_s=0.3, body_timeout_s=0.5, idle_timeout_s=0.5) as (front, connect):
+        sock = connect()
+        try:
+            sock.sendall(sent)
+            received = read_until_closed(sock)  # the socket's timeout (WAIT_S) bounds the wait
+        finally:
+            sock.close()
+        assert goaway_code(received) == code
+        assert front.calls() == []
+
+
+def test_an_http1_connection_holding_a_partial_request_is_closed():
+    """Slowloris: the C front closes an HTTP/1.1 connection whose request does not arrive within the head's and the
+    body's timeouts."""
+    with bare_front(header_timeout_s=0.3, body_timeout_s=0.3, idle_timeout_s=60) as (front, connect):
+        front.serve_model(model="m", version="1", input_name="input", example_shape=[4], output_name="output",
+                          max_rows=8, queue_limit=4, timeout_ms=1000)
+        sock = connect(grpc=False)
+        try:
+            sock.sendall(b"POST /v2/models/m/infer HTTP/1.1\r\nHost: localhost\r\nContent-Length: 200\r\n\r\n{")
+            assert read_until_closed(sock) == b""
+        finally:
+            sock.close()
+
+
+@contextlib.contextmanager
+def legitimate_client(port: int):
+    """tritonclient.grpc calling ModelInfer in a loop on its own connection; yields the outcomes (True: answered
+    right), which hold at least one once the block ends."""
+    client = tgrpc.InferenceServerClient(f"127.0.0.1:{port}")
+    x = inputs(1)
+    outcomes, stop = [], threading.Event()
+
+    def call() -> None:
+        while not stop.is_set() or not outcomes:
+            tensor = tgrpc.InferInput("input", [1, 64], "FP32")
+            tensor.set_data_from_numpy(x)
+            try:
+                output = client.infer("digits", [tensor], client_timeout=WAIT_S).as_numpy("output")
+                outcomes.append(np.allclose(output, reference(x), rtol=1e-5, atol=1e-6))
+            except Exception as error:  # noqa: BLE001 (an outcome, asserted below)
+                outcomes.append(error)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    try:
+        yield outcomes
+    finally:
+        stop.set()
+        thread.join()
+        client.close()
+
+
+FLOODS = {
+    # HEADERS then RST_STREAM, stream after stream: past Limits' burst of resets (CVE-2023-44487)
+    "rapid reset": lambda: hello() + b"".join(
+        frame(HEADERS, END_HEADERS, stream, header_block(grpc_headers())) + rst_stream(stream)
+        for stream in range(1, 2 * (Limits().reset_burst + 300), 2)),
+    # a header block continued past Limits' CONTINUATION frames (CVE-2024-28182)
+    "continuation": lambda: hello() + frame(HEADERS, 0, 1, header_block(grpc_headers())) +
+    frame(CONTINUATION, 0, 1, b"") * 100,
+}
+
+
+@pytest.mark.parametrize("flood", FLOODS)
+def test_a_flood_ends_its_connection_with_enhance_your_calm_while_a_client_beside_it_is_answered(fronts, flood):
+    server = fronts["native"]
+    with legitimate_client(server.grpc_port) as outcomes:
+        sock = socket.create_connection(("127.0.0.1", server.grpc_port), timeout=WAIT_S)
+        try:
+            with contextlib.suppress(OSError):  # closed while the flood was still being sent
+                sock.sendall(FLOODS[flood]())
+            received = read_until_closed(sock)
+        finally:
+            sock.close()
+    assert goaway_code(received) == ENHANCE_YOUR_CALM
+    assert outcomes and all(outcome is True for outcome in outcomes), outcomes
+
+
+@pytest.mark.parametrize("timeout", ["0n", "0S", "00m"])
+@pytest.mark.parametrize("path", [INFER, "/inference.GRPCInferenceService/ServerLive"])
+def test_a_grpc_timeout_of_zero_is_deadline_exceeded(fronts, path, timeout):
+    client = Client(fronts["native"].grpc_port)
+    try:
+        headers = [(name, path if name == ":path" else value)
+                   for name, value in grpc_headers(**{"grpc-timeout": timeout})]
+        answer = client.call(headers, body_of(infer_request(inputs(1)).SerializeToString()))
+    finally:
+        client.close()
+    assert answer[0] == "answer" and answer[1]["grpc-status"] == "4", answer  # DEADLINE_EXCEEDED
+
+
+def test_an_uppercase_header_name_is_a_protocol_error_and_the_connection_serves_on(fronts):
+    client = Client(fronts["native"].grpc_port)
+    try:
+        body = body_of(infer_request(inputs(1)).SerializeToString())
+        refused = client.call(grpc_headers(**{"X-Trace": "1"}), body)
+        assert refused in (("reset", PROTOCOL_ERROR), ("goaway", PROTOCOL_ERROR)), refused
+        if refused[0] == "reset":
+            answer = client.call(grpc_headers(), body)
+            assert answer[0] == "answer" and answer[1]["grpc-status"] == "0", answer
+    finally:
+        client.close()

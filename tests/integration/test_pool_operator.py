@@ -16,6 +16,8 @@ import json
 import os
 import re
 import shutil
+import urllib.error
+import urllib.request
 
 import kubernetes_validate
 import numpy as np
@@ -216,9 +218,10 @@ def batch_sizes(host: str) -> dict[str, float]:
 
 def test_a_batching_change_reaches_the_running_servers_under_load_without_a_new_pod_or_a_failed_request(cluster):
     """batchLimit and maxQueueDelayMicroseconds patched while eight clients keep two servers busy, each of two
-    processes (processesPerReplica): the operator sends the new settings to each server, whose processes all take
-    them; the Deployment is not changed, no pod is replaced or restarted, every request succeeds, the servers batch by
-    the new limit (their /metrics, summed over a pod's processes) and the pool's status shows what they run."""
+    processes (processesPerReplica): each server reads the new settings from its pool (a watch with its own
+    ServiceAccount; the operator sends nothing), and its processes all take them; the Deployment is not changed, no
+    pod is replaced or restarted, every request succeeds, the servers batch by the new limit (their /metrics, summed
+    over a pod's processes) and the pool's status shows what they run."""
     create(cluster, POOLS, pool_manifest("live", {"callable": "tandem.examples.digits:mlp", "inputShape": [64],
                                                   "name": "digits"}, replicas=2, processesPerReplica=2))
     ready = wait_pool(cluster, "live", lambda s: s.get("phase") == "Ready" and s.get("batching"), "Ready")
@@ -426,6 +429,23 @@ def test_a_pool_with_a_token_answers_only_with_it_over_http_and_grpc_and_the_ope
     assert grpc.infer("digits", [tensor], headers={"authorization": f"Bearer {token}"}).as_numpy("output").shape \
         == (2, 10)
     grpc.close()
+    # A batching change reaches a pool behind a token without a roll too: the server reads it from its pool, and
+    # no port takes one, not even from the token's holders.
+    change = urllib.request.Request(f"http://{host}:8000/v2/models/digits/batching", method="PUT",
+                                    data=b'{"batchLimit": 1}', headers={"Authorization": f"Bearer {token}"})
+    with pytest.raises(urllib.error.HTTPError) as put:
+        NO_PROXY.open(change, timeout=30)
+    assert put.value.code == 405
+    cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "guarded", {"spec": {"batchLimit": 5}})
+    changed = wait_pool(cluster, "guarded", lambda s: s.get("batching", {}).get("batchLimit") == 5
+                        and s.get("observedGeneration") == 2, "showing the new batching")
+    assert condition(changed, "BatchingDiffers").get("status") in (None, "False")
+    [after] = server_pods(cluster, "guarded")
+    assert after["metadata"]["uid"] == pod["metadata"]["uid"], "no new pod"
+    assert after["spec"]["serviceAccountName"] == "guarded-server"
+    role = cluster.get("roles", NS, "guarded-server")
+    assert role["rules"] == [{"apiGroups": [GROUP], "resources": [POOLS], "resourceNames": ["guarded"],
+                              "verbs": ["get", "watch"]}]
     cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "guarded")
 
 

@@ -38,9 +38,11 @@ from serving import (
 )
 from tritonclient.utils import InferenceServerException
 
+from tandem.api.inference import BatchingSettings
 from tandem.cli import main as cli_main
 from tandem.worker.serve.app import InferenceServer
 from tandem.worker.serve.model_loading import ModelLoadError
+from tandem.worker.serve.served_model import BatchingRefused
 
 pytestmark = pytest.mark.usefixtures("http_front")  # every test here, under both fronts (conftest.py)
 
@@ -635,9 +637,10 @@ def batch_size_buckets(port: int, model: str = "digits") -> dict[str, float]:
 
 
 def test_batching_changes_reach_a_running_server_under_load_and_fail_no_request(served):
-    """`PUT /v2/models/{m}/batching` while eight clients keep sending: every request succeeds; the server reports the
-    new settings (the endpoint, the model metadata's parameters, Triton's config, /metrics) and batches by them."""
-    server = served(make_pool(workersPerReplica=2, queueLimit=256), allow_batching_changes=True)
+    """A batching change (what a server following its pool makes, pool_watch.py) while eight clients keep sending:
+    every request succeeds; the server reports the new settings (the endpoint, the model metadata's parameters,
+    Triton's config, /metrics) and batches by them."""
+    server = served(make_pool(workersPerReplica=2, queueLimit=256))
     path = "/v2/models/digits/batching"
     assert json.loads(request(server.port, "GET", path)[2]) == {
         "batchLimit": 32, "queueLimit": 256, "maxQueueDelayMicroseconds": 0, "requestTimeoutMs": 30000}
@@ -663,11 +666,12 @@ def test_batching_changes_reach_a_running_server_under_load_and_fail_no_request(
         thread.start()
     try:
         wait_until(lambda: answered[0] >= 50, WAIT_S, "the clients to get answers")
-        status, _, body = request(server.port, "PUT", path, b'{"batchLimit": 48, "maxQueueDelayMicroseconds": 100}')
-        assert status == 200 and json.loads(body)["batchLimit"] == 48
-        status, _, body = request(server.port, "PUT", path, b'{"batchLimit": 2, "requestTimeoutMs": 20000}')
-        assert (status, json.loads(body)) == (200, {"batchLimit": 2, "queueLimit": 256,
-                                                     "maxQueueDelayMicroseconds": 100, "requestTimeoutMs": 20000})
+        server.update_batching(BatchingSettings(batchLimit=48, queueLimit=256, maxQueueDelayMicroseconds=100))
+        assert json.loads(request(server.port, "GET", path)[2])["batchLimit"] == 48
+        server.update_batching(BatchingSettings(batchLimit=2, queueLimit=256, maxQueueDelayMicroseconds=100,
+                                                requestTimeoutMs=20000))
+        assert json.loads(request(server.port, "GET", path)[2]) == {
+            "batchLimit": 2, "queueLimit": 256, "maxQueueDelayMicroseconds": 100, "requestTimeoutMs": 20000}
         before = batch_size_buckets(server.port)
         answered_before = answered[0]
         wait_until(lambda: answered[0] >= answered_before + 100, WAIT_S, "answers under the new batching")
@@ -696,76 +700,59 @@ def test_batching_changes_reach_a_running_server_under_load_and_fail_no_request(
     assert config["max_batch_size"] == 2 and config["dynamic_batching"]["max_queue_delay_microseconds"] == 100
     status, _, body = request(server.port, "POST", "/v2/models/digits/infer", json_body(inputs(3)))
     assert status == 400 and "outside 1..2" in json.loads(body)["error"], "a request may carry the new limit at most"
-    assert request(server.port, "PUT", path, b'{"batchLimit": 2000}')[0] == 200
+    server.update_batching(BatchingSettings(batchLimit=2000, queueLimit=256))
     big = inputs(1500, seed=6)  # over the old limits, and as JSON over the body limit (1 MiB) the old ones gave
     np.testing.assert_allclose(infer(triton.InferenceServerClient(server.url), big, binary=False), reference(big),
                                rtol=1e-5, atol=1e-6)
 
 
-BAD_BATCHING = [
-    (b'{"batchLimit": 0}', "batchLimit: Input should be greater than or equal to 1"),
-    (b'{"queueLimit": "many"}', "queueLimit: Input should be a valid integer"),
-    (b'{"batchSize": 8}', "batchSize: Extra inputs are not permitted"),
-    (b'[8]', "must be a JSON object"),
-    (b'{"batchLimit": ', "is not JSON"),
-]
+def test_no_port_takes_a_batching_change(served):
+    """No control endpoint on the data port (issue 35): the batching settings are read only over HTTP, a PUT is
+    answered as any method a path does not take, and a server not started with --watch-pool keeps its manifest's."""
+    server = served(make_pool())
+    assert server.server.pool_watch is None, "tandem serve without --watch-pool reads no pool"
+    for method in ("PUT", "POST", "PATCH", "DELETE"):
+        assert request(server.port, method, "/v2/models/digits/batching", b'{"batchLimit": 1}')[0] == 405, method
+    assert request(server.port, "PUT", "/v2/models/other/batching", b"{}")[0] in (404, 405)
+    assert json.loads(request(server.port, "GET", "/v2/models/digits/batching")[2]) == {
+        "batchLimit": 32, "queueLimit": 64, "maxQueueDelayMicroseconds": 0, "requestTimeoutMs": 30000}
 
 
-def test_a_bad_batching_change_is_400_naming_the_field_and_changes_nothing(served):
-    server = served(make_pool(), allow_batching_changes=True)
-    for body, words in BAD_BATCHING:
-        status, _, answer = request(server.port, "PUT", "/v2/models/digits/batching", body)
-        assert status == 400 and words in json.loads(answer)["error"], (body, answer)
-    assert json.loads(request(server.port, "GET", "/v2/models/digits/batching")[2])["batchLimit"] == 32
-    assert request(server.port, "PUT", "/v2/models/other/batching", b"{}")[0] == 404
-    assert request(server.port, "POST", "/v2/models/digits/batching", b"{}")[0] == 405
-
-
-def test_a_batch_limit_the_model_cannot_run_is_400_and_the_server_keeps_its_settings(served):
+def test_a_batch_limit_the_model_cannot_run_is_refused_and_the_server_keeps_its_settings(served):
     model = {"callable": "inference_models:at_most", "args": {"rows": 4}, "inputShape": [64]}
-    server = served(make_pool(model=model, batchLimit=4), allow_batching_changes=True)
-    status, _, body = request(server.port, "PUT", "/v2/models/digits/batching", b'{"batchLimit": 8}')
-    assert status == 400
-    assert "fails its warm-up at the new batch sizes: RuntimeError: this model takes at most 4 examples, not 8" \
-        in json.loads(body)["error"]
+    server = served(make_pool(model=model, batchLimit=4))
+    with pytest.raises(BatchingRefused, match="fails its warm-up at the new batch sizes: RuntimeError: this model "
+                                              "takes at most 4 examples, not 8"):
+        server.update_batching(BatchingSettings(batchLimit=8))
     assert json.loads(request(server.port, "GET", "/v2/models/digits/batching")[2])["batchLimit"] == 4
-    assert request(server.port, "PUT", "/v2/models/digits/batching", b'{"batchLimit": 2}')[0] == 200
+    server.update_batching(BatchingSettings(batchLimit=2))
+    assert json.loads(request(server.port, "GET", "/v2/models/digits/batching")[2])["batchLimit"] == 2
     assert infer(triton.InferenceServerClient(server.url), inputs(2)).shape == (2, 10)
 
 
-def test_a_server_takes_batching_changes_only_when_started_to(served):
-    server = served(make_pool())
-    status, _, body = request(server.port, "PUT", "/v2/models/digits/batching", b'{"batchLimit": 4}')
-    assert status == 403 and "--allow-batching-changes" in json.loads(body)["error"]
-    assert json.loads(request(server.port, "GET", "/v2/models/digits/batching")[2])["batchLimit"] == 32
-
-
-def test_behind_the_pools_token_a_batching_change_needs_it_too(served, tmp_path):
+def test_behind_the_pools_token_the_batching_settings_need_it_and_readiness_reports_them(served, tmp_path):
     token = tmp_path / "token"
     token.write_text("batching-token\n")
-    server = served(make_pool(auth={"secretName": "digits-token"}), auth_token_file=str(token),
-                    allow_batching_changes=True)
+    server = served(make_pool(auth={"secretName": "digits-token"}), auth_token_file=str(token))
     path, change = "/v2/models/digits/batching", b'{"batchLimit": 4}'
     assert request(server.port, "PUT", path, change)[0] == 401
     assert request(server.port, "GET", path)[0] == 401
     assert json.loads(request(server.port, "GET", "/v2/models/digits/ready")[2])["parameters"]["batch_limit"] == 32, \
         "readiness, open for the operator, reports the batching"
     bearer = {"Authorization": "Bearer batching-token"}
-    assert request(server.port, "PUT", path, change, bearer)[0] == 200
-    assert json.loads(request(server.port, "GET", path, headers=bearer)[2])["batchLimit"] == 4
+    assert request(server.port, "PUT", path, change, bearer)[0] == 405, "not even the token's holders change them"
+    assert json.loads(request(server.port, "GET", path, headers=bearer)[2])["batchLimit"] == 32
 
 
 def test_a_new_request_timeout_applies_to_new_requests_and_pending_ones_keep_theirs(served):
     name = "timeout-change"
-    server = served(gated_pool(name, workersPerReplica=1, batchLimit=1, requestTimeoutMs=600_000),
-                    allow_batching_changes=True)
+    server = served(gated_pool(name, workersPerReplica=1, batchLimit=1, requestTimeoutMs=600_000))
     gate = GATES[name]
     pool = ThreadPoolExecutor(2)
     gate.close()
     running = pool.submit(request, server.port, "POST", f"/v2/models/{name}/infer", json_body(inputs(1)))
     gate.wait_entered(1)
-    status, _, _ = request(server.port, "PUT", f"/v2/models/{name}/batching", b'{"requestTimeoutMs": 200}')
-    assert status == 200
+    server.update_batching(server.server.model.batching.model_copy(update={"request_timeout_ms": 200}))
     # bounded: a server that kept the old timeout fails here instead of waiting for the gate
     status, _, body = request(server.port, "POST", f"/v2/models/{name}/infer", json_body(inputs(1, seed=2)),
                               timeout=10)

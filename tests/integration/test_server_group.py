@@ -16,7 +16,9 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton
 from serving import inputs, make_pool, reference, request, wait_until, write_checkpoint
 
+from tandem.api.inference import BatchingSettings
 from tandem.worker.serve.processes import Group
+from tandem.worker.serve.served_model import BatchingRefused
 
 
 @pytest.fixture
@@ -84,7 +86,7 @@ def test_the_processes_serve_the_leaders_weights_from_one_file(served, group_dir
     leader's weights are every process's, each mapping the one file (in a pod: one copy in memory), also after a
     batching change brings new replicas."""
     pool = make_pool(model={"callable": "tandem.examples.digits:mlp", "args": {"hidden": 16}, "inputShape": [64]})
-    leader, other = two_processes(served, group_directory, pool, allow_batching_changes=True)
+    leader, other = two_processes(served, group_directory, pool)
     x = inputs(3)
 
     def answers(server) -> np.ndarray:
@@ -102,15 +104,14 @@ def test_the_processes_serve_the_leaders_weights_from_one_file(served, group_dir
     np.testing.assert_array_equal(answers(leader), answers(other))
     weights = str(group_directory / "weights-1.pt")
     assert mapped(leader) == mapped(other) == {weights}
-    assert request(other.port, "PUT", "/v2/models/digits/batching", b'{"batchLimit": 64}')[0] == 200
+    other.update_batching(BatchingSettings(batchLimit=64))
     np.testing.assert_array_equal(answers(leader), answers(other))
     assert mapped(leader) == mapped(other) == {weights}
 
 
 def test_a_batching_change_reaches_every_process(served, group_directory):
-    leader, other = two_processes(served, group_directory, make_pool(), allow_batching_changes=True)
-    status, _, body = request(other.port, "PUT", "/v2/models/digits/batching", b'{"batchLimit": 8, "queueLimit": 50}')
-    assert status == 200, body
+    leader, other = two_processes(served, group_directory, make_pool())
+    other.update_batching(BatchingSettings(batchLimit=8, queueLimit=50))  # handed to the leader, made in both
     for server in (leader, other):
         assert json.loads(request(server.port, "GET", "/v2/models/digits/batching")[2])["batchLimit"] == 8
         assert metric(server.port, 'tandem_inference_queue_limit{model="digits"}') == 50
@@ -122,11 +123,11 @@ def test_a_batching_change_one_process_refuses_is_undone_in_the_others(served, g
     change and the other refuses it: in a pod both run the same model and refuse alike."""
     pools = [make_pool(model={"callable": "inference_models:at_most", "args": {"rows": rows}, "inputShape": [64]},
                        batchLimit=4) for rows in (16, 4)]
-    leader, other = two_processes(served, group_directory, None, pools=pools, allow_batching_changes=True)
-    status, _, body = request(leader.port, "PUT", "/v2/models/digits/batching", b'{"batchLimit": 8}')
-    assert status == 400
+    leader, other = two_processes(served, group_directory, None, pools=pools)
+    with pytest.raises(BatchingRefused) as refused:
+        leader.update_batching(BatchingSettings(batchLimit=8, queueLimit=50))
     assert "server process 2 of 2: the model fails its warm-up at the new batch sizes: RuntimeError: this model " \
-           "takes at most 4 examples, not 8" in json.loads(body)["error"]
+           "takes at most 4 examples, not 8" in str(refused.value)
     for server in (leader, other):
         assert json.loads(request(server.port, "GET", "/v2/models/digits/batching")[2])["batchLimit"] == 4
         assert server.server.model.inference.batch_limit == 4

@@ -237,6 +237,7 @@ def built_objects() -> list[dict[str, Any]]:
         *training_objects.group_objects(job_owner, job),
         pool_objects.spec_config_map(pool_owner, pool),
         pool_objects.server_deployment(pool_owner, pool, job=None, pinned_step=None, default_image="w"),
+        *pool_objects.server_access(pool_owner, pool),
         pool_objects.service(pool_owner, pool),
         pool_objects.disruption_budget(pool_owner, pool),
         pool_objects.autoscaler(pool_owner, pool),
@@ -264,10 +265,24 @@ def test_the_operator_holds_every_verb_of_the_rank0_role_it_creates(values):
     assert wanted and wanted <= operator_permissions(values, "ml-a")
 
 
+@pytest.mark.parametrize("values", [{}, NAMESPACED], ids=["clusterwide", "namespaced"])
+def test_the_operator_holds_every_verb_of_the_server_role_it_creates(values):
+    """A pool's servers read their pool (get and watch on it alone): the operator must hold both to grant them."""
+    from tandem.api import InferencePool
+
+    owner, pool = example("digits-pool.yaml", InferencePool)
+    (role,) = (o for o in pool_objects.server_access(owner, pool) if o["kind"] == "Role")
+    wanted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+              for v in rule["verbs"]}
+    assert wanted == {("tandem.dev", "inferencepools", "get"), ("tandem.dev", "inferencepools", "watch")}
+    assert [rule["resourceNames"] for rule in role["rules"]] == [[pool.metadata.name]], "that one pool, no other"
+    assert wanted <= operator_permissions(values, "ml-a")
+
+
 OWN_RESOURCES = {
     ("tandem.dev", "paralleltrainingjobs"): ["get", "list", "watch", "patch", "delete"],  # delete: the TTL
     ("tandem.dev", "paralleltrainingjobs/status"): ["get", "patch"],
-    ("tandem.dev", "inferencepools"): ["list", "watch", "patch"],
+    ("tandem.dev", "inferencepools"): ["get", "list", "watch", "patch"],  # get: the servers' Role grants it
     ("tandem.dev", "inferencepools/status"): ["patch"],
     ("tandem.dev", "paralleltrainingjobs/finalizers"): ["update"],  # blockOwnerDeletion on what it creates
     ("tandem.dev", "inferencepools/finalizers"): ["update"],

@@ -1,66 +1,27 @@
-"""The gRPC server's wire (worker/serve/grpc_server.py) without a socket: HPACK fields, grpc-message's encoding,
-grpc-timeout, unary bodies, SETTINGS and padding."""
+"""The gRPC server's own parts (worker/serve/grpc_server.py) without a socket: grpc-timeout, unary bodies, the calls
+the C front hands over (start_call, outcome), grpc.aio's options from the Limits, and the service's methods table."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import zlib
 from types import SimpleNamespace
 
 import grpc
-import hpack
 import pytest
 from tritonclient.grpc import service_pb2
 
+from tandem.api.inference import InferencePoolSpec
 from tandem.worker.serve.grpc_server import (
-    COMPRESSION_ERROR,
-    FLOW_CONTROL_ERROR,
-    FRAME_SIZE_ERROR,
-    PADDED,
-    PROTOCOL_ERROR,
-    SETTINGS_INITIAL_WINDOW_SIZE,
-    SETTINGS_MAX_FRAME_SIZE,
-    ConnectionFailure,
     GrpcError,
-    HeaderDecoder,
-    header_field,
-    parse_settings,
+    GrpcServer,
     parse_timeout,
-    percent_encode,
-    status_block,
+    server_options,
     unary_message,
-    unpad,
 )
 from tandem.worker.serve.grpc_service import GrpcService
-
-
-@pytest.mark.parametrize(("name", "value"), [
-    (b"grpc-status", b"0"),
-    (b"grpc-message", b"x" * 126),  # the longest length in the string's 7-bit prefix
-    (b"grpc-message", b"x" * 127),  # the first that continues into a second byte
-    (b"grpc-message", b"y" * 70_000),  # three bytes of length
-])
-def test_header_fields_decode_as_written_and_leave_the_table_empty(name, value):
-    decoder = hpack.Decoder()
-    decoder.max_header_list_size = 1 << 20
-    assert decoder.decode(header_field(name, value) * 2, raw=True) == [(name, value), (name, value)]
-    assert len(decoder.header_table.dynamic_entries) == 0
-
-
-def test_a_status_block_carries_the_code_number_and_the_encoded_message():
-    fields = hpack.Decoder().decode(status_block(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: 100%"), raw=True)
-    assert fields == [(b"grpc-status", b"8"), (b"grpc-message", b"queue full: 100%25")]
-
-
-@pytest.mark.parametrize(("message", "encoded"), [
-    ("plain words, (and) punctuation!", b"plain words, (and) punctuation!"),
-    ("100%", b"100%25"),
-    ("na\u00efve", b"na%C3%AFve"),
-    ("two\nlines\t", b"two%0Alines%09"),
-    ("", b""),
-])
-def test_grpc_message_is_percent_encoded_utf8(message, encoded):
-    assert percent_encode(message) == encoded
+from tandem.worker.serve.limits import Limits
 
 
 @pytest.mark.parametrize(("header", "seconds"), [
@@ -104,6 +65,7 @@ def test_a_compressed_message_is_decompressed(encoding):
     (b"\2\0\0\0\3abc", grpc.StatusCode.INVALID_ARGUMENT, "compressed flag is 2"),
     (_compressed(b"0" * 101, gzip.compress), grpc.StatusCode.RESOURCE_EXHAUSTED, "over 100 bytes once decompressed"),
     (b"\0\0\0\0\5abc", grpc.StatusCode.INVALID_ARGUMENT, "cut short: 3 of the 5 bytes"),
+    (b"\0\0\0\0\x65" + b"x" * 101, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max (101 vs. 100)"),
     (b"\0\0\0\0\1a\0\0\0\0\1b", grpc.StatusCode.UNIMPLEMENTED, "more than one request message"),
 ])
 def test_a_body_that_is_not_one_message_is_refused(body, code, words):
@@ -123,73 +85,6 @@ def test_a_compressed_message_needs_an_encoding_the_server_knows(encoding, code,
     assert refused.value.code is code and words in refused.value.message
 
 
-def _setting(identifier: int, value: int) -> bytes:
-    return identifier.to_bytes(2, "big") + value.to_bytes(4, "big")
-
-
-def test_settings_by_identifier():
-    payload = _setting(SETTINGS_INITIAL_WINDOW_SIZE, 1 << 20) + _setting(SETTINGS_MAX_FRAME_SIZE, 1 << 16) + \
-        _setting(0x99, 7)
-    assert parse_settings(payload) == {SETTINGS_INITIAL_WINDOW_SIZE: 1 << 20, SETTINGS_MAX_FRAME_SIZE: 1 << 16,
-                                       0x99: 7}
-    assert parse_settings(b"") == {}
-
-
-@pytest.mark.parametrize(("payload", "code"), [
-    (b"\0\4\0\0", FRAME_SIZE_ERROR),
-    (_setting(SETTINGS_INITIAL_WINDOW_SIZE, 1 << 31), FLOW_CONTROL_ERROR),
-    (_setting(SETTINGS_MAX_FRAME_SIZE, 16383), PROTOCOL_ERROR),
-    (_setting(SETTINGS_MAX_FRAME_SIZE, 1 << 24), PROTOCOL_ERROR),
-])
-def test_settings_out_of_bounds_end_the_connection(payload, code):
-    with pytest.raises(ConnectionFailure) as failed:
-        parse_settings(payload)
-    assert failed.value.code == code
-
-
-@pytest.mark.parametrize(("payload", "flags", "data"), [
-    (b"abc", 0, b"abc"),
-    (b"\2abcxx", PADDED, b"abc"),
-    (b"\0abc", PADDED, b"abc"),
-    (b"\3abc", PADDED, b""),
-])
-def test_padding_is_taken_off(payload, flags, data):
-    assert unpad(payload, flags) == data
-
-
-@pytest.mark.parametrize("payload", [b"", b"\4abc", b"\x09ab"])
-def test_padding_longer_than_the_frame_ends_the_connection(payload):
-    with pytest.raises(ConnectionFailure) as failed:
-        unpad(payload, PADDED)
-    assert failed.value.code == PROTOCOL_ERROR
-
-
-def test_a_header_block_that_leaves_the_table_as_it_was_is_remembered_until_the_table_changes():
-    encoder, decoder = hpack.Encoder(), HeaderDecoder()
-    adds_x = encoder.encode([(b"x-call", b"first")], huffman=False)  # a literal with incremental indexing
-    refers = encoder.encode([(b"x-call", b"first")], huffman=False)  # now an index into the dynamic table
-    assert refers != adds_x
-    assert decoder.decode(adds_x) == {"x-call": "first"} and decoder.known == {}, "changed the table: not kept"
-    assert decoder.decode(refers) == {"x-call": "first"} and refers in decoder.known
-    assert decoder.decode(refers) is decoder.known[refers]
-    adds_y = encoder.encode([(b"x-call", b"second")], huffman=False)
-    assert decoder.decode(adds_y) == {"x-call": "second"} and decoder.known == {}, "the table changed: all forgotten"
-    assert decoder.decode(refers) == {"x-call": "second"}, "the same index now names the newer entry"
-
-
-def test_a_block_hpack_cannot_decode_ends_the_connection():
-    with pytest.raises(ConnectionFailure) as failed:
-        HeaderDecoder().decode(b"\xff\xff\xff\xff\xff")
-    assert failed.value.code == COMPRESSION_ERROR and "HPACK cannot decode" in str(failed.value)
-
-
-def test_remembered_blocks_are_bounded():
-    decoder = HeaderDecoder(remember=2)
-    blocks = [header_field(b":path", f"/{n}".encode()) for n in range(3)]  # literals that leave the table be
-    assert [decoder.decode(block) for block in blocks] == [{":path": f"/{n}"} for n in range(3)]
-    assert list(decoder.known) == blocks[:2]
-
-
 def test_the_service_serves_each_rpc_of_the_proto_it_implements_with_its_request_type():
     service = GrpcService(SimpleNamespace(routes=None), None)
     methods = service.methods()
@@ -200,3 +95,60 @@ def test_the_service_serves_each_rpc_of_the_proto_it_implements_with_its_request
     for path, (request_type, handler) in methods.items():
         name = path.removeprefix(prefix)
         assert request_type is getattr(service_pb2, f"{name}Request") and handler == getattr(service, name)
+
+
+async def _answer(request, context):
+    return service_pb2.ServerLiveResponse(live=context.time_remaining() is None)
+
+
+LIVE = "/inference.GRPCInferenceService/ServerLive"
+HEADERS = {":path": LIVE, "content-type": "application/grpc"}
+
+
+def _start(headers: dict[str, str], body: bytes = b"\0\0\0\0\0"):
+    async def start():
+        server = GrpcServer({LIVE: (service_pb2.ServerLiveRequest, _answer)}, Limits(max_message_bytes=100))
+        call = server.start_call(headers, body, asyncio.get_running_loop())
+        return server, (call if call is None else await call)
+    return asyncio.run(start())
+
+
+def test_a_call_handed_over_is_started_and_its_outcome_is_code_message_and_data():
+    server, answer = _start(HEADERS)
+    assert answer == service_pb2.ServerLiveResponse(live=True)
+    data = answer.SerializeToString()
+    assert server.outcome(answer, None) == (0, "", b"\0" + len(data).to_bytes(4, "big") + data)
+    assert server.outcome(None, GrpcError(grpc.StatusCode.UNAVAILABLE, "100% gone")) == (14, "100% gone", None)
+    assert server.outcome(None, KeyError("x")) == (13, "internal error: KeyError", None)
+    assert server.outcome(service_pb2.ModelInferResponse(raw_output_contents=[b"x" * 200]), None)[:2] == \
+        (8, "Sent message larger than max (203 vs. 100)")
+
+
+def test_a_request_that_is_not_grpcs_is_left_to_the_front():
+    assert _start({":path": LIVE, "content-type": "application/json"})[1] is None
+
+
+@pytest.mark.parametrize(("headers", "code", "words"), [
+    ({**HEADERS, "grpc-timeout": "0n"}, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
+    ({**HEADERS, "grpc-timeout": "0S"}, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
+    ({**HEADERS, ":path": "/x/Y"}, grpc.StatusCode.UNIMPLEMENTED, "unknown method '/x/Y'"),
+    ({**HEADERS, "grpc-timeout": "soon"}, grpc.StatusCode.INVALID_ARGUMENT, "is not a timeout"),
+])
+def test_a_call_refused_before_its_handler_runs(headers, code, words):
+    with pytest.raises(GrpcError) as refused:
+        _start(headers)
+    assert refused.value.code is code and words in refused.value.message
+
+
+def test_grpc_aios_options_are_the_limits():
+    limits = Limits(max_message_bytes=5 << 20, max_streams=7, max_head_bytes=9000, idle_timeout_s=1.5,
+                    header_timeout_s=2.0, stream_window_bytes=1 << 18)
+    options = dict(server_options(limits))
+    assert (options["grpc.max_receive_message_length"], options["grpc.max_send_message_length"]) == (5 << 20,) * 2
+    assert (options["grpc.max_concurrent_streams"], options["grpc.max_metadata_size"]) == (7, 9000)
+    assert (options["grpc.max_connection_idle_ms"], options["grpc.server_handshake_timeout_ms"]) == (1500, 2000)
+    assert (options["grpc.http2.lookahead_bytes"], options["grpc.http2.bdp_probe"]) == (1 << 18, 0)
+
+
+def test_the_pools_idle_timeout_defaults_to_the_limits():
+    assert InferencePoolSpec.model_fields["idle_timeout_seconds"].default == Limits().idle_timeout_s

@@ -34,24 +34,3 @@ def test_the_front_leaves_to_the_python_server_what_it_cannot_write_as_it_is():
         assert "serves FP32 in and out" in unavailable_reason(loaded(datatype="INT64"), "sequential", "digits", "1")
         assert "inplace" in unavailable_reason(loaded(), "inplace", "digits", "1")
 
-
-def test_the_fronts_hpack_tables_are_rfc_7541s_as_hpack_holds_them():
-    """_front_tables.h (generated once from the hpack package) holds the Huffman code and the static table exactly."""
-    import re
-    from pathlib import Path
-
-    from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
-    from hpack.table import HeaderTable
-
-    import tandem.worker.serve
-
-    text = (Path(tandem.worker.serve.__file__).parent / "_front_tables.h").read_text()
-
-    def array(name: str) -> list[int]:
-        body = re.search(rf"{name}\[\d+\] = \{{(.*?)\}};", text, re.S).group(1)
-        return [int(value, 0) for value in re.findall(r"0x[0-9a-f]+|\d+", body)]
-
-    assert array("huffman_codes") == list(REQUEST_CODES)
-    assert array("huffman_lengths") == list(REQUEST_CODES_LENGTH)
-    static = re.findall(r'\{"([^"]*)", "([^"]*)"\}', text)
-    assert [(name.encode(), value.encode()) for name, value in static] == list(HeaderTable.STATIC_TABLE)

@@ -14,7 +14,7 @@ import pytest
 from tandem.api.inference import BatchingSettings
 from tandem.operator.observed import read_resource
 from tandem.operator.pool_objects import AUTH_MOUNT, MODEL_MOUNT, SPEC_HASH, server_deployment
-from tandem.operator.pool_served import REFUSED_PUSH_SECONDS, Refusal, Served, batching_pushes
+from tandem.operator.pool_served import Served, refused_batching
 from tandem.operator.pools import Sources, reconcile_pool, sources
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -135,19 +135,20 @@ CASES = [
      [], TWO_SERVING, job(), {"apply": ["Deployment"], "replicas": 3, "rolls": False}),
     ("scaled to one: the budget goes", pool({"observedGeneration": 1}, generation=2, replicas=1), "all-1", [],
      TWO_SERVING[:1], job(), {"apply": ["Deployment"], "delete": [("PodDisruptionBudget", "digits-server")]}),
-    ("batching changed: no roll, the servers are sent it and a condition says so until they run it",
+    ("batching changed: no roll, nothing sent (the servers read the pool), a condition says so until they run it",
      pool({"observedGeneration": 1}, generation=2, batchLimit=8), "all-2", [], TWO_SERVING, job(),
-     {"apply": ["ConfigMap"], "push": ["digits-server-a", "digits-server-b"], "batching": {"batchLimit": 32},
+     {"apply": ["ConfigMap"], "batching": {"batchLimit": 32}, "requeue": 1.0,
       "condition": ("BatchingDiffers", "True", "digits-server-b: batchLimit 32, queueLimit 64")}),
-    ("the servers run the new batching: the status shows it, nothing more is sent", pool({
-        "observedGeneration": 2, "conditions": [{"type": "BatchingDiffers", "status": "True", "reason": "Pushing",
+    ("the servers run the new batching: the status shows it", pool({
+        "observedGeneration": 2, "conditions": [{"type": "BatchingDiffers", "status": "True", "reason": "Changing",
                                                  "message": "", "lastTransitionTime": ago(3)}]},
         generation=2, batchLimit=8), "all-2", [],
      [served("digits-server-a", 200, batchLimit=8), served("digits-server-b", 200, batchLimit=8)], job(),
-     {"push": [], "batching": {"batchLimit": 8, "queueLimit": 64}, "condition": ("BatchingDiffers", "False", "")}),
-    ("a server that does not report its batching is neither counted nor sent it", pool({"observedGeneration": 1},
-                                                                                        generation=2, batchLimit=8),
-     "all-2", [], [served("digits-server-a", 200, None)], job(), {"push": [], "batching": None}),
+     {"requeue": 5.0, "batching": {"batchLimit": 8, "queueLimit": 64},
+      "condition": ("BatchingDiffers", "False", "")}),
+    ("a server that does not report its batching is not counted", pool({"observedGeneration": 1},
+                                                                       generation=2, batchLimit=8),
+     "all-2", [], [served("digits-server-a", 200, None)], job(), {"batching": None}),
     ("autoscaling asked: an HPA on the pool's scale subresource", pool({"observedGeneration": 1}, generation=2,
                                                                         autoscaling={"maxReplicas": 4}),
      "all-2", [], TWO_SERVING, job(), {"apply": ["HorizontalPodAutoscaler"]}),
@@ -194,19 +195,12 @@ def test_reconcile_pool(name, body, children, pods, reports, source, expected):
         assert [reason for _, reason, _ in plan.events] == [expected["event"]]
     if "message" in expected:
         assert expected["message"] in status["message"]
-    if "push" in expected:
-        assert plan.push == expected["push"]
-        assert plan.batching == parse_spec(body)
+    if "requeue" in expected:
+        assert plan.requeue_after == expected["requeue"]
     if "batching" in expected:
         wanted = expected["batching"]
         assert (status.get("batching") if wanted is None else
                 {k: status["batching"][k] for k in wanted}) == wanted
-
-
-def parse_spec(body: dict[str, Any]) -> dict[str, Any]:
-    from tandem.manifest import parse
-
-    return parse({k: body[k] for k in ("apiVersion", "kind", "metadata", "spec")}).spec.batching.to_dict()
 
 
 # (what changes in the pool's spec, whether the servers are replaced)
@@ -239,69 +233,77 @@ def test_which_pool_changes_replace_the_servers_and_which_reach_them_live(change
     template = deployments[0]["spec"]["template"]["metadata"]["annotations"][SPEC_HASH] if deployments else None
     before = children["Deployment"]["spec"]["template"]["metadata"]["annotations"][SPEC_HASH]
     assert (template is not None and template != before) == rolls
-    live = set(change) & {"batchLimit", "queueLimit", "maxQueueDelayMicroseconds", "requestTimeoutMs"}
-    assert plan.push == (["digits-server-a", "digits-server-b"] if live else [])
     assert ("ConfigMap" in [o["kind"] for o in plan.apply]) == (change.keys() != {"replicas"}), \
         "a server started later reads every setting but the replicas from the ConfigMap"
 
 
-def test_a_pool_with_a_token_rolls_its_servers_for_a_batching_change_since_the_operator_holds_no_token():
+def test_a_pool_with_a_token_takes_a_batching_change_without_a_roll_too():
+    """Its servers read the pool themselves: the operator, which holds no token, sends them nothing."""
     auth = {"secretName": "digits-token"}
     steady = pool({"observedGeneration": 1, "phase": "Ready"}, auth=auth)
     children = everything(copy.deepcopy(steady))
-    command = children["Deployment"]["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert "--allow-batching-changes" not in command
     plan = reconcile_pool(read_resource(pool({"observedGeneration": 1}, generation=2, auth=auth, batchLimit=8)),
                           children, [], TWO_SERVING, job(), NOW, IMAGE)
-    [rolled] = [o for o in plan.apply if o["kind"] == "Deployment"]
-    assert rolled["spec"]["template"]["metadata"]["annotations"][SPEC_HASH] != \
-        children["Deployment"]["spec"]["template"]["metadata"]["annotations"][SPEC_HASH]
-    assert plan.push == []
+    assert kinds(plan) == ["ConfigMap"], "no Deployment: the servers are not replaced"
     [differs] = [c for c in plan.status["conditions"] if c["type"] == "BatchingDiffers"]
-    assert "until the rolling update replaces them" in differs["message"]
+    assert differs["reason"] == "Changing" and "which they are taking from it" in differs["message"]
 
 
-@pytest.mark.parametrize(("reports", "expected"), [
-    ([], []),
-    ([BatchingSettings()], []),
-    ([BatchingSettings(batchLimit=8)], ["s0"]),
-    ([BatchingSettings(), BatchingSettings(queueLimit=1), None], ["s1"]),
-    ([BatchingSettings(requestTimeoutMs=5), BatchingSettings(maxQueueDelayMicroseconds=1)], ["s0", "s1"]),
-])
-def test_the_servers_sent_the_pools_batching_are_those_that_report_other_settings_and_did_not_refuse_them(
-        reports, expected):
-    servers = [Served(f"s{i}", None, "callable", ago(1), batching) for i, batching in enumerate(reports)]
-    assert batching_pushes(BatchingSettings(), servers) == expected
-    assert batching_pushes(BatchingSettings(), servers, {"s0": "400 ..."}) == [pod for pod in expected if pod != "s0"]
+def test_the_servers_read_their_pool_with_an_account_that_may_get_and_watch_that_pool_only():
+    """The servers' ServiceAccount, its Role (get and watch on this one InferencePool, nothing else) and binding are
+    created with the Deployment (kept where they exist), and the server pods run as that account with its token."""
+    plan = reconcile_pool(read_resource(pool()), {}, [], [], job(), NOW, IMAGE)
+    assert [o["kind"] for o in plan.create] == ["ServiceAccount", "Role", "RoleBinding"]
+    _, role, binding = plan.create
+    assert {o["metadata"]["name"] for o in plan.create} == {"digits-server"}
+    assert all(o["metadata"]["ownerReferences"][0]["uid"] == "pool-uid" for o in plan.create)
+    assert role["rules"] == [{"apiGroups": ["tandem.dev"], "resources": ["inferencepools"],
+                              "resourceNames": ["digits"], "verbs": ["get", "watch"]}]
+    assert binding["roleRef"]["name"] == "digits-server"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "digits-server", "namespace": "ml"}]
+    [deployment] = [o for o in plan.apply if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "digits-server" and pod["automountServiceAccountToken"] is True
+    assert "--watch-pool" in pod["containers"][0]["command"]
+    for manifest in plan.create:
+        kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
+    steady = reconcile_pool(read_resource(STEADY), everything(copy.deepcopy(STEADY)), [], TWO_SERVING, job(), NOW,
+                            IMAGE)
+    assert steady.create == [], "created with the Deployment only, not on every pass"
 
 
-NEW_BATCHING = {"batchLimit": 64, "queueLimit": 64, "maxQueueDelayMicroseconds": 0, "requestTimeoutMs": 30000}
+NEW_BATCHING = BatchingSettings(batchLimit=64)
+REFUSED = "the model fails its warm-up at the new batch sizes: RuntimeError: out of memory"
 
 
-# (the last refusal by digits-server-a, whether it is sent the pool's settings again, the condition's reason)
-REFUSALS = [
-    (None, True, "Pushing"),
-    (Refusal(NEW_BATCHING, "400 the model fails its warm-up at the new batch sizes", NOW - timedelta(seconds=5)),
-     False, "Refused"),
-    (Refusal(NEW_BATCHING, "400 the model fails ...", NOW - timedelta(seconds=REFUSED_PUSH_SECONDS + 1)), True,
-     "Pushing"),
-    (Refusal({**NEW_BATCHING, "batchLimit": 48}, "400 other settings", NOW - timedelta(seconds=5)), True, "Pushing"),
-]
+def refusing(settings: BatchingSettings) -> dict[str, Any]:
+    """A server's readiness parameters after refusing `settings` (worker/serve/served_model.py's shape)."""
+    return {**{f"refused_{name}": value for name, value in settings.model_dump().items()}, "refused_reason": REFUSED}
 
 
-@pytest.mark.parametrize(("refusal", "sent", "reason"), REFUSALS, ids=["none", "lately", "long-ago", "other-settings"])
-def test_a_server_that_refused_the_pools_batching_is_left_alone_a_while_and_the_condition_says_why(refusal, sent,
-                                                                                                   reason):
+# (the pool's settings digits-server-a last refused, from its readiness parameters; the condition's reason)
+REFUSALS = [(None, "Changing"), (NEW_BATCHING, "Refused"), (BatchingSettings(batchLimit=48), "Changing")]
+
+
+@pytest.mark.parametrize(("refused", "reason"), REFUSALS, ids=["none", "these-settings", "other-settings"])
+def test_a_server_that_refused_the_pools_batching_says_so_and_the_condition_names_it(refused, reason):
     body = pool({"observedGeneration": 1}, generation=2, batchLimit=64)
-    refusals = {} if refusal is None else {"digits-server-a": refusal}
-    plan = reconcile_pool(read_resource(body), everything(copy.deepcopy(STEADY)), [], TWO_SERVING[:1], job(), NOW,
-                          IMAGE, refusals)
-    assert plan.push == (["digits-server-a"] if sent else [])
+    parameters = {} if refused is None else refusing(refused)
+    report = replace(TWO_SERVING[0], refused=refused_batching(parameters))
+    plan = reconcile_pool(read_resource(body), everything(copy.deepcopy(STEADY)), [], [report], job(), NOW, IMAGE)
     [differs] = [c for c in plan.status["conditions"] if c["type"] == "BatchingDiffers"]
     assert differs["status"] == "True" and differs["reason"] == reason
-    assert ("Refused (sent again after 30 s" in differs["message"]) == (reason == "Refused")
+    assert ("Refused (tried again after 30 s" in differs["message"]) == (reason == "Refused")
     if reason == "Refused":
-        assert "digits-server-a: 400 the model fails its warm-up at the new batch sizes" in differs["message"]
+        assert f"digits-server-a: {REFUSED}" in differs["message"]
+        assert plan.requeue_after == 5.0, "nothing changes until the server tries again"
+
+
+def test_a_refusal_is_read_from_the_readiness_parameters_only_whole():
+    assert refused_batching(refusing(NEW_BATCHING)) == (NEW_BATCHING, REFUSED)
+    assert refused_batching({}) is None
+    assert refused_batching({k: v for k, v in refusing(NEW_BATCHING).items() if k != "refused_queue_limit"}) is None
+    assert refused_batching({**refusing(NEW_BATCHING), "refused_batch_limit": 0}) is None
 
 
 def test_following_points_the_servers_at_the_jobs_directory_from_its_spec_and_mounts_its_claim_read_only():
@@ -310,7 +312,7 @@ def test_following_points_the_servers_at_the_jobs_directory_from_its_spec_and_mo
     pod = created["spec"]["template"]["spec"]
     [server] = pod["containers"]
     assert server["command"] == ["tandem", "serve", "/etc/tandem/pool.json", "--host", "0.0.0.0", "--port", "8000",
-                                 "--grpc-port", "8001", "--grace-period", "25", "--allow-batching-changes",
+                                 "--grpc-port", "8001", "--grace-period", "25", "--watch-pool",
                                  "--checkpoint", f"{MODEL_MOUNT}/runs/digits"]
     assert {"name": "tandem-model", "persistentVolumeClaim": {"claimName": "train-checkpoints", "readOnly": True}} \
         in pod["volumes"]
@@ -354,7 +356,7 @@ def test_the_server_pods_probe_the_truth_drain_gracefully_and_never_roll_below_t
     assert pod["terminationGracePeriodSeconds"] > 5 + 25, "longer than the preStop pause and the drain together"
     assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert pod["securityContext"]["runAsNonRoot"] and not server["securityContext"]["allowPrivilegeEscalation"]
-    assert pod["automountServiceAccountToken"] is False
+    assert pod["serviceAccountName"] == "digits-server", "its own account, which may read its pool and nothing else"
     annotations = spec["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
     assert SPEC_HASH in annotations

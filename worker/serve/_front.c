@@ -14,6 +14,7 @@
 // What this thread answers on its own: its requests' outputs (200), a full queue (429), a request past the pool's
 // timeout (504), a server draining or stopped (503), a failed forward (the status and message Python gives).
 #include "_front.h"
+#include "_front_parse.h"
 
 int64_t now_ns(void) {
     struct timespec t;
@@ -50,7 +51,7 @@ void signal_fd(int fd) {
 // -- connections ------------------------------------------------------------------------------------------------
 
 void watch_events(Front *f, connection_t *c) {
-    int reading = c->h2 ? c->out_len < MAX_UNSENT : c->in_len < MAX_HEAD + (size_t)f->max_body;
+    int reading = c->h2 ? c->out_len < unsent_limit(f) : c->in_len < MAX_HEAD + (size_t)f->max_body;
     int writing = c->out_len > 0;
     if (reading == c->reading && writing == c->writing) return;
     c->reading = reading;
@@ -194,229 +195,7 @@ void abandon(Front *f, request_t *r) {
     pthread_mutex_unlock(&f->lock);
 }
 
-// -- parsing: "mine, exactly" or "not mine" ----------------------------------------------------------------------
-
-typedef struct {
-    const char *p, *end;
-} cursor_t;
-
-static void skip_space(cursor_t *s) {
-    while (s->p < s->end && (*s->p == ' ' || *s->p == '\t' || *s->p == '\n' || *s->p == '\r')) s->p++;
-}
-
-static int eat(cursor_t *s, char ch) {
-    skip_space(s);
-    if (s->p < s->end && *s->p == ch) {
-        s->p++;
-        return 1;
-    }
-    return 0;
-}
-
-// A JSON string without escapes (a key or name); its content in [*start, *start + *len). An escape is not ours.
-static int plain_string(cursor_t *s, const char **start, size_t *len) {
-    if (!eat(s, '"')) return 0;
-    const char *begin = s->p;
-    while (s->p < s->end && *s->p != '"') {
-        if (*s->p == '\\' || (unsigned char)*s->p < 0x20) return 0;
-        s->p++;
-    }
-    if (s->p >= s->end) return 0;
-    *start = begin;
-    *len = s->p - begin;
-    s->p++;
-    return 1;
-}
-
-// A JSON string of printable ASCII and simple escapes (the request's id, echoed as sent): its bytes with the quotes.
-// Other bytes and \u escapes are the Python server's to judge (invalid UTF-8, lone surrogates).
-static int any_string(cursor_t *s, const char **start, size_t *len) {
-    skip_space(s);
-    if (s->p >= s->end || *s->p != '"') return 0;
-    const char *begin = s->p++;
-    while (s->p < s->end && *s->p != '"') {
-        unsigned char ch = *s->p;
-        if (ch < 0x20 || ch >= 0x7f) return 0;
-        if (ch == '\\') {
-            if (s->p + 1 >= s->end) return 0;
-            char e = s->p[1];
-            if (!e || !strchr("\"\\/bfnrt", e)) return 0;
-            s->p += 2;
-            continue;
-        }
-        s->p++;
-    }
-    if (s->p >= s->end) return 0;
-    s->p++;
-    *start = begin;
-    *len = s->p - begin;
-    return 1;
-}
-
-static int is_key(const char *start, size_t len, const char *key) {
-    return len == strlen(key) && memcmp(start, key, len) == 0;
-}
-
-// A JSON number (strict grammar) as a float, read as the Python server reads it (as a double, then rounded to float32:
-// reading it to float32 directly can round the other way near a tie); a number float32 cannot hold (inf) is not ours.
-static int number(cursor_t *s, float *value) {
-    skip_space(s);
-    const char *p = s->p, *begin = p;
-    if (p < s->end && *p == '-') p++;
-    if (p >= s->end || !isdigit((unsigned char)*p)) return 0;
-    if (*p == '0') p++;
-    else while (p < s->end && isdigit((unsigned char)*p)) p++;
-    if (p < s->end && *p == '.') {
-        p++;
-        if (p >= s->end || !isdigit((unsigned char)*p)) return 0;
-        while (p < s->end && isdigit((unsigned char)*p)) p++;
-    }
-    if (p < s->end && (*p == 'e' || *p == 'E')) {
-        p++;
-        if (p < s->end && (*p == '+' || *p == '-')) p++;
-        if (p >= s->end || !isdigit((unsigned char)*p)) return 0;
-        while (p < s->end && isdigit((unsigned char)*p)) p++;
-    }
-    size_t len = p - begin;
-    char copy[64];
-    if (len >= sizeof copy) return 0;
-    memcpy(copy, begin, len);
-    copy[len] = 0;
-    *value = (float)strtod(copy, NULL);
-    if (!isfinite(*value)) return 0;
-    s->p = p;
-    return 1;
-}
-
-static int integer(cursor_t *s, long *value) {
-    skip_space(s);
-    const char *p = s->p;
-    long v = 0;
-    if (p >= s->end || !isdigit((unsigned char)*p)) return 0;
-    while (p < s->end && isdigit((unsigned char)*p)) {
-        if (v > 100000000) return 0;
-        v = v * 10 + (*p++ - '0');
-    }
-    if (p < s->end && (*p == '.' || *p == 'e' || *p == 'E')) return 0;
-    s->p = p;
-    *value = v;
-    return 1;
-}
-
-// The one input: {"name": <the input's>, "shape": [rows, <the example's shape>], "datatype": "FP32", "data": [...]},
-// keys in any order, each once. The numbers go to r->x (allocated here once the shape is known).
-static int parse_input(Front *f, cursor_t *s, request_t **out) {
-    if (!eat(s, '{')) return 0;
-    int seen_name = 0, seen_datatype = 0;
-    long rows = -1;
-    const char *data = NULL;
-    for (int first = 1;; first = 0) {
-        if (!first && !eat(s, ',')) break;
-        const char *key;
-        size_t key_len;
-        if (!plain_string(s, &key, &key_len) || !eat(s, ':')) return 0;
-        if (is_key(key, key_len, "name") && !seen_name) {
-            const char *name;
-            size_t name_len;
-            if (!plain_string(s, &name, &name_len)) return 0;
-            if (name_len != f->input_name_len || memcmp(name, f->input_name, name_len) != 0) return 0;
-            seen_name = 1;
-        } else if (is_key(key, key_len, "datatype") && !seen_datatype) {
-            const char *type;
-            size_t type_len;
-            if (!plain_string(s, &type, &type_len) || !is_key(type, type_len, "FP32")) return 0;
-            seen_datatype = 1;
-        } else if (is_key(key, key_len, "shape") && rows < 0) {
-            if (!eat(s, '[') || !integer(s, &rows) || rows < 1) return 0;
-            for (int i = 0; i < f->dims; i++) {
-                long dim;
-                if (!eat(s, ',') || !integer(s, &dim) || dim != f->shape[i]) return 0;
-            }
-            if (!eat(s, ']')) return 0;
-        } else if (is_key(key, key_len, "data") && !data) {
-            skip_space(s);
-            data = s->p;  // read once the shape is known
-            if (!eat(s, '[')) return 0;
-            int depth = 1;  // skip to its end: only numbers, commas and spaces are ours
-            while (s->p < s->end && depth) {
-                char ch = *s->p++;
-                if (ch == ']') depth--;
-                else if (ch == '[' || ch == '{' || ch == '"') return 0;
-            }
-            if (depth) return 0;
-        } else {
-            return 0;  // parameters, a repeated key, anything else: not ours
-        }
-    }
-    if (!eat(s, '}') || !seen_name || !seen_datatype || rows < 0 || !data) return 0;
-    pthread_mutex_lock(&f->lock);
-    long max_rows = f->max_rows;
-    pthread_mutex_unlock(&f->lock);
-    if (rows > max_rows) return 0;
-    long count = rows * f->features;
-    if (count > (f->max_body / 2)) return 0;
-    request_t *r = grown(NULL, sizeof *r + count * sizeof(float));
-    memset(r, 0, sizeof *r);
-    r->rows = rows;
-    cursor_t d = {data + 1, s->end};
-    for (long i = 0; i < count; i++) {
-        if ((i && !eat(&d, ',')) || !number(&d, &r->x[i])) {
-            free(r);
-            return 0;
-        }
-    }
-    if (!eat(&d, ']')) {
-        free(r);
-        return 0;
-    }
-    *out = r;
-    return 1;
-}
-
-// The body: {"inputs": [<the one input>]} with an optional "id" string, keys in any order; else not ours.
-static request_t *parse_body(Front *f, const char *body, size_t len) {
-    cursor_t s = {body, body + len};
-    request_t *r = NULL;
-    const char *id = NULL;
-    size_t id_len = 0;
-    if (!eat(&s, '{')) return NULL;
-    for (int first = 1;; first = 0) {
-        if (!first && !eat(&s, ',')) break;
-        const char *key;
-        size_t key_len;
-        if (!plain_string(&s, &key, &key_len) || !eat(&s, ':')) goto not_ours;
-        if (is_key(key, key_len, "inputs") && !r) {
-            if (!eat(&s, '[') || !parse_input(f, &s, &r) || !eat(&s, ']')) goto not_ours;
-        } else if (is_key(key, key_len, "id") && !id) {
-            if (!any_string(&s, &id, &id_len)) goto not_ours;
-        } else {
-            goto not_ours;
-        }
-    }
-    if (!eat(&s, '}') || !r) goto not_ours;
-    skip_space(&s);
-    if (s.p != s.end) goto not_ours;
-    if (id) {
-        r->id = grown(NULL, id_len);
-        memcpy(r->id, id, id_len);
-        r->id_len = id_len;
-    }
-    return r;
-not_ours:
-    free(r);
-    return NULL;
-}
-
-static int header_is(const char *line, size_t len, const char *name, const char **value, size_t *value_len) {
-    size_t n = strlen(name);
-    if (len <= n || strncasecmp(line, name, n) != 0 || line[n] != ':') return 0;
-    const char *v = line + n + 1, *end = line + len;
-    while (v < end && (*v == ' ' || *v == '\t')) v++;
-    while (end > v && (end[-1] == ' ' || end[-1] == '\t')) end--;
-    *value = v;
-    *value_len = end - v;
-    return 1;
-}
+// -- requests: "mine, exactly" or "not mine" (_front_parse.c) ------------------------------------------------
 
 // An Authorization header's value ("Bearer <token>") carries the token the front holds, and the Secret's file still
 // holds it (its stamp unchanged); else the Python server reads the Secret and decides.
@@ -437,82 +216,40 @@ int token_matches(Front *f, const char *value, size_t len) {
     return same && !difference && current;
 }
 
-enum { INCOMPLETE, MINE, NOT_MINE };
-
-// The request at the front of the connection's input: INCOMPLETE, MINE (*out: parsed, *used: its bytes), NOT_MINE.
-// Whether the head read so far can still become one of ours: its request line a prefix of ours, and no byte after it
-// that a well-formed head does not have (a CR not before LF, a bare LF, other control bytes). Else the Python server
-// answers it at once, as it would have without the front.
-static int may_be_mine(Front *f, const char *in, size_t len) {
-    size_t line = 5 + f->infer_path_len + 11;  // "POST " path " HTTP/1.1\r\n"
-    size_t n = len < line ? len : line;
-    for (size_t i = 0; i < n; i++) {
-        char expected = i < 5 ? "POST "[i] : i < 5 + f->infer_path_len ? f->infer_path[i - 5]
-                                                                        : " HTTP/1.1\r\n"[i - 5 - f->infer_path_len];
-        if (in[i] != expected) return 0;
-    }
-    for (size_t i = line; i < len; i++) {
-        unsigned char ch = in[i];
-        if (ch == '\r' ? i + 1 < len && in[i + 1] != '\n' : ch == '\n' ? in[i - 1] != '\r' : ch < 0x20 && ch != '\t')
-            return 0;
-    }
-    return 1;
+static int token_ok(void *f, const char *value, size_t len) {
+    return token_matches(f, value, len);
 }
 
+// The request at the front of the connection's input: HTTP1_INCOMPLETE, HTTP1_MINE (*out: parsed, *used: its
+// bytes) or HTTP1_NOT_MINE, which the Python server answers (at once, as it would have without the front).
 static int recognize(Front *f, connection_t *c, request_t **out, size_t *used) {
-    char *end = memmem(c->in, c->in_len < MAX_HEAD ? c->in_len : MAX_HEAD, "\r\n\r\n", 4);
-    if (!end) return c->in_len >= MAX_HEAD || !may_be_mine(f, c->in, c->in_len) ? NOT_MINE : INCOMPLETE;
-    if (!may_be_mine(f, c->in, end + 4 - c->in)) return NOT_MINE;
-    size_t head = end + 4 - c->in;
-    char *line_end = memmem(c->in, head, "\r\n", 2);
-    size_t request_line = line_end - c->in;
-    // POST <path> HTTP/1.1
-    if (request_line != 5 + f->infer_path_len + 9 || memcmp(c->in, "POST ", 5) != 0
-        || memcmp(c->in + 5, f->infer_path, f->infer_path_len) != 0
-        || memcmp(c->in + 5 + f->infer_path_len, " HTTP/1.1", 9) != 0)
-        return NOT_MINE;
-    long length = -1;
-    int authorized = 0;
     pthread_mutex_lock(&f->lock);
+    long max_body = f->max_body, max_rows = f->max_rows;
     int needs_token = f->token != NULL;
-    long max_body = f->max_body;
     pthread_mutex_unlock(&f->lock);
-    for (char *line = line_end + 2; line < end; ) {
-        char *next = memmem(line, end + 2 - line, "\r\n", 2);
-        size_t len = next - line;
-        const char *value;
-        size_t value_len;
-        const char *colon = memchr(line, ':', len);
-        if (!colon || colon == line) return NOT_MINE;
-        for (const char *p = line; p < colon; p++)  // a header's name is a token (RFC 9110)
-            if (!isalnum((unsigned char)*p) && !(*p && strchr("!#$%&'*+-.^_`|~", *p))) return NOT_MINE;
-        if (header_is(line, len, "content-length", &value, &value_len)) {
-            if (length >= 0 || value_len == 0 || value_len > 10) return NOT_MINE;
-            length = 0;
-            for (size_t i = 0; i < value_len; i++) {
-                if (!isdigit((unsigned char)value[i])) return NOT_MINE;
-                length = length * 10 + (value[i] - '0');
-            }
-        } else if (header_is(line, len, "authorization", &value, &value_len)) {
-            if (authorized || !token_matches(f, value, value_len)) return NOT_MINE;
-            authorized = 1;
-        } else if (header_is(line, len, "transfer-encoding", &value, &value_len)
-                   || header_is(line, len, "content-encoding", &value, &value_len)
-                   || header_is(line, len, "expect", &value, &value_len)
-                   || header_is(line, len, "inference-header-content-length", &value, &value_len)) {
-            return NOT_MINE;
-        } else if (header_is(line, len, "connection", &value, &value_len)) {
-            if (!(value_len == 10 && strncasecmp(value, "keep-alive", 10) == 0)) return NOT_MINE;
-        }
-        line = next + 2;
+    http1_spec_t spec = {f->infer_path, f->infer_path_len, MAX_HEAD, max_body, needs_token, token_ok, f};
+    const char *body;
+    size_t body_len;
+    int what = http1_recognise(c->in, c->in_len, &spec, &body, &body_len, used);
+    if (what != HTTP1_MINE) return what;
+    infer_spec_t input = {f->input_name, f->input_name_len, f->dims, f->shape, f->features, max_rows, max_body / 2};
+    infer_body_t parsed;
+    if (!infer_body_parse(body, body_len, &input, &parsed)) return HTTP1_NOT_MINE;
+    long count = parsed.rows * f->features;
+    request_t *r = grown(NULL, sizeof *r + count * sizeof(float));
+    memset(r, 0, sizeof *r);
+    r->rows = parsed.rows;
+    if (!infer_body_values(&parsed, count, r->x)) {
+        free(r);
+        return HTTP1_NOT_MINE;
     }
-    if (length < 0 || length > max_body || (needs_token && !authorized)) return NOT_MINE;
-    if (c->in_len < head + (size_t)length) return INCOMPLETE;
-    request_t *r = parse_body(f, c->in + head, length);
-    if (!r) return NOT_MINE;
+    if (parsed.id) {
+        r->id = grown(NULL, parsed.id_len);
+        memcpy(r->id, parsed.id, parsed.id_len);
+        r->id_len = parsed.id_len;
+    }
     *out = r;
-    *used = head + length;
-    return MINE;
+    return HTTP1_MINE;
 }
 
 // Give the connection to the Python server with what was read from it (it has no request in flight here).
@@ -545,11 +282,9 @@ int enqueue(Front *f, request_t *r, int64_t limit_ns, char *why, size_t why_cap,
         return 503;
     }
     if (f->queued + f->others >= f->queue_limit) {
-        int limit = f->queue_limit;
         f->rejected++;
+        *why_len = snprintf(why, why_cap, "%s", f->queue_full ? f->queue_full : "queue full");
         pthread_mutex_unlock(&f->lock);
-        *why_len = snprintf(why, why_cap, "queue full: %d requests already waiting (queue_limit=%d); retry later",
-                            limit, limit);
         return 429;
     }
     r->deadline = now + (limit_ns >= 0 && limit_ns < f->timeout_ns ? limit_ns : f->timeout_ns);
@@ -571,6 +306,7 @@ static void queue_request(Front *f, connection_t *c, request_t *r) {
     int why_len;
     r->connection = c;
     c->current = r;
+    c->requests++;
     int refused = enqueue(f, r, -1, why, sizeof why, &why_len);
     if (refused) {
         c->current = NULL;
@@ -581,12 +317,12 @@ static void queue_request(Front *f, connection_t *c, request_t *r) {
 
 // Take the requests at the front of the connection's input while none is in flight and its client reads answers.
 static void take_requests(Front *f, connection_t *c) {
-    while (!c->closed && !c->closing && !c->current && c->in_len && c->out_len < MAX_UNSENT) {
+    while (!c->closed && !c->closing && !c->current && c->in_len && c->out_len < unsent_limit(f)) {
         request_t *r = NULL;
         size_t used = 0;
-        int what = recognize(f, c, &r, &used);
-        if (what == INCOMPLETE) break;
-        if (what == NOT_MINE) {
+        int what = __atomic_load_n(&f->serving, __ATOMIC_ACQUIRE) ? recognize(f, c, &r, &used) : HTTP1_NOT_MINE;
+        if (what == HTTP1_INCOMPLETE) break;
+        if (what == HTTP1_NOT_MINE) {
             if (flush(f, c) < 0) close_connection(f, c);
             else if (!c->out_len) hand_over(f, c);  // else once its answers are written (EPOLLOUT)
             return;
@@ -762,11 +498,12 @@ void expire(Front *f, request_t *r, int64_t now) {
     if (queued) free_request(r);
 }
 
-// Deadlines (504) and idle HTTP/1.1 connections (closed).
+// Deadlines (504), and HTTP/1.1 connections idle for idle_timeout or holding a partial request for longer than its
+// head's and body's timeouts together (slowloris): closed. gRPC connections: h2_sweep.
 static void sweep(Front *f) {
     int64_t now = now_ns();
     pthread_mutex_lock(&f->lock);
-    int64_t idle = f->idle_timeout_ns;
+    int64_t idle = f->idle_timeout_ns, partial = f->header_timeout_ns + f->body_timeout_ns;
     pthread_mutex_unlock(&f->lock);
     for (connection_t *c = f->connections, *next; c; c = next) {
         next = c->next;
@@ -779,7 +516,15 @@ static void sweep(Front *f) {
             expire(f, r, now);
             continue;
         }
-        if (!r && !c->in_len && !c->out_len && now - c->last_activity > idle) close_connection(f, c);
+        if (r || !c->in_len || c->requests != c->swept_requests) {  // no partial request, or a new one since
+            c->partial_since = !r && c->in_len ? now : 0;
+            c->swept_requests = c->requests;
+        } else if (!c->partial_since) {
+            c->partial_since = now;
+        }
+        if ((!r && !c->in_len && !c->out_len && now - c->last_activity > idle)
+            || (c->partial_since && now - c->partial_since > partial))
+            close_connection(f, c);
     }
 }
 
@@ -918,79 +663,100 @@ static void serve(Front *f) {
 
 // -- the Python type ----------------------------------------------------------------------------------------------
 
+// The limits (limits.py's Limits, by the names of its fields): each a positive number; the windows and streams at
+// most 2^31-1 as HTTP/2 has them.
+enum { LIMIT_LONG, LIMIT_SECONDS };
+static const struct { const char *name; size_t offset; int kind; long most; } LIMITS[] = {
+    {"max_message_bytes", offsetof(Front, max_message), LIMIT_LONG, LONG_MAX},
+    {"max_body_bytes", offsetof(Front, max_body), LIMIT_LONG, LONG_MAX},
+    {"max_head_bytes", offsetof(Front, max_head), LIMIT_LONG, 0x7fffffff},
+    {"max_streams", offsetof(Front, max_streams), LIMIT_LONG, 0x7fffffff},
+    {"stream_window_bytes", offsetof(Front, stream_window), LIMIT_LONG, 0x7fffffff},
+    {"connection_window_bytes", offsetof(Front, connection_window), LIMIT_LONG, 0x7fffffff},
+    {"connection_buffer_bytes", offsetof(Front, connection_buffer), LIMIT_LONG, LONG_MAX},
+    {"process_buffer_bytes", offsetof(Front, process_buffer), LIMIT_LONG, LONG_MAX},
+    {"unsent_bytes", offsetof(Front, unsent_bytes), LIMIT_LONG, LONG_MAX},
+    {"header_timeout_s", offsetof(Front, header_timeout_ns), LIMIT_SECONDS, 0},
+    {"body_timeout_s", offsetof(Front, body_timeout_ns), LIMIT_SECONDS, 0},
+    {"idle_timeout_s", offsetof(Front, idle_timeout_ns), LIMIT_SECONDS, 0},
+    {"reset_burst", offsetof(Front, reset_burst), LIMIT_LONG, LONG_MAX},
+    {"resets_per_second", offsetof(Front, resets_per_second), LIMIT_LONG, LONG_MAX},
+    {"max_continuations", offsetof(Front, max_continuations), LIMIT_LONG, LONG_MAX},
+    {"max_owed_acks", offsetof(Front, max_owed_acks), LIMIT_LONG, LONG_MAX},
+    {"max_settings", offsetof(Front, max_settings), LIMIT_LONG, LONG_MAX},
+};
+#define LIMIT_COUNT (sizeof LIMITS / sizeof *LIMITS)
+
+// Take the limits `kwargs` names (every one of them if `all`), removing them from it; -1 with an exception.
+static int take_limits(Front *f, PyObject *kwargs, int all) {
+    long values[LIMIT_COUNT];
+    int given[LIMIT_COUNT] = {0};
+    for (size_t i = 0; i < LIMIT_COUNT; i++) {
+        PyObject *value = kwargs ? PyDict_GetItemString(kwargs, LIMITS[i].name) : NULL;
+        if (!value) {
+            if (all) {
+                PyErr_Format(PyExc_TypeError, "the limit %s is missing", LIMITS[i].name);
+                return -1;
+            }
+            continue;
+        }
+        if (LIMITS[i].kind == LIMIT_SECONDS) {
+            double seconds = PyFloat_AsDouble(value);
+            if (seconds == -1 && PyErr_Occurred()) return -1;
+            if (!(seconds > 0 && seconds < 9e9)) {
+                PyErr_Format(PyExc_ValueError, "the limit %s must be a positive number of seconds", LIMITS[i].name);
+                return -1;
+            }
+            values[i] = (long)(seconds * 1e9);
+        } else {
+            values[i] = PyLong_AsLong(value);
+            if (values[i] == -1 && PyErr_Occurred()) return -1;
+            if (values[i] < 1 || values[i] > LIMITS[i].most) {
+                PyErr_Format(PyExc_ValueError, "the limit %s must be from 1 to %ld", LIMITS[i].name, LIMITS[i].most);
+                return -1;
+            }
+        }
+        given[i] = 1;
+    }
+    pthread_mutex_lock(&f->lock);
+    for (size_t i = 0; i < LIMIT_COUNT; i++) {
+        if (!given[i]) continue;
+        if (LIMITS[i].kind == LIMIT_SECONDS)
+            __atomic_store_n((int64_t *)((char *)f + LIMITS[i].offset), (int64_t)values[i], __ATOMIC_RELAXED);
+        else
+            __atomic_store_n((long *)((char *)f + LIMITS[i].offset), values[i], __ATOMIC_RELAXED);
+        PyDict_DelItemString(kwargs, LIMITS[i].name);
+    }
+    pthread_mutex_unlock(&f->lock);
+    return 0;
+}
+
+// Front(**limits): a front with no model: it carries the connections (gRPC calls all go to calls()) until
+// serve_model().
 static int Front_init(Front *f, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"model", "version", "input_name", "example_shape", "output_name", "max_body",
-                            "queue_limit", "timeout_ms", "idle_timeout_s", "max_rows", NULL};
-    const char *model, *version, *input_name, *output_name;
-    Py_ssize_t model_len, version_len, input_len, output_len;
-    PyObject *shape;
-    long max_body, max_rows;
-    int queue_limit;
-    double timeout_ms, idle_timeout_s;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s#s#s#Os#liddl", names, &model, &model_len, &version,
-                                     &version_len, &input_name, &input_len, &shape, &output_name, &output_len,
-                                     &max_body, &queue_limit, &timeout_ms, &idle_timeout_s, &max_rows))
-        return -1;
-    if (f->infer_path) {
+    if (f->wake_fd > 0) {
         PyErr_SetString(PyExc_RuntimeError, "a Front is initialized once");
         return -1;
     }
-    PyObject *dims = PySequence_Fast(shape, "example_shape must be a sequence of ints");
-    if (!dims) return -1;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(dims);
-    if (count > MAX_DIMS) {
-        Py_DECREF(dims);
-        PyErr_Format(PyExc_ValueError, "example_shape has %zd dimensions; at most %d", count, MAX_DIMS);
+    if (PyTuple_GET_SIZE(args)) {
+        PyErr_SetString(PyExc_TypeError, "Front takes the limits as keyword arguments");
         return -1;
     }
-    f->features = 1;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        long dim = PyLong_AsLong(PySequence_Fast_GET_ITEM(dims, i));
-        if (dim < 1) {
-            Py_DECREF(dims);
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "example_shape's dimensions must be >= 1");
-            return -1;
-        }
-        f->shape[i] = dim;
-        f->features *= dim;
-    }
-    f->dims = count;
-    Py_DECREF(dims);
-    for (const char *s = model; *s; s++)
-        if (!(isalnum((unsigned char)*s) || *s == '-' || *s == '_' || *s == '.')) {
-            PyErr_SetString(PyExc_ValueError, "the model name must be letters, digits, '-', '_' or '.'");
-            return -1;
-        }
-    char path[512];
-    int n = snprintf(path, sizeof path, "/v2/models/%s/infer", model);
-    if (n >= (int)sizeof path) {
-        PyErr_SetString(PyExc_ValueError, "the model name is too long");
-        return -1;
-    }
-    f->infer_path = copied(path, n);
-    f->infer_path_len = n;
-    f->input_name = copied(input_name, input_len);
-    f->input_name_len = input_len;
-    f->output_name = copied(output_name, output_len);
-    f->output_name_len = output_len;
-    PyObject *head = PyUnicode_FromFormat("{\"model_name\":\"%s\",\"model_version\":\"%s\"", model, version);
-    if (!head) return -1;
-    Py_ssize_t head_len;
-    const char *head_bytes = PyUnicode_AsUTF8AndSize(head, &head_len);
-    f->answer_head = copied(head_bytes, head_len);
-    f->answer_head_len = head_len;
-    Py_DECREF(head);
-    f->model_name = copied(model, model_len);
-    f->model_name_len = model_len;
-    f->version = copied(version, version_len);
-    f->version_len = version_len;
-    f->max_body = max_body;
-    f->max_message = 64 << 20;
-    f->max_rows = max_rows;
-    f->queue_limit = queue_limit;
-    f->timeout_ns = (int64_t)(timeout_ms * 1e6);
-    f->idle_timeout_ns = (int64_t)(idle_timeout_s * 1e9);
+    PyObject *rest = kwargs ? PyDict_Copy(kwargs) : PyDict_New();
+    if (!rest) return -1;
     pthread_mutex_init(&f->lock, NULL);
+    if (take_limits(f, rest, 1) < 0) {
+        Py_DECREF(rest);
+        return -1;
+    }
+    if (PyDict_GET_SIZE(rest)) {
+        PyObject *names = PyDict_Keys(rest);
+        PyErr_Format(PyExc_TypeError, "Front takes no arguments %R", names);
+        Py_XDECREF(names);
+        Py_DECREF(rest);
+        return -1;
+    }
+    Py_DECREF(rest);
     f->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
     f->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     f->handed_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -1052,16 +818,96 @@ static void Front_dealloc(Front *f) {
     free(f->token);
     free(f->token_path);
     free(f->stop_message);
+    free(f->queue_full);
     Py_TYPE(f)->tp_free((PyObject *)f);
 }
 
 static int ready(Front *f) {
-    if (!f->infer_path) {
+    if (f->wake_fd <= 0) {
         PyErr_SetString(PyExc_RuntimeError, "the Front is not initialized");
         return 0;
     }
     return 1;
 }
+
+// serve_model(model=, version=, input_name=, example_shape=, output_name=, max_rows=, queue_limit=, timeout_ms=):
+// from now on the front serves the model's common inference request (HTTP) and ModelInfer call (gRPC) itself.
+static PyObject *Front_serve_model(Front *f, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"model", "version", "input_name", "example_shape", "output_name", "max_rows",
+                            "queue_limit", "timeout_ms", NULL};
+    const char *model, *version, *input_name, *output_name;
+    Py_ssize_t model_len, version_len, input_len, output_len;
+    PyObject *shape;
+    long max_rows;
+    int queue_limit;
+    double timeout_ms;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$s#s#s#Os#lid", names, &model, &model_len, &version,
+                                     &version_len, &input_name, &input_len, &shape, &output_name, &output_len,
+                                     &max_rows, &queue_limit, &timeout_ms))
+        return NULL;
+    if (!ready(f)) return NULL;
+    if (f->infer_path) {
+        PyErr_SetString(PyExc_RuntimeError, "a Front serves one model");
+        return NULL;
+    }
+    PyObject *dims = PySequence_Fast(shape, "example_shape must be a sequence of ints");
+    if (!dims) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(dims);
+    if (count > MAX_DIMS) {
+        Py_DECREF(dims);
+        PyErr_Format(PyExc_ValueError, "example_shape has %zd dimensions; at most %d", count, MAX_DIMS);
+        return NULL;
+    }
+    f->features = 1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        long dim = PyLong_AsLong(PySequence_Fast_GET_ITEM(dims, i));
+        if (dim < 1) {
+            Py_DECREF(dims);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "example_shape's dimensions must be >= 1");
+            return NULL;
+        }
+        f->shape[i] = dim;
+        f->features *= dim;
+    }
+    f->dims = count;
+    Py_DECREF(dims);
+    for (const char *s = model; *s; s++)
+        if (!(isalnum((unsigned char)*s) || *s == '-' || *s == '_' || *s == '.')) {
+            PyErr_SetString(PyExc_ValueError, "the model name must be letters, digits, '-', '_' or '.'");
+            return NULL;
+        }
+    char path[512];
+    int n = snprintf(path, sizeof path, "/v2/models/%s/infer", model);
+    if (n >= (int)sizeof path) {
+        PyErr_SetString(PyExc_ValueError, "the model name is too long");
+        return NULL;
+    }
+    f->infer_path = copied(path, n);
+    f->infer_path_len = n;
+    f->input_name = copied(input_name, input_len);
+    f->input_name_len = input_len;
+    f->output_name = copied(output_name, output_len);
+    f->output_name_len = output_len;
+    PyObject *head = PyUnicode_FromFormat("{\"model_name\":\"%s\",\"model_version\":\"%s\"", model, version);
+    if (!head) return NULL;
+    Py_ssize_t head_len;
+    const char *head_bytes = PyUnicode_AsUTF8AndSize(head, &head_len);
+    f->answer_head = copied(head_bytes, head_len);
+    f->answer_head_len = head_len;
+    Py_DECREF(head);
+    f->model_name = copied(model, model_len);
+    f->model_name_len = model_len;
+    f->version = copied(version, version_len);
+    f->version_len = version_len;
+    pthread_mutex_lock(&f->lock);
+    f->max_rows = max_rows;
+    f->queue_limit = queue_limit;
+    f->timeout_ns = (int64_t)(timeout_ms * 1e6);
+    pthread_mutex_unlock(&f->lock);
+    __atomic_store_n(&f->serving, 1, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
 
 static PyObject *Front_run(Front *f, PyObject *unused) {
     if (!ready(f)) return NULL;
@@ -1077,6 +923,10 @@ static PyObject *adopt(Front *f, PyObject *arg, int grpc) {
     if (!ready(f)) return NULL;
     int fd = PyLong_AsLong(arg);
     if (fd < 0) return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "not a file descriptor");
+    // An accepted socket does not inherit its listener's O_NONBLOCK: without it, a client that stops reading would
+    // block the I/O thread's writes, and every other client with them.
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) return PyErr_SetFromErrno(PyExc_OSError);
     struct adopted *a = grown(NULL, sizeof *a);
     a->fd = fd;
     a->grpc = grpc;
@@ -1143,20 +993,25 @@ static int optional_bytes(PyObject *object, char **copy, size_t *len) {
     return 0;
 }
 
-// answer_call(serial, stream, headers, data, trailers): the Python server's answer to a call, as HTTP/2 header blocks
-// (headers: None for a trailers-only answer) and the DATA between them (None: none); dropped if the call is gone.
+// answer_call(serial, stream, code, message, data): the Python server's answer to a call: its gRPC status code and
+// message (percent-encoded here), and for code 0 its length-prefixed message (data; None: a trailers-only answer);
+// dropped if the call is gone.
 static PyObject *Front_answer_call(Front *f, PyObject *args) {
     unsigned long long serial;
     unsigned int stream;
-    PyObject *headers, *data, *trailers;
-    if (!PyArg_ParseTuple(args, "KIOOS", &serial, &stream, &headers, &data, &trailers)) return NULL;
+    int code;
+    const char *message;
+    Py_ssize_t message_len;
+    PyObject *data;
+    if (!PyArg_ParseTuple(args, "KIis#O", &serial, &stream, &code, &message, &message_len, &data)) return NULL;
     struct call_answer *answer = grown(NULL, sizeof *answer);
     memset(answer, 0, sizeof *answer);
     answer->serial = serial;
     answer->stream = stream;
-    if (optional_bytes(headers, &answer->headers, &answer->headers_len) < 0
-        || optional_bytes(data, &answer->data, &answer->data_len) < 0
-        || optional_bytes(trailers, &answer->trailers, &answer->trailers_len) < 0) {
+    answer->code = code;
+    answer->message = copied(message, message_len);
+    answer->message_len = message_len;
+    if (optional_bytes(data, &answer->data, &answer->data_len) < 0) {
         free_call_answer(answer);
         return NULL;
     }
@@ -1371,17 +1226,29 @@ static PyObject *Front_handed(Front *f, PyObject *unused) {
 }
 
 static PyObject *Front_configure(Front *f, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"queue_limit", "timeout_ms", "max_body", "max_rows", "token", "token_path",
-                            "token_stamp", "max_message", NULL};
+    static char *names[] = {"queue_limit", "timeout_ms", "max_rows", "token", "token_path", "token_stamp",
+                            "queue_full", "grpc_codes", NULL};
     int queue_limit = -1;
+    const char *queue_full = NULL;
+    Py_buffer codes = {0};
     double timeout_ms = -1;
-    long max_body = -1, max_rows = -1, max_message = -1;
+    long max_rows = -1;
     PyObject *token = NULL;
     const char *token_path = NULL;
     long long mtime_ns = 0, size = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|idllSs(LL)l", names, &queue_limit, &timeout_ms, &max_body,
-                                     &max_rows, &token, &token_path, &mtime_ns, &size, &max_message))
+    PyObject *rest = kwargs ? PyDict_Copy(kwargs) : PyDict_New();
+    if (!rest) return NULL;
+    int parsed = take_limits(f, rest, 0) == 0
+        && PyArg_ParseTupleAndKeywords(args, rest, "|idlSs(LL)sy*", names, &queue_limit, &timeout_ms, &max_rows,
+                                       &token, &token_path, &mtime_ns, &size, &queue_full, &codes);
+    Py_DECREF(rest);
+    if (!parsed) return NULL;
+    if (codes.buf && codes.len != (Py_ssize_t)sizeof f->grpc_codes) {
+        PyBuffer_Release(&codes);
+        PyErr_Format(PyExc_ValueError, "grpc_codes holds the code of each HTTP status 400-599: %zu bytes",
+                     sizeof f->grpc_codes);
         return NULL;
+    }
     if (token && !token_path) {
         PyErr_SetString(PyExc_TypeError, "a token needs its token_path and token_stamp");
         return NULL;
@@ -1397,9 +1264,12 @@ static PyObject *Front_configure(Front *f, PyObject *args, PyObject *kwargs) {
     pthread_mutex_lock(&f->lock);
     if (queue_limit > 0) f->queue_limit = queue_limit;
     if (timeout_ms > 0) f->timeout_ns = (int64_t)(timeout_ms * 1e6);
-    if (max_body > 0) f->max_body = max_body;
     if (max_rows >= 0) f->max_rows = max_rows;
-    if (max_message > 0) f->max_message = max_message;
+    if (queue_full) {
+        free(f->queue_full);
+        f->queue_full = copied(queue_full, strlen(queue_full));
+    }
+    if (codes.buf) memcpy(f->grpc_codes, codes.buf, sizeof f->grpc_codes);
     if (token) {
         free(f->token);
         free(f->token_path);
@@ -1410,6 +1280,7 @@ static PyObject *Front_configure(Front *f, PyObject *args, PyObject *kwargs) {
         f->token_size = size;
     }
     pthread_mutex_unlock(&f->lock);
+    PyBuffer_Release(&codes);
     Py_RETURN_NONE;
 }
 
@@ -1454,7 +1325,11 @@ static PyMethodDef Front_methods[] = {
     {"calls", (PyCFunction)Front_calls, METH_NOARGS, "calls() -> [(serial, stream, headers, body)]: gRPC calls for "
      "Python (handed_fd is readable when there are)"},
     {"answer_call", (PyCFunction)Front_answer_call, METH_VARARGS,
-     "answer_call(serial, stream, headers, data, trailers): answer a call calls() gave"},
+     "answer_call(serial, stream, code, message, data): answer a call calls() gave (data: the length-prefixed "
+     "message of an OK, or None)"},
+    {"serve_model", (PyCFunction)(void (*)(void))Front_serve_model, METH_VARARGS | METH_KEYWORDS,
+     "serve_model(model=, version=, input_name=, example_shape=, output_name=, max_rows=, queue_limit=, "
+     "timeout_ms=): serve the model's inference requests here from now on"},
     {"take", (PyCFunction)Front_take, METH_VARARGS,
      "take(max_rows, max_requests, oversized) -> (float32 examples, rows, handle, arrivals) or None"},
     {"give", (PyCFunction)Front_give, METH_VARARGS, "give(handle, outputs, example_shape): answer a taken batch"},
@@ -1466,7 +1341,7 @@ static PyMethodDef Front_methods[] = {
     {"wait_wanted", (PyCFunction)Front_wait_wanted, METH_NOARGS, "block until want() is met; False once stopped"},
     {"handed", (PyCFunction)Front_handed, METH_NOARGS, "handed() -> [(fd, bytes read)]: connections for Python"},
     {"configure", (PyCFunction)(void (*)(void))Front_configure, METH_VARARGS | METH_KEYWORDS,
-     "configure(queue_limit=, timeout_ms=, max_body=, max_rows=, token=, token_path=, token_stamp=, max_message=)"},
+     "configure(queue_limit=, timeout_ms=, max_rows=, token=, token_path=, token_stamp=, **limits)"},
     {"counters", (PyCFunction)Front_counters, METH_NOARGS, "counters() -> dict of the requests served here"},
     {"drain", (PyCFunction)Front_drain, METH_NOARGS, "drain(): answer new requests 503"},
     {"stop", (PyCFunction)Front_stop, METH_VARARGS, "stop(message): answer the rest 503, close, end run()"},
@@ -1494,7 +1369,7 @@ static PyTypeObject FrontType = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "_front", .m_size = -1};
 
 PyMODINIT_FUNC PyInit__front(void) {
-    if (PyType_Ready(&FrontType) < 0 || h2_init_tables() < 0) return NULL;
+    if (PyType_Ready(&FrontType) < 0 || h2_init() < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&FrontType);

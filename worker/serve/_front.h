@@ -6,6 +6,7 @@
 #include <Python.h>
 #include <ctype.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -24,7 +25,6 @@
 #include <unistd.h>
 
 #define MAX_HEAD 8192          // a longer head is not ours (the Python server answers it)
-#define MAX_UNSENT 65536       // answers a client leaves unread: no more of its requests are taken meanwhile
 #define MAX_DIMS 8
 #define SWEEP_MS 20            // deadlines and idle connections are looked at this often
 #define RETRY_AFTER "1"
@@ -40,6 +40,9 @@ typedef struct connection {
     int writing;               // EPOLLOUT is watched
     int closing;               // closed once its answers are written (the server drains): no request taken meanwhile
     int dirty;                 // answers appended, to be flushed at the end of the batch (gRPC)
+    int requests;              // requests taken from it (HTTP/1.1), and as the last sweep saw them
+    int swept_requests;
+    int64_t partial_since;     // the sweep saw a partial request from then on (HTTP/1.1; 0: none)
     h2_t *h2;                  // a gRPC connection's HTTP/2 state; NULL for HTTP/1.1
     request_t *current;        // the request in flight (one at a time; later ones wait in `in`)
     int64_t last_activity;
@@ -101,6 +104,14 @@ typedef struct {
     long long token_mtime_ns, token_size;  // the Python server's to read again (the token may have been rotated)
     long max_body;
     long max_message;          // a gRPC request's message, at most
+    // The limits (worker/serve/limits.py's Limits, given by Python; configure() changes them, connections opened
+    // after it see the HTTP/2 settings and flood limits).
+    long max_head, max_streams, stream_window, connection_window, connection_buffer, process_buffer;
+    long unsent_bytes;         // answers a client leaves unread: no more of its input read meanwhile
+    int64_t header_timeout_ns, body_timeout_ns;
+    long reset_burst, resets_per_second, max_continuations, max_owed_acks, max_settings;
+    size_t held;               // gRPC request bytes buffered, every connection together (the I/O thread's; atomic)
+    int serving;               // serve_model() was called: the model's fields are set (atomic, release/acquire)
     long max_rows;             // examples one request may carry (the model's max_batch_size)
     int queue_limit;
     int64_t timeout_ns;
@@ -108,6 +119,8 @@ typedef struct {
     int draining;              // new requests are answered 503
     int stopping;              // run() returns
     char *stop_message;        // the 503 of requests unanswered at stop
+    char *queue_full;          // the 429's message at this queue limit (errors.queue_full_message)
+    unsigned char grpc_codes[200];  // the gRPC status code of each HTTP status 400-599 (grpc_protocol.status_code)
     request_t *queue_head, *queue_tail;
     int queued, queued_rows;
     int others;                // requests queued in ParallelInference's own queue: queueLimit counts both
@@ -139,13 +152,15 @@ struct call {
     size_t body_len;
 };
 
-// The Python server's answer to a call: HTTP/2 header blocks (HPACK) and the DATA between them.
+// The Python server's answer to a call: its gRPC status code and message, and for an OK its length-prefixed
+// message (data; NULL: a trailers-only answer).
 struct call_answer {
     struct call_answer *next;
     uint64_t serial;
     uint32_t stream;
-    char *headers, *data, *trailers;  // headers and data may be NULL (a trailers-only answer)
-    size_t headers_len, data_len, trailers_len;
+    int code;
+    char *message, *data;
+    size_t message_len, data_len;
 };
 
 // Take the list at f->field, which other threads push onto newest first under f->lock, into `taken`, oldest first.
@@ -191,6 +206,9 @@ void h2_detach(stream_t *s);
 void h2_write_call_answers(Front *f);
 void free_call(struct call *call);
 void free_call_answer(struct call_answer *answer);
-int h2_init_tables(void);
+int h2_init(void);
+
+// Answers a client may leave unread before its input is no longer read (Limits.unsent_bytes).
+static inline size_t unsent_limit(Front *f) { return __atomic_load_n(&f->unsent_bytes, __ATOMIC_RELAXED); }
 
 #endif

@@ -7,11 +7,15 @@ InferenceServer puts the pieces together on one event loop and owns their lifecy
 stop, the `tandem serve` process); each piece owns its state:
 
     http.py          the HTTP/1.1 layer: an asyncio protocol over httptools, on uvloop
-    native.py        with httpFront native, a C front before both ports that serves the common inference request
-                     itself (_front.c, and _front_grpc.c for gRPC)
+    native.py        with httpFront native, a C front that owns both ports' connections from start to stop and
+                     serves the common inference request itself once the model is loaded (_front.c; HTTP/2 is
+                     libnghttp2's), handing the rest to the Python servers
     routes.py        what each endpoint answers (the wire shapes: protocol.py, and triton.py for Triton's)
-    grpc_service.py  the same answers over gRPC (inference.GRPCInferenceService; its wire: grpc_protocol.py,
-                     carried by grpc_server.py: gRPC over HTTP/2 as an asyncio protocol)
+    grpc_service.py  the same answers over gRPC (inference.GRPCInferenceService; its wire: grpc_protocol.py),
+                     whose calls grpc_server.py serves on grpcio's own server (grpc.aio) where the C front does
+                     not own the gRPC port, and starts for the front where it does: one HTTP/2 implementation
+                     per port for the process's whole life
+    limits.py        what a client may hold of the server (sizes, streams, timeouts), defined once for all
     auth.py          the pool's bearer token, which both ask for (health and readiness excepted)
     pending.py       inference requests between submit and answer, and the sweep of their deadlines
     served_model.py  the model served: its first load, hot swaps, following a training job's checkpoints
@@ -45,37 +49,48 @@ from tandem.worker.serve.auth import AuthTokenError, BearerToken
 from tandem.worker.serve.background import BackgroundServer
 from tandem.worker.serve.group import PeerRoutes, Peers
 from tandem.worker.serve.grpc_server import GrpcServer
-from tandem.worker.serve.grpc_service import MAX_MESSAGE_BYTES, GrpcCall, GrpcService
-from tandem.worker.serve.http import HandedOver, HttpServer, Listen, Request
+from tandem.worker.serve.grpc_service import GrpcCall, GrpcService
+from tandem.worker.serve.http import HttpServer, Request
+from tandem.worker.serve.limits import Limits
 from tandem.worker.serve.model_loading import LoadedModel
-from tandem.worker.serve.native import NativeFront, unavailable_reason
+from tandem.worker.serve.native import UNAVAILABLE, NativeFront, unavailable_reason
 from tandem.worker.serve.pending import PendingRequests
-from tandem.worker.serve.processes import GRPC, HTTP, Group, accept_on, listening_socket, receive_connections
+from tandem.worker.serve.pool_watch import PoolWatch
+from tandem.worker.serve.processes import (
+    GRPC,
+    HTTP,
+    Group,
+    HandedOver,
+    Listen,
+    accept_on,
+    front_carries_grpc,
+    listening_socket,
+    receive_connections,
+)
 from tandem.worker.serve.routes import Routes, error_status
 from tandem.worker.serve.served_model import ServedModel
 from tandem.worker.serve.tasks import cancel_and_wait
 
 log = logging.getLogger("tandem.serve")
 
-MAX_BODY = 1 << 20  # until a model is loaded; then room for a full batch as JSON (_body_limit)
-
-
 class InferenceServer:
     """One InferencePool's model behind the Open Inference Protocol, on this machine.
 
     `checkpoint` (a checkpoint file, or a directory whose latest checkpoint is served) overrides the pool's
     spec.model. `auth_token_file` holds the bearer token clients must present (the pool's spec.auth Secret, mounted);
-    a pool with spec.auth needs one. `allow_batching_changes`: take `PUT /v2/models/{m}/batching`
-    (`update_batching`). `group`: this process's place among its pod's server processes (group.py; None: the only
-    one). Use `run()` for the process (`tandem serve`), `start()`/`drain()`/`stop()` on a running
-    event loop, or `start_in_thread()` to embed it in a program (tests do). Raises ModelLoadError when the pool's
-    model cannot be located, AuthTokenError when the token cannot be read or spec.auth has no token file."""
+    a pool with spec.auth needs one. `watch_pool`: follow the batching settings of the pool (the manifest's name and
+    namespace) in the Kubernetes API (pool_watch.py; `update_batching`). `group`: this process's place among its
+    pod's server processes (group.py; None: the only one). Use `run()` for the process (`tandem serve`),
+    `start()`/`drain()`/`stop()` on a running event loop, or `start_in_thread()` to embed it in a program (tests
+    do). Raises ModelLoadError when the pool's model cannot be located, AuthTokenError when the token cannot be read
+    or spec.auth has no token file."""
 
     def __init__(self, pool: InferencePool, checkpoint: str | None = None, *, grace_seconds: float = 25.0,
                  follow_interval: float = 2.0, auth_token_file: str | None = None,
-                 allow_batching_changes: bool = False, group: Group | None = None):
+                 watch_pool: bool = False, group: Group | None = None):
         spec = pool.spec
-        self.allow_batching_changes = allow_batching_changes
+        self.pool_watch = PoolWatch(self, pool.metadata.name, pool.metadata.namespace) \
+            if watch_pool and (group is None or group.leader) else None  # a group's leader changes them for all
         self.spec = spec
         self.name = spec.model.name or pool.metadata.name
         self.version = spec.model.version
@@ -88,7 +103,9 @@ class InferenceServer:
             raise AuthTokenError(f"the pool's spec.auth asks for the token in Secret {spec.auth.secret_name!r}: give "
                                  "the token's file with --auth-token-file PATH")
         self.token = None if auth_token_file is None else BearerToken(auth_token_file)
-        self.max_body = MAX_BODY
+        self.base_limits = Limits().with_idle_timeout(spec.idle_timeout_seconds)
+        self.limits = self.base_limits  # raised for the model's full batch once it loads (_raise_limits)
+        self.max_body = self.limits.max_body_bytes
         self.model = ServedModel(spec, model_loading.locate(spec.model, checkpoint), name=self.name,
                                  follow_interval=follow_interval, on_swap=self._swapped)
         self.group = group
@@ -100,7 +117,7 @@ class InferenceServer:
         self.loading: asyncio.Task | None = None
         self._http: HttpServer | None = None
         self._grpc: GrpcServer | None = None
-        self.front: NativeFront | None = None  # httpFront native, once the model is loaded
+        self.front: NativeFront | None = None  # httpFront native where the C front can run: from start() on
         self._listeners: list[socket.socket] = []  # the HTTP and gRPC ports', when the front is asked for
         self._owns_process = False  # run() (tandem serve): process-wide tuning such as freezing the heap
 
@@ -113,25 +130,41 @@ class InferenceServer:
         self.pending.start()
         if self._peer_routes is not None:
             await self._peer_routes.start(self.group.socket_path(self.group.index))
-        self._http = HttpServer(self.routes.handle, lambda: self.max_body, on_error=_log_crash)
-        native = self.spec.http_front == "native"
+        self._http = HttpServer(self.routes.handle, lambda: self.max_body, limits=self.limits,
+                                on_error=_log_crash)
+        if grpc_port is not None:
+            self._grpc = GrpcServer(GrpcService(self, self.token).methods(), self.limits)
+        native = front_carries_grpc(self.spec.http_front, self.spec.inference_mode) and UNAVAILABLE is None
+        if native:  # the C front owns both ports' connections for the process's whole life
+            self.front = NativeFront(self.limits, error_status, self._grpc)
+            self.front.start(self._http.adopt, self.token)
+        elif self.spec.http_front == "native" and "http_front" in self.spec.model_fields_set:
+            log.warning("httpFront native: %s; the Python server and grpc.aio serve every request",
+                        UNAVAILABLE or "inplace mode runs each request on its caller's thread, and the front's "
+                        "requests have none")
         if native and not isinstance(port, HandedOver):  # the front's connections are accepted here
-            port = HandedOver(self._listen(host, port, "HTTP", self._take_http))
+            port = HandedOver(self._listen(host, port, "HTTP", self.front.adopt))
         self.port = await self._http.start(host, port)
         if grpc_port is not None:
-            self._grpc = GrpcServer(GrpcService(self, self.token).methods(), MAX_MESSAGE_BYTES)
             if native and not isinstance(grpc_port, HandedOver):
-                grpc_port = HandedOver(self._listen(host, grpc_port, "gRPC", self._take_grpc))
-            self.grpc_port = await self._grpc.start(host, grpc_port)
+                grpc_port = HandedOver(self._listen(host, grpc_port, "gRPC", self.front.adopt_grpc))
+            if not isinstance(grpc_port, HandedOver):
+                self.grpc_port = await self._grpc.start(host, grpc_port)
+            elif native:
+                self.grpc_port = grpc_port.port
+            else:
+                raise OSError(f"the gRPC port's connections are handed over, and only the C front takes them: "
+                              f"{UNAVAILABLE}")
         if channel is not None:
-            receive_connections(channel, {HTTP: self._take_http if native else self._http.adopt,
-                                          **({GRPC: self._take_grpc if native else self._grpc.adopt}
-                                             if self._grpc else {})})
+            receive_connections(channel, {HTTP: self.front.adopt if native else self._http.adopt,
+                                          **({GRPC: self.front.adopt_grpc} if native and self._grpc else {})})
         self.loading = asyncio.create_task(self._load())
+        if self.pool_watch is not None:
+            self.pool_watch.start()
         return self.port
 
     def _listen(self, host: str, port: int, protocol: str, take) -> int:
-        """Accept connections on host:port here, each given to `take` (the front's once it serves); the port."""
+        """Accept connections on host:port here, each given to `take` (the front's); the port."""
         listener = listening_socket(host, port, protocol)
         self._listeners.append(listener)
         accept_on(listener, take)
@@ -139,39 +172,34 @@ class InferenceServer:
 
     async def _load(self) -> None:
         loaded = await self.model.load()
-        self.max_body = _body_limit(loaded)
-        if self.spec.http_front == "native":
-            self._start_front(loaded)
+        await self._raise_limits(loaded)
+        if self.front is not None:
+            self._serve_front(loaded)
         self.ready = True
 
-    def _start_front(self, loaded: LoadedModel) -> None:
+    async def _raise_limits(self, loaded: LoadedModel) -> None:
+        """The limits raised to hold the model's full batch (limits.py), for every server of the ports."""
+        self.limits = self.base_limits.for_batch(_message_limit(loaded), _body_limit(loaded))
+        self.max_body = self.limits.max_body_bytes
+        if self._grpc is not None:
+            await self._grpc.set_limits(self.limits)
+        if self.front is not None:
+            self.front.configure(self.model.batching, self.limits, loaded.signature.max_batch_size)
+
+    def _serve_front(self, loaded: LoadedModel) -> None:
+        """The front, which owns the ports since start(), serves the model's common inference request from now on
+        (where it can: else it keeps handing every request to the Python server)."""
         reason = unavailable_reason(loaded, self.spec.inference_mode, self.name, self.version)
         if reason is not None:
             asked = "http_front" in self.spec.model_fields_set  # not only the default
             log.log(logging.WARNING if asked else logging.INFO,
                     "httpFront native: %s; the Python server serves every request", reason)
             return
-        front = NativeFront(loaded, self.name, self.version, self.model.batching, self.max_body,
-                            self._http.idle_timeout, error_status, MAX_MESSAGE_BYTES)
-        front.start(self.model.inference, self._http.adopt, self.token, self._grpc)
-        self.model.inference.stats.fed_outcomes(front.counters)
-        self.front = front
+        self.front.serve(loaded, self.name, self.version, self.model.batching, self.model.inference,
+                         loaded.signature.max_batch_size)
+        self.model.inference.stats.fed_outcomes(self.front.counters)
         log.info("httpFront native: the C front serves JSON inference requests%s; the Python server the rest",
                  " and gRPC's ModelInfer with raw contents" if self._grpc else "")
-
-    def _take_http(self, connection: socket.socket) -> None:
-        """A connection to the HTTP port: the front's once it serves, the Python server's until then."""
-        if self.front is not None:
-            self.front.adopt(connection)
-        else:
-            self._http.adopt(connection)
-
-    def _take_grpc(self, connection: socket.socket) -> None:
-        """A connection to the gRPC port: the front's once it serves, the Python server's until then."""
-        if self.front is not None:
-            self.front.adopt_grpc(connection)
-        else:
-            self._grpc.adopt(connection)
 
     def _answer(self, request, context, output, error: BaseException | None) -> None:
         if request.__class__ is GrpcCall:
@@ -203,9 +231,7 @@ class InferenceServer:
         """`update_batching` in this process only."""
         await self.model.update_batching(settings)
         self.pending.set_default_timeout(settings.request_timeout_ms / 1000)
-        self.max_body = _body_limit(self.model.loaded)
-        if self.front is not None:
-            self.front.configure(settings, self.max_body, self.model.loaded.signature.max_batch_size)
+        await self._raise_limits(self.model.loaded)
 
     async def states(self) -> list[dict]:
         """This process's counters and readiness (Routes.local_state), then each peer's: PeerError when one does not
@@ -260,6 +286,8 @@ class InferenceServer:
         self.draining = True
         await cancel_and_wait(self.loading)
         await self.model.stop_following()
+        if self.pool_watch is not None:
+            await self.pool_watch.stop()
         await self.pending.stop_sweep()
         for listener in self._listeners:
             asyncio.get_running_loop().remove_reader(listener)
@@ -346,7 +374,15 @@ def _log_crash(request: Request, error: BaseException) -> None:
 
 
 def _body_limit(loaded: LoadedModel) -> int:
-    """Room for a full batch as JSON (numbers up to ~24 characters) plus slack, and never less than 1 MiB."""
+    """Room for a full batch as JSON (numbers up to ~24 characters) plus slack."""
     signature = loaded.signature
     elements = signature.max_batch_size * math.prod(signature.input.shape)
-    return max(1 << 20, elements * 32 + (64 << 10))
+    return elements * 32 + (64 << 10)
+
+
+def _message_limit(loaded: LoadedModel) -> int:
+    """Room for a full batch in one gRPC message, request or answer (raw contents, or typed contents at up to 10
+    bytes an element: an int64's varint) plus slack."""
+    signature = loaded.signature
+    elements = signature.max_batch_size * max(math.prod(signature.input.shape), math.prod(signature.output.shape))
+    return elements * 10 + (64 << 10)

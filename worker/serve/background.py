@@ -9,11 +9,21 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tandem.worker.serve.http import new_event_loop
+from tandem.api.inference import BatchingSettings
 from tandem.worker.serve.model_loading import LoadedModel
 
 if TYPE_CHECKING:
     from tandem.worker.serve.app import InferenceServer
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (a dependency on Linux and macOS; measured in
+    bench/RESULTS.md), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 class BackgroundServer:
@@ -52,6 +62,11 @@ class BackgroundServer:
     def swap(self, checkpoint: str | Path | None = None, timeout: float = 120.0) -> LoadedModel:
         """Hot-swap to `checkpoint` (a file or a directory's latest; None: reload the current source)."""
         return self._call(self.server.model.swap(None if checkpoint is None else Path(checkpoint)), timeout)
+
+    def update_batching(self, settings: BatchingSettings, timeout: float = 120.0) -> None:
+        """Run with new batching settings (InferenceServer.update_batching: what a server started with --watch-pool
+        does when its pool changes). Raises BatchingRefused when the model fails at them."""
+        self._call(self.server.update_batching(settings), timeout)
 
     def drain(self, grace_seconds: float | None = None, timeout: float = 120.0) -> bool:
         result = self._call(self.server.drain(grace_seconds), timeout)

@@ -1,15 +1,14 @@
 """How ParallelInference's requests become batches: a Ticket per call (its input, where its answer goes, its
-timing), taking the next batch from the queue, joining the batch's inputs into one and splitting the output
-back into each request's rows.
+timing), how long a free worker waits for a fuller batch, joining the batch's inputs into one and splitting the
+output back into each request's rows. Taking a batch from the queues is feeds.py's.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -66,28 +65,6 @@ class Ticket:
         return (self.submitted,)
 
 
-class Feed(Protocol):
-    """Requests queued outside ParallelInference (native.py's front), which its workers take into their batches
-    (ParallelInference.attach): each taken lot is one item of a batch, with `x`, `rows`, `key`, `submitted` (its
-    oldest), `arrivals` (one per request), `finish(output, error)` and `split()` as a Ticket has."""
-
-    key: tuple
-    """The per-example shape and dtype of every request it queues."""
-
-    def queued(self) -> tuple[int, int, int]:
-        """(examples, requests, the oldest's arrival in perf_counter ns or 0) queued now."""
-
-    def take(self, max_rows: int, max_requests: int, oversized: bool) -> Any:
-        """The oldest queued requests, up to `max_rows` examples and `max_requests` requests, as one batch item
-        (None: none queued); `oversized`: take a first request over `max_rows` alone."""
-
-    def want(self, rows: int) -> None:
-        """Call ParallelInference.wake once `rows` examples are queued (0: no one waits)."""
-
-    def others(self, requests: int) -> None:
-        """ParallelInference's own queue holds `requests` now: the queue limit counts them with the feed's."""
-
-
 def as_input(x: Any) -> torch.Tensor | np.ndarray:
     """A tensor, or a numpy array kept as one: numpy inputs are batched and turned into tensors on the worker
     thread (torch calls release the GIL, which on the caller's thread, an event loop say, costs a thread switch)
@@ -97,44 +74,6 @@ def as_input(x: Any) -> torch.Tensor | np.ndarray:
     if x.ndim == 0 or x.shape[0] == 0:
         raise ValueError(f"input needs a batch dimension with at least one example; got shape {tuple(x.shape)}")
     return x
-
-
-def pop_batch(queue: deque[Ticket], limit: int, batched: bool, scan_limit: int, key: Any = None,
-              rows: int = 0) -> tuple[list[Ticket], int, list[Ticket]]:
-    """Take the next batch from `queue`: the oldest request and, when `batched`, the queued requests of the same
-    per-example shape and dtype after it, up to `limit` examples (looking past at most `scan_limit` requests of
-    other shapes, which stay queued in order). With `key`, the batch holds `rows` examples of that shape and dtype
-    already, and only requests of it join. Returns the requests taken, the batch's examples (`rows` included), and the
-    requests found past their deadline."""
-    now = time.monotonic()
-    expired: list[Ticket] = []
-    batch: list[Ticket] = []
-    kept: list[Ticket] | None = None  # requests skipped over (other shape), to put back in order
-    while queue:
-        request = queue.popleft()
-        if request.deadline is not None and now > request.deadline:
-            expired.append(request)
-            continue
-        if key is None:
-            key, rows = request.key, request.rows
-            batch.append(request)
-            if not batched or rows >= limit:
-                break
-            continue
-        if request.key == key and rows + request.rows <= limit:
-            batch.append(request)
-            rows += request.rows
-            if rows >= limit:
-                break
-            continue
-        if kept is None:
-            kept = []
-        kept.append(request)
-        if len(kept) >= scan_limit:  # scanned far enough
-            break
-    if kept:
-        queue.extendleft(reversed(kept))
-    return batch, rows, expired
 
 
 def fuller_batch_wait(queued_rows: int, batch_limit: int, running_rows: int, shared_device: bool, oldest_waited_ns: int,

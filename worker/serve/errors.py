@@ -12,6 +12,11 @@ class QueueFullError(InferenceError):
     """The queue already holds queue_limit requests: rejected at once, retry later (HTTP 429)."""
 
 
+def queue_full_message(queue_limit: int) -> str:
+    """What a request refused for a full queue is told, by ParallelInference and by the C front alike."""
+    return f"queue full: {queue_limit} requests already waiting (queue_limit={queue_limit}); retry later"
+
+
 class InferenceTimeout(InferenceError, TimeoutError):
     """The request's timeout passed before its output was ready."""
 

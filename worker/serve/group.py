@@ -13,6 +13,8 @@ clients and to the operator by talking over Unix sockets in the group's private 
     POST /peer/commit          (from the leader) switch to the checkpoint held
     POST /peer/abandon         (from the leader) drop it
     POST /peer/skipped         (from the leader) its gate skipped this candidate, for every process's metadata
+    POST /peer/refused         (from the leader) the group refused the pool's batching settings (pool_watch.py), for
+                               every process's readiness answer
 
 Process 0, the leader, makes every change for the group, one at a time: a process asked for a batching change or a
 load hands it to the leader, and only the leader follows a training job's checkpoints. A batching change is made in
@@ -96,6 +98,9 @@ class Peer:
 
     async def record_skip(self, checkpoint: str, verdict: Verdict) -> None:
         await self._call("POST", "/peer/skipped", {"checkpoint": checkpoint, **dataclasses.asdict(verdict)})
+
+    async def record_refusal(self, settings: BatchingSettings, reason: str) -> None:
+        await self._call("POST", "/peer/refused", {"settings": settings.to_dict(), "reason": reason})
 
     async def _call(self, method: str, path: str, body: Any, timeout: float | None = None, label: bool = True) -> Any:
         """The peer's JSON answer. Raises BatchingRefused for a refused batching change (400), PeerError for any
@@ -200,7 +205,7 @@ class PeerRoutes:
             ("PUT", "/peer/group/batching"): self._group_batching, ("POST", "/peer/group/swap"): self._group_swap,
             ("PUT", "/peer/batching"): self._update_batching, ("POST", "/peer/prepare"): self._prepare,
             ("POST", "/peer/commit"): self._commit, ("POST", "/peer/abandon"): self._abandon,
-            ("POST", "/peer/skipped"): self._record_skip,
+            ("POST", "/peer/skipped"): self._record_skip, ("POST", "/peer/refused"): self._record_refusal,
         }
 
     async def start(self, path: Path) -> None:
@@ -250,6 +255,9 @@ class PeerRoutes:
     async def _record_skip(self, body: dict[str, Any]) -> None:
         checkpoint = body.pop("checkpoint")
         self.server.model.record_skip(checkpoint, Verdict(**body))
+
+    async def _record_refusal(self, body: dict[str, Any]) -> None:
+        self.server.model.record_refusal(BatchingSettings.model_validate(body["settings"]), body["reason"])
 
 
 def _path(checkpoint: Path | None) -> str | None:

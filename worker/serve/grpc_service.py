@@ -1,5 +1,6 @@
 """The Open Inference Protocol's gRPC service (`inference.GRPCInferenceService`, as Triton and KServe serve it) beside
-HTTP, on the same event loop: grpc_server.py's HTTP/2 protocol with the messages tritonclient ships.
+HTTP, on the same event loop, with the messages tritonclient ships: its methods (`methods`) are served by
+grpc_server.py, on grpc.aio or through the C front, and the message size is the server's Limits (limits.py).
 
 It is another face of the same server: the same ParallelInference and served model (hot swaps included), the same
 pending requests and deadlines, the same answers as routes.py gives over HTTP (metadata, configuration, statistics,
@@ -38,10 +39,6 @@ if TYPE_CHECKING:
     from tandem.worker.serve.app import InferenceServer
 
 log = logging.getLogger("tandem.serve")
-
-MAX_MESSAGE_BYTES = 64 << 20
-"""The largest request or answer (raw tensors: a batch of 32 images of 3x224x224 FP32 is 19 MiB)."""
-
 
 class GrpcCall:
     """An inference call between submit and answer, as PendingRequests holds it: `settle` resolves `answered`, the

@@ -9,8 +9,9 @@ bench/RESULTS.md). What it does, and all it does:
   pauses while too many wait), HTTP/1.0 and `Connection: close`;
 - bodies by Content-Length or chunked, `Expect: 100-continue`, gzip/deflate request bodies, a body size
   limit (413 at once, then the connection closes), malformed requests (400, then close);
-- back-pressure from slow readers (reading pauses while the write buffer is full), idle keep-alive
-  connections closed after a timeout, and a graceful close that lets answered-but-unwritten work finish.
+- strict where the RFCs are: HTTP/0.9, HTTP/1.1 without one Host, an encoded slash in the path (400, never decoded);
+- bounded by the server's Limits (limits.py): head and body timeouts (408), max_head_bytes (431), idle connections
+  closed, no request read from a client leaving over unsent_bytes of answers unread; a graceful close.
 
 The application gets a Request and answers it by calling `request.respond(...)` exactly once, now or later
 on the event loop's thread; a handler may also return a coroutine, which runs as a task.
@@ -22,14 +23,16 @@ import asyncio
 import logging
 import socket
 import time
-import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from http import HTTPStatus
 from urllib.parse import unquote
 
 import httptools
+
+from tandem.worker.serve.compression import DecompressError, decompress
+from tandem.worker.serve.limits import Limits
+from tandem.worker.serve.processes import HandedOver, Listen
 
 log = logging.getLogger(__name__)
 
@@ -38,68 +41,7 @@ MAX_PIPELINED = 16  # requests parsed ahead of the one being answered before rea
 LINGER_SECONDS = 10.0  # after refusing a body, read and drop the rest for this long, so the client sees the answer
 LINGER_BYTES = 64 << 20
 REASONS = {status.value: status.phrase for status in HTTPStatus}
-
-
-@dataclass(frozen=True)
-class HandedOver:
-    """Connections to `port` accepted by another process and handed over (a process group's supervisor,
-    processes.py): the server listens on nothing and serves what its `adopt` is given."""
-
-    port: int
-
-
-Listen = int | HandedOver
-"""Where a server listens: a port (0: any free port), or nowhere (HandedOver)."""
-
-
-async def listen(protocol: Callable[[], asyncio.Protocol], host: str, port: Listen,
-                 **options) -> asyncio.Server | None:
-    """Serve `protocol` on host:port; None for HandedOver."""
-    if isinstance(port, HandedOver):
-        return None
-    return await asyncio.get_running_loop().create_server(protocol, host, port, **options)
-
-
-def port_of(server: asyncio.Server | None, port: Listen) -> int:
-    """The port a server started by `listen` serves."""
-    return port.port if isinstance(port, HandedOver) else server.sockets[0].getsockname()[1]
-
-
-class Adoptions:
-    """Connections accepted elsewhere (HandedOver), made a server's by `adopt`, each with `protocol(received)` on the
-    running loop (`received`: what was read from it already); while `closing()` they are closed instead."""
-
-    def __init__(self, protocol: Callable[[bytes], asyncio.Protocol], closing: Callable[[], bool]):
-        self.protocol = protocol
-        self.closing = closing
-        self._starting: set[asyncio.Task] = set()  # held until started: the loop keeps only weak references
-
-    def adopt(self, connection: socket.socket, received: bytes = b"") -> None:
-        """Serve `connection`, whose first bytes (`received`) were read already (by the C front: native.py): the
-        protocol is given them as it is connected, before anything read later."""
-        if self.closing():
-            connection.close()
-            return
-        task = asyncio.get_running_loop().create_task(self._start(connection, received))
-        self._starting.add(task)
-        task.add_done_callback(self._starting.discard)
-
-    async def _start(self, connection: socket.socket, received: bytes) -> None:
-        try:
-            await asyncio.get_running_loop().connect_accepted_socket(lambda: self.protocol(received), connection)
-        except OSError as error:  # the client left while it was handed over
-            log.debug("a connection handed over ended before it was served: %s", error)
-            connection.close()
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's event loop where it is installed (a dependency on Linux and macOS; measured in
-    bench/RESULTS.md), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+DEFAULT_LIMITS = Limits()
 
 
 def _status_line(status: int) -> bytes:
@@ -143,39 +85,65 @@ Handler = Callable[[Request], Awaitable[None] | None]
 
 
 class HttpServer:
-    """Serves `handler` on host:port. `max_body()` gives the current body limit in bytes."""
+    """Serves `handler` on host:port. `max_body()` gives the current body limit in bytes; `limits` bound the rest."""
 
-    def __init__(self, handler: Handler, max_body: Callable[[], int], *, idle_timeout: float = 75.0,
+    def __init__(self, handler: Handler, max_body: Callable[[], int], *, limits: Limits = DEFAULT_LIMITS,
                  on_error: Callable[[Request, BaseException], None] | None = None):
         self.handler = handler
         self.max_body = max_body
-        self.idle_timeout = idle_timeout
+        self.limits = limits
         self.on_error = on_error
         self.connections: set[_Connection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.Task | None = None
         self.closing = False
-        self.adopt = Adoptions(lambda received: _Connection(self, received), lambda: self.closing).adopt
+        self._starting: set[asyncio.Task] = set()  # adopted connections, held until started (see adopt)
 
     async def start(self, host: str, port: Listen) -> int:
         """Listen on host:port, or nowhere (HandedOver: see `adopt`); the port."""
-        self._server = await listen(lambda: _Connection(self), host, port, reuse_address=True, backlog=1024)
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_idle())
-        return port_of(self._server, port)
+        loop = asyncio.get_running_loop()
+        self._sweeper = loop.create_task(self._sweep())
+        if isinstance(port, HandedOver):
+            return port.port
+        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True,
+                                                backlog=1024)
+        return self._server.sockets[0].getsockname()[1]
 
     async def start_unix(self, path: str) -> None:
         """Listen on a Unix socket at `path` instead (the private channel between a pod's server processes)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: _Connection(self), path)
-        self._sweeper = loop.create_task(self._sweep_idle())
+        self._sweeper = loop.create_task(self._sweep())
 
-    async def _sweep_idle(self) -> None:
-        interval = max(0.5, min(10.0, self.idle_timeout / 4))
+    def adopt(self, connection: socket.socket, received: bytes = b"") -> None:
+        """Serve `connection`, accepted elsewhere (HandedOver), whose first bytes (`received`) were read already (by
+        the C front: native.py): they are parsed as it is connected, before anything read later."""
+        if self.closing:
+            connection.close()
+            return
+        task = asyncio.get_running_loop().create_task(self._adopted(connection, received))
+        self._starting.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._starting.discard)
+
+    async def _adopted(self, connection: socket.socket, received: bytes) -> None:
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: _Connection(self, received), connection)
+        except OSError as error:  # the client left while it was handed over
+            log.debug("a connection handed over ended before it was served: %s", error)
+            connection.close()
+
+    async def _sweep(self) -> None:
+        """Close the connections past their timeouts: a request's head or body late (408), or nothing in flight."""
+        limits = self.limits
+        interval = min(10.0, max(0.05, min(limits.header_timeout_s, limits.body_timeout_s, limits.idle_timeout_s) / 4))
         while True:
             await asyncio.sleep(interval)
-            deadline = time.monotonic() - self.idle_timeout
+            now = time.monotonic()
             for connection in list(self.connections):
-                if connection.idle and connection.last_activity < deadline:
+                late = connection.deadline is not None and connection.deadline < now and not connection.reading_paused
+                if late:
+                    connection.time_out()
+                elif connection.idle and connection.last_activity < now - limits.idle_timeout_s:
                     connection.close()
 
     async def close(self) -> None:
@@ -203,11 +171,17 @@ class _Connection(asyncio.Protocol):
         self.current: Request | None = None
         self.waiting: deque[Request] = deque()
         self.last_activity = time.monotonic()
+        self.deadline: float | None = None  # the message being received must have arrived by then (None: none is)
+        self._in_body = False  # it is its body that is awaited
         self.closed = False
         self.reading_paused = False
+        self.writing_paused = False  # the client leaves more than unsent_bytes unread: its requests are not read
         self._url = b""
         self._headers: dict[str, str] = {}
         self._header_count = 0
+        self._head_size = 0
+        self._hosts = 0
+        self._keep_alive = False
         self._body: list[bytes] = []
         self._body_size = 0
         self._limit = 0  # the body size limit, read once per message when its headers are complete
@@ -220,6 +194,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
+        transport.set_write_buffer_limits(high=self.server.limits.unsent_bytes)
         self.server.connections.add(self)
         if self._received:
             received, self._received = self._received, b""
@@ -238,7 +213,9 @@ class _Connection(asyncio.Protocol):
         self.waiting.clear()
 
     def data_received(self, data: bytes) -> None:
-        self.last_activity = time.monotonic()
+        now = self.last_activity = time.monotonic()
+        if self.deadline is None:  # the first byte of a message (or of what follows one in the bytes last read)
+            self.deadline = now + self.server.limits.header_timeout_s
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -250,9 +227,11 @@ class _Connection(asyncio.Protocol):
                 self._fail(400, f"malformed HTTP request: {error}")
 
     def pause_writing(self) -> None:
+        self.writing_paused = True
         self._pause_reading()
 
     def resume_writing(self) -> None:
+        self.writing_paused = False
         if len(self.waiting) < MAX_PIPELINED:
             self._resume_reading()
 
@@ -260,14 +239,31 @@ class _Connection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._head_size += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
-        self._headers[_HEADER_NAMES.get(name) or name.decode("latin-1").lower()] = value.decode("latin-1")
+        self._head_size += len(name) + len(value)
+        key = _HEADER_NAMES.get(name) or name.decode("latin-1").lower()
+        if key == "host":
+            self._hosts += 1
+        self._headers[key] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         if self._header_count > MAX_HEADER_COUNT:
             return self._refuse(431, f"more than {MAX_HEADER_COUNT} headers")
+        if self._head_size > self.server.limits.max_head_bytes:
+            return self._refuse(431, f"the request's head is over {self.server.limits.max_head_bytes} bytes")
+        self._keep_alive = self.parser.should_keep_alive()
+        if self._hosts != 1 or not self._keep_alive:  # HTTP/0.9 is never kept alive
+            version = self.parser.get_http_version()
+            if version == "0.9":
+                return self._refuse(400, "an HTTP/0.9 request line (no HTTP version) is not served: send "
+                                         "<METHOD> <path> HTTP/1.1, with a Host header")
+            if self._hosts > 1 or (self._hosts == 0 and version == "1.1"):
+                return self._refuse(400, f"an HTTP/1.1 request needs one Host header (RFC 9112 3.2); it has "
+                                         f"{self._hosts}: send Host: <the server's host>")
+        self.deadline, self._in_body = self.last_activity + self.server.limits.body_timeout_s, True
         length = self._headers.get("content-length")
         limit = self._limit = self.server.max_body()
         if length is not None and length.isdigit() and int(length) > limit:
@@ -298,8 +294,8 @@ class _Connection(asyncio.Protocol):
         # from the parser fewer per request; a message refused or failed ends the connection instead).
         self._body = []
         self._headers = {}
-        self._header_count = 0
-        self._body_size = 0
+        self._header_count = self._head_size = self._hosts = self._body_size = 0
+        self.deadline, self._in_body = None, False
         encoding = headers.get("content-encoding")
         if encoding and encoding != "identity":
             try:
@@ -308,11 +304,14 @@ class _Connection(asyncio.Protocol):
                 return self._fail(error.status, str(error))
         url, self._url = self._url, b""
         if b"?" in url or b"%" in url or b"#" in url or not url.startswith(b"/"):
-            path = unquote(httptools.parse_url(url).path.decode("latin-1")) if url else "/"
+            path = httptools.parse_url(url).path.decode("latin-1") if url else "/"
+            if "%2f" in path.lower():  # refused, never decoded: a proxy's path rules would read another path
+                return self._fail(400, f"the path {path!r} has an encoded slash (%2F) in a segment, which is "
+                                       "refused rather than decoded: send the path with plain slashes")
+            path = unquote(path)
         else:
             path = url.decode("latin-1")
-        request = Request(self.parser.get_method().decode("latin-1"), path, headers, body,
-                          self.parser.should_keep_alive(), self)
+        request = Request(self.parser.get_method().decode("latin-1"), path, headers, body, self._keep_alive, self)
         self.waiting.append(request)
         if len(self.waiting) >= MAX_PIPELINED:
             self._pause_reading()
@@ -418,44 +417,27 @@ class _Connection(asyncio.Protocol):
             self.closed = True
             self.transport.close()  # writes what is buffered, then closes
 
+    def time_out(self) -> None:
+        """The message being received is late: 408 where no answer is owed before it, then close."""
+        limits = self.server.limits
+        if self.idle:
+            self._fail(408, f"the request's body did not arrive within {limits.body_timeout_s:g} s of its head"
+                       if self._in_body else f"the request's head did not arrive within {limits.header_timeout_s:g} "
+                       "s of its first byte")
+        self.close()
+
     def _pause_reading(self) -> None:
         if not self.reading_paused and self.transport is not None and not self.closed:
             self.reading_paused = True
             self.transport.pause_reading()
 
     def _resume_reading(self) -> None:
-        if self.reading_paused and self.transport is not None and not self.closed:
+        if self.reading_paused and not self.writing_paused and self.transport is not None and not self.closed:
             self.reading_paused = False
             self.transport.resume_reading()
-
-
-class DecompressError(ValueError):
-    """A compressed body that cannot be taken, with the HTTP status that says why: 415 (an encoding other than gzip
-    and deflate), 400 (data that does not decompress) or 413 (larger than the limit once decompressed)."""
-
-    def __init__(self, message: str, status: int):
-        super().__init__(message)
-        self.status = status
-
-
-def decompress(body: bytes, encoding: str, limit: int, what: str = "request body") -> bytes:
-    """`body` compressed with `encoding` (gzip or deflate: HTTP's Content-Encoding, gRPC's grpc-encoding), at most
-    `limit` bytes once decompressed (a small bomb is refused without inflating it whole); `what` names it in errors."""
-    encoding = encoding.strip().lower()
-    if encoding == "gzip":
-        decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    elif encoding == "deflate":
-        decoder = zlib.decompressobj()
-    else:
-        raise DecompressError(f"{what} compressed with {encoding!r}, which is not supported; use gzip, deflate or "
-                              "none (identity)", 415)
-    try:
-        data = decoder.decompress(body, limit + 1)
-    except zlib.error as error:
-        raise DecompressError(f"the {encoding} {what} cannot be decompressed: {error}", 400) from None
-    if len(data) > limit:
-        raise DecompressError(f"{what} too large: over {limit} bytes once decompressed", 413)
-    return data
+            if self.deadline is not None:  # what was not read while paused is not the client's delay
+                limits = self.server.limits
+                self.deadline = time.monotonic() + (limits.body_timeout_s if self._in_body else limits.header_timeout_s)
 
 
 def _error_body(message: str) -> bytes:

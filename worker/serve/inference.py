@@ -23,8 +23,9 @@ request may carry a timeout; ``update_model`` switches every replica atomically 
 the old model, none fails); ``update`` changes batch_limit, queue_limit and max_delay_us while serving (none fails
 either); ``shutdown`` finishes what is queued and stops the workers.
 
-This module is the engine: the queue, the worker threads, the modes, swapping and shutting down. Beside it:
-batching.py (a request's Ticket, taking a batch, joining inputs and splitting outputs), replicas.py (copies of
+This module is the engine: the worker threads, the modes, swapping and shutting down. Beside it: feeds.py (the
+queues the workers take batches from: its own, and an attached front's), batching.py (a request's Ticket, waiting
+for a fuller batch, joining inputs and splitting outputs), replicas.py (copies of
 the model, warm-up, a checked forward, a batch run and answered), errors.py (the InferenceErrors, importable from
 here too) and stats.py (``stats``: requests, examples, forwards and their times).
 """
@@ -34,14 +35,21 @@ from __future__ import annotations
 import threading
 import time
 from _thread import allocate_lock
-from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 
-from tandem.worker.serve.batching import Callback, Feed, Ticket, as_input, fill_target, fuller_batch_wait, pop_batch
-from tandem.worker.serve.errors import InferenceError, InferenceTimeout, ModelError, QueueFullError, ShutDownError
+from tandem.worker.serve.batching import Callback, Ticket, as_input, fill_target, fuller_batch_wait
+from tandem.worker.serve.errors import (
+    InferenceError,
+    InferenceTimeout,
+    ModelError,
+    QueueFullError,
+    ShutDownError,
+    queue_full_message,
+)
+from tandem.worker.serve.feeds import Feed, State, TicketQueue, take_batch, tell_others, want_rows
 from tandem.worker.serve.replicas import build_replicas, default_devices, run_batch, warmup_sizes
 from tandem.worker.serve.stats import InferenceStats
 
@@ -84,17 +92,16 @@ class ParallelInference:
         self._shared_device = workers > 1 and len(set(self.devices)) == 1
         self.stats = InferenceStats()
         self._example = None if example is None else torch.as_tensor(as_input(example))
-        # Submitters append to the queue under _submit_lock (never contended by workers); workers take batches
-        # under _cond, and a submitter takes _cond only to wake a worker that waits for work.
+        # Submitters queue under _submit_lock (never contended by workers); workers take batches under _cond, and a
+        # submitter takes _cond only to wake the workers when it brings a feed to what they want (_wait).
         self._submit_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())
-        self._queue: deque[Ticket] = deque()
-        self._idle_workers = 0
-        self._filling_workers = 0  # waiting for a fuller batch while another replica runs (_wait_for_fuller_batch)
+        self._queue = TicketQueue()
+        self._feeds: list[Feed] = [self._queue]  # its own queue first, attached ones after
+        self._filling_workers = 0  # waiting for a fuller batch (a forward's end wakes them)
         self._forward_ns = 0  # how long the last forward took
         self._last_rows = 0  # and how many examples it had
         self._forward_end_ns = 0  # and when it ended
-        self._fill_target = batch_limit  # requests queued that wake a worker waiting for a fuller batch
         self._running = 0
         self._running_rows = 0  # examples in the forwards running (batched mode)
         self._closed = False
@@ -105,7 +112,6 @@ class ParallelInference:
         self._replicas = self._build_replicas(model, batch_limit)
         self._generation = 0
         self._threads: list[threading.Thread] = []
-        self._feed: Feed | None = None
         if mode == "inplace":
             self._free = list(range(workers))
         else:
@@ -163,15 +169,15 @@ class ParallelInference:
 
     def attach(self, feed: Feed) -> None:
         """Also take requests from `feed`, a queue kept outside the interpreter (native.py's front): its requests
-        join the batches of the same shape, after this queue's own. Batched and sequential modes."""
+        join the batches of the same shape, oldest first with this queue's own. Batched and sequential modes."""
         if self.mode == "inplace":
             raise ValueError("a feed needs a queue: inplace mode has none")
-        with self._cond:
-            self._feed = feed
+        with self._submit_lock, self._cond:
+            self._feeds = [*self._feeds, feed]
             self._cond.notify_all()  # workers waiting for this queue's requests wait for the feed's too
 
     def wake(self) -> None:
-        """Wake the workers waiting for requests: the feed's `want` is met."""
+        """Wake the workers waiting for requests: a feed's `want` is met."""
         with self._cond:
             self._cond.notify_all()
 
@@ -223,9 +229,7 @@ class ParallelInference:
         the workers (waiting up to `timeout` seconds for them)."""
         with self._submit_lock, self._cond:
             self._closed = True
-            dropped = [] if drain else list(self._queue)
-            if dropped:
-                self._queue.clear()
+            dropped = [] if drain else self._queue.clear()
             self._cond.notify_all()
         if dropped:
             self.stats.failed_unrun(dropped, time.perf_counter_ns())
@@ -244,8 +248,8 @@ class ParallelInference:
 
     @property
     def queued(self) -> int:
-        """Requests waiting for a worker (the feed's too)."""
-        return len(self._queue) + self._waiting + (0 if self._feed is None else self._feed.queued()[1])
+        """Requests waiting for a worker (an attached feed's too)."""
+        return self._waiting + sum(feed.queued()[1] for feed in self._feeds)
 
     @property
     def pending(self) -> int:
@@ -270,37 +274,23 @@ class ParallelInference:
         with self._submit_lock:
             if self._closed:
                 raise ShutDownError("ParallelInference is shut down")
-            queued = len(self._queue)
-            if self._feed is not None:
-                queued += self._feed.queued()[1]
-            if queued >= self.queue_limit:
+            feeds = self._feeds
+            held = [feed.queued()[1] for feed in feeds]
+            if sum(held) >= self.queue_limit:
                 self.stats.rejected()
-                raise QueueFullError(
-                    f"queue full: {self.queue_limit} requests already waiting (queue_limit={self.queue_limit}); "
-                    "retry later")
-            self._queue.append(request)
-            fills_a_batch = len(self._queue) == self._fill_target
-            if self._feed is not None:
-                self._feed.others(len(self._queue))
-        # Read after the append; a worker counts itself before it looks at the queue. A worker waiting for a fuller
-        # batch is woken once, by the request that brings the queue to the batch it waits for (batch_limit requests,
-        # or as many as its last forward; at least as many examples), or by a forward's end.
-        if self._idle_workers or (fills_a_batch and self._filling_workers):
-            with self._cond:
-                if self._filling_workers:
-                    self._cond.notify_all()
-                else:
-                    self._cond.notify()
+                raise QueueFullError(queue_full_message(self.queue_limit))
+            wanted = self._queue.put(request)
+            held[0] += 1
+            tell_others(feeds, held)
+        if wanted:
+            self.wake()
 
     def withdraw(self, request: Ticket) -> bool:
         """Take `request` out of the queue if it is still there (Ticket.cancel)."""
         with self._cond:
-            try:
-                self._queue.remove(request)
-            except ValueError:
+            if not self._queue.remove(request):
                 return False
-            if self._feed is not None:
-                self._feed.others(len(self._queue))
+            tell_others(self._feeds, [feed.queued()[1] for feed in self._feeds])
         self.stats.failed_unrun([request], time.perf_counter_ns())
         return True
 
@@ -310,7 +300,7 @@ class ParallelInference:
         # than cores beside the other replicas (measured in bench/RESULTS.md).
         torch.set_num_threads(self._torch_threads)
         while True:
-            batch, rows, expired = self._take(index)
+            batch, rows, expired = self._take()
             if expired:
                 self._expire(expired)
             if batch is None:
@@ -326,77 +316,54 @@ class ParallelInference:
                         if self._filling_workers:
                             self._cond.notify_all()
 
-    def _take(self, index: int) -> tuple[list[Ticket] | None, int, list[Ticket]]:
-        """The next batch for worker `index` (None: shut down and drained), its examples, and requests found
-        expired."""
+    def _take(self) -> tuple[list[Any] | None, int, list[Ticket]]:
+        """The next batch (None: shut down and drained), its examples, and requests found expired."""
         with self._cond:
-            self._idle_workers += 1  # before looking at the queue: a submitter that appends after this notifies
-            try:
-                while True:
-                    queue, feed = self._queue, self._feed
-                    fed_rows, fed, fed_oldest = (0, 0, 0) if feed is None or self._closed else feed.queued()
-                    if not queue and not fed:
-                        if self._closed:
-                            return None, 0, []
-                        if feed is not None:
-                            feed.want(1)
-                        self._cond.wait()
-                        continue
-                    batched = self.mode == "batched"
-                    if batched and not self._closed and len(queue) + fed < self.batch_limit \
-                            and (rows := sum(r.rows for r in queue) + fed_rows) < self.batch_limit:
-                        oldest = min(queue[0].submitted, fed_oldest or queue[0].submitted) if queue else fed_oldest
-                        if self.max_delay_s:
-                            wait = oldest / 1e9 + self.max_delay_s - time.perf_counter_ns() / 1e9
-                            if wait > 0:
-                                if feed is not None:
-                                    feed.want(self.batch_limit - rows + fed_rows)
-                                self._cond.wait(wait)
-                                continue
-                        now = time.perf_counter_ns()
-                        wait_ns = fuller_batch_wait(rows, self.batch_limit, self._running_rows, self._shared_device,
-                                                    now - oldest, now - self._forward_end_ns,
-                                                    self._forward_ns, self._last_rows)
-                        if wait_ns:
-                            target = fill_target(self.batch_limit, self._shared_device and self._running_rows > 0,
-                                                 self._last_rows)
-                            if feed is not None:
-                                feed.want(target - rows + fed_rows)
-                            self._wait_for_fuller_batch(wait_ns / 1e9, target)
+            while True:
+                # Shut down, the workers drain their own queue; an attached feed answers its own (NativeFront.stop).
+                feeds = self._feeds[:1] if self._closed else self._feeds
+                states = [feed.queued() for feed in feeds]
+                rows = sum(state[0] for state in states)
+                if not rows:
+                    if self._closed:
+                        return None, 0, []
+                    self._wait(feeds, states, 1, None)
+                    continue
+                batched = self.mode == "batched"
+                if batched and not self._closed and rows < self.batch_limit:
+                    oldest = min(state[2] for state in states if state[1])
+                    if self.max_delay_s:
+                        wait = oldest / 1e9 + self.max_delay_s - time.perf_counter_ns() / 1e9
+                        if wait > 0:
+                            self._wait(feeds, states, self.batch_limit, wait)
                             continue
-                    limit = self.batch_limit if batched else 1
-                    batch, rows, expired = ([], 0, [])
-                    feed_first = fed and (not queue or fed_oldest < queue[0].submitted)  # oldest request first
-                    if queue and not feed_first:
-                        batch, rows, expired = pop_batch(queue, limit, batched, self.queue_limit)
-                    if fed and (not batch or (batched and rows < limit and batch[0].key == feed.key)):
-                        taken = feed.take(limit - rows if batched else limit, limit if batched else 1, not batch)
-                        if taken is not None:
-                            batch.append(taken)
-                            rows += taken.rows
-                    if queue and feed_first and (not batch or (batched and rows < limit)):
-                        more, rows, expired = pop_batch(queue, limit, batched, self.queue_limit,
-                                                        feed.key if batch else None, rows)
-                        batch += more
-                    if feed is not None:
-                        feed.others(len(queue))
-                    self._running += len(batch)
-                    self._running_rows += rows
-                    return batch, rows, expired
-            finally:
-                self._idle_workers -= 1
+                    now = time.perf_counter_ns()
+                    wait_ns = fuller_batch_wait(rows, self.batch_limit, self._running_rows, self._shared_device,
+                                                now - oldest, now - self._forward_end_ns, self._forward_ns,
+                                                self._last_rows)
+                    if wait_ns:
+                        target = fill_target(self.batch_limit, self._shared_device and self._running_rows > 0,
+                                             self._last_rows)
+                        self._filling_workers += 1  # a forward's end wakes it too
+                        try:
+                            self._wait(feeds, states, target, wait_ns / 1e9)
+                        finally:
+                            self._filling_workers -= 1
+                        continue
+                limit = self.batch_limit if batched else 1
+                batch, rows, expired = take_batch(feeds, states, limit, limit)
+                tell_others(feeds, [feed.queued()[1] for feed in feeds])
+                self._running += len(batch)
+                self._running_rows += rows
+                return batch, rows, expired
 
-    def _wait_for_fuller_batch(self, timeout: float, target: int) -> None:
-        """Wait (under _cond) until the queue holds `target` requests, a forward ends, or `timeout`
-        (fuller_batch_wait)."""
-        self._idle_workers -= 1  # a submitter wakes this worker only for the batch it waits for (_enqueue)
-        self._filling_workers += 1
-        self._fill_target = target
-        try:
+    def _wait(self, feeds: list[Feed], states: list[State], target: int, timeout: float | None) -> None:
+        """Wait (under _cond) until the feeds hold `target` examples (each feed's `want` wakes the workers), a
+        notify, or `timeout`. A request queued since `states` was read is seen here and not waited for; one queued
+        after this look meets the want."""
+        want_rows(feeds, states, target)
+        if [feed.queued() for feed in feeds] == states:
             self._cond.wait(timeout)
-        finally:
-            self._filling_workers -= 1
-            self._idle_workers += 1
 
     def _expire(self, expired: list[Ticket]) -> None:
         self.stats.failed_unrun(expired, time.perf_counter_ns())

@@ -60,6 +60,12 @@ class Limits:
     max_settings: int = 32
     """Settings in one SETTINGS frame."""
 
+    def with_idle_timeout(self, seconds: float) -> Limits:
+        """These limits with connections idle for `seconds` closed, and no head or body awaited longer either: no
+        connection waits on its client longer than the idle timeout for anything."""
+        return dataclasses.replace(self, idle_timeout_s=seconds, header_timeout_s=min(self.header_timeout_s, seconds),
+                                   body_timeout_s=min(self.body_timeout_s, seconds))
+
     def for_batch(self, message_bytes: int, body_bytes: int) -> Limits:
         """These limits raised to hold a full batch: a gRPC message of `message_bytes`, an HTTP body of
         `body_bytes` (never lowered)."""

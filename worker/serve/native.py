@@ -10,10 +10,12 @@ shape, is parsed there into a queue that ParallelInference's workers take from a
 by the Python server as before: the front hands the connection over with the bytes it has read (`handed`), so the
 Python server stays the one place where requests are validated and errors explained.
 
-The gRPC port's connections are the front's too (HTTP/2 and HPACK in C, `_front_grpc.c`): ModelInfer for the served
-model with one FP32 input in raw_input_contents, as tritonclient.grpc sends it, is queued and answered there; every
-other call goes whole (headers and body) to grpc_server.py's GrpcServer, which answers it as it answers calls on its
-own connections, and the front writes the answer (`calls`, `answer_call`).
+The gRPC port's connections are the front's too, from the server's start to its stop (HTTP/2 is libnghttp2's,
+`_front_grpc.c`): ModelInfer for the served model with one FP32 input in raw_input_contents, as tritonclient.grpc
+sends it, is queued and answered there once the model is served; every other call, and every call before then, goes
+whole (headers and body) to grpc_server.py's GrpcServer (`start_call`), whose outcome the front writes (`calls`,
+`answer_call`). So one HTTP/2 implementation serves the gRPC port for the process's whole life. Every limit the
+front applies is limits.py's, given to it (`Limits.for_front`).
 
 What the front answers itself, as the Python server would: the outputs (200), a full queue (429, queueLimit counted
 over the front's queue), a request past requestTimeoutMs (504), the server draining or stopped (503), a failed
@@ -33,12 +35,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tandem.worker.serve.errors import ModelError
-from tandem.worker.serve.grpc_server import UNSUPPORTED_MEDIA
+from tandem.worker.serve.errors import ModelError, queue_full_message
+from tandem.worker.serve.grpc_protocol import status_code
 
 if TYPE_CHECKING:
     from tandem.worker.serve.grpc_server import GrpcServer
     from tandem.worker.serve.inference import ParallelInference
+    from tandem.worker.serve.limits import Limits
     from tandem.worker.serve.model_loading import LoadedModel
 
 
@@ -51,6 +54,7 @@ else:
     UNAVAILABLE = None
 
 TOKEN_REFRESH_S = 1.0
+UNIMPLEMENTED = 12  # grpc.StatusCode.UNIMPLEMENTED's number
 PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 """Names the front matches in requests and writes in answers as they are (no JSON or URL escapes needed)."""
 
@@ -140,8 +144,8 @@ class CallBridge:
         except Exception as error:
             answer(*self.grpc.outcome(None, error))
             return
-        if call is None:
-            answer(None, None, UNSUPPORTED_MEDIA)
+        if call is None:  # not gRPC's content-type: the front answers those 415 itself, so only a defect comes here
+            answer(UNIMPLEMENTED, "not a gRPC request (its content-type is not application/grpc)", None)
             return
         if not isinstance(call, asyncio.Future):
             call = self.loop.create_task(call)
@@ -164,41 +168,49 @@ class CallBridge:
 
 
 class NativeFront:
-    """The front of one server process: `_front.Front`, its I/O thread, and the thread that wakes ParallelInference's
-    workers when the queue holds what they wait for. `adopt` gives it a connection; connections it hands back go to
-    `hand_back(socket, data)` on the event loop."""
+    """The front of one server process: `_front.Front`, its I/O thread, and, once it serves a model, the thread that
+    wakes ParallelInference's workers when the queue holds what they wait for.
 
-    def __init__(self, loaded: LoadedModel, name: str, version: str, batching, max_body: int, idle_timeout: float,
-                 status_of, max_message: int):
-        signature = loaded.signature
-        self.key = (tuple(signature.input.shape), np.dtype(np.float32))
+    Its life, on the server's event loop:
+
+        front = NativeFront(limits, status_of, grpc)   # limits.Limits; status_of(error) -> HTTP status;
+                                                       # grpc: grpc_server.GrpcServer, or None without a gRPC port
+        front.start(hand_back, token)                  # the I/O thread runs: the ports' connections can be adopted;
+                                                       # HTTP connections it does not serve go to
+                                                       # hand_back(socket, data) on this loop, gRPC calls to grpc
+                                                       # (start_call, outcome); token: auth.BearerToken or None
+        front.adopt(sock) / front.adopt_grpc(sock)     # a connection accepted on the HTTP / gRPC port (ours now)
+        front.serve(loaded, name, version, batching, inference, max_rows)
+                                                       # the model loaded: the front serves its inference requests
+                                                       # (ParallelInference `inference` takes them: attach)
+        front.configure(batching, limits, max_rows)    # new batching settings, or limits (raised for a full batch)
+        front.drain(); await front.stop(why)
+
+    Before serve() it carries the transport only: every HTTP request is handed to the Python server, every gRPC call
+    to `grpc`. The Feed (ParallelInference's): queued, take, want, others; its counters: counters(), pending."""
+
+    def __init__(self, limits: Limits, status_of, grpc: GrpcServer | None = None):
+        self.front = Front(**limits.for_front())
+        self.front.configure(grpc_codes=bytes(status_code(http).value[0] for http in range(400, 600)))
         self.status_of = status_of
-        self.front = Front(model=name, version=version, input_name=signature.input.name,
-                           example_shape=signature.input.shape, output_name=signature.output.name,
-                           max_body=max_body, queue_limit=batching.queue_limit,
-                           timeout_ms=float(batching.request_timeout_ms), idle_timeout_s=idle_timeout,
-                           max_rows=signature.max_batch_size)
-        self.front.configure(max_message=max_message)
+        self.grpc = grpc
+        self.key = None
         self._inference: ParallelInference | None = None
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._refresh: asyncio.TimerHandle | None = None
         self._calls: CallBridge | None = None
+        self._token = None
 
-    def start(self, inference: ParallelInference, hand_back, token=None, grpc: GrpcServer | None = None) -> None:
-        """Serve: the I/O thread, the waker, connections handed back to `hand_back(socket, data)` on this loop, gRPC
-        calls not the front's to `grpc` (when the server has a gRPC port), and the token (auth.BearerToken, or None)
+    def start(self, hand_back, token=None) -> None:
+        """Serve (on the running event loop): the I/O thread, connections handed back to `hand_back(socket, data)`
+        on this loop, gRPC calls not the front's to the GrpcServer given, and the token (auth.BearerToken, or None)
         kept current."""
-        self._inference = inference
-        self._calls = None if grpc is None else CallBridge(self.front, grpc, asyncio.get_running_loop())
         self._loop = asyncio.get_running_loop()
+        self._calls = None if self.grpc is None else CallBridge(self.front, self.grpc, self._loop)
         self._token = token
         self._refresh_token()
-        inference.attach(self)
-        for target, name in ((self.front.run, "tandem-http-front"), (self._wake_workers, "tandem-front-waker")):
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._thread(self.front.run, "tandem-front")
 
         def handed() -> None:
             for descriptor, data in self.front.handed():
@@ -207,6 +219,27 @@ class NativeFront:
                 self._calls.take()
 
         self._loop.add_reader(self.front.handed_fd, handed)
+
+    def serve(self, loaded: LoadedModel, name: str, version: str, batching, inference: ParallelInference,
+              max_rows: int) -> None:
+        """Serve `loaded`'s common inference request as model `name` `version` from now on, its requests batched by
+        `inference` (attached here) under `batching` (queue_limit, request_timeout_ms), `max_rows` examples a request
+        at most."""
+        signature = loaded.signature
+        self.key = (tuple(signature.input.shape), np.dtype(np.float32))
+        self.front.serve_model(model=name, version=version, input_name=signature.input.name,
+                               example_shape=signature.input.shape, output_name=signature.output.name,
+                               max_rows=max_rows, queue_limit=batching.queue_limit,
+                               timeout_ms=float(batching.request_timeout_ms))
+        self.front.configure(queue_full=queue_full_message(batching.queue_limit))
+        self._inference = inference
+        inference.attach(self)
+        self._thread(self._wake_workers, "tandem-front-waker")
+
+    def _thread(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def _refresh_token(self) -> None:
         """The front holds the token the Secret's file holds now, with the file's stamp: it takes a request only
@@ -228,13 +261,13 @@ class NativeFront:
     def queued(self) -> tuple[int, int, int]:
         return self.front.queued()
 
-    def take(self, max_rows: int, max_requests: int, oversized: bool) -> Bundle | None:
-        taken = self.front.take(max_rows, max_requests, oversized)
+    def take(self, max_rows: int, max_requests: int, key: tuple | None) -> tuple[list[Bundle], list]:
+        taken = None if key not in (None, self.key) else self.front.take(max_rows, max_requests, key is None)
         if taken is None:
-            return None
+            return [], []  # (the front answers its own requests past their deadline)
         examples, rows, handle, arrivals = taken
         x = np.frombuffer(examples, dtype=np.float32).reshape(rows, *self.key[0])
-        return Bundle(self, handle, x, rows, arrivals)
+        return [Bundle(self, handle, x, rows, arrivals)], []
 
     def want(self, rows: int) -> None:
         self.front.want(rows)
@@ -250,9 +283,13 @@ class NativeFront:
     def adopt_grpc(self, connection: socket.socket) -> None:
         self.front.adopt_grpc(connection.detach())
 
-    def configure(self, batching, max_body: int, max_rows: int) -> None:
+    def configure(self, batching, limits: Limits | None = None, max_rows: int | None = None) -> None:
+        """New batching settings (queue_limit, request_timeout_ms), limits and examples a request at most (None:
+        kept)."""
         self.front.configure(queue_limit=batching.queue_limit, timeout_ms=float(batching.request_timeout_ms),
-                             max_body=max_body, max_rows=max_rows)
+                             queue_full=queue_full_message(batching.queue_limit),
+                             **({} if max_rows is None else {"max_rows": max_rows}),
+                             **({} if limits is None else limits.for_front()))
 
     def counters(self) -> dict[str, int]:
         return self.front.counters()

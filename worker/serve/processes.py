@@ -1,11 +1,16 @@
 """`tandem serve --processes N` (an InferencePool's processesPerReplica): the pod's N server processes, started and
 watched by a supervisor that imports no torch.
 
-The supervisor listens on the ports itself (HTTP, and gRPC unless --no-grpc), accepts every connection and hands it
-to the children in turn (`Dispatcher`: round robin per port, the connection's descriptor sent over a Unix socket
+The supervisor listens on the HTTP port itself, and on the gRPC port (unless --no-grpc) where the children's C front
+carries it (`front_carries_grpc`: httpFront native, the front built, not inplace), accepts every connection and hands
+it to the children in turn (`Dispatcher`: round robin per port, the connection's descriptor sent over a Unix socket
 pair, SCM_RIGHTS), as Node.js's cluster module does: with SO_REUSEPORT the kernel spread connections by a hash of
 their addresses, and 8 connections landed 5 and 3 or 6 and 2 as often as 4 and 4, so one process ran short
-batches while the other queued (measured in bench/RESULTS.md). It then starts N children, each `tandem serve`
+batches while the other queued (measured in bench/RESULTS.md). grpc.aio, which serves gRPC where the front does not,
+cannot adopt a connection accepted elsewhere: then the supervisor only reserves the gRPC port (bound with
+SO_REUSEPORT, not listening, so a port in use is still an error here) and each child's grpc.aio binds it too with
+SO_REUSEPORT (grpc's default), the kernel spreading the connections by their addresses' hash. It then starts N
+children, each `tandem serve`
 with the supervisor's own arguments: child i inherits its end of its socket pair (pass_fds) and finds its place in
 $TANDEM_SERVE_MEMBER, a JSON object of the group's directory, its index, the group's size, that descriptor, the
 ports and the supervisor's pid (`member_from_environment`). Each child is an InferenceServer with its Group,
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import importlib.util
 import json
 import logging
 import os
@@ -45,6 +51,17 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 SOCKET_PATH_BYTES = 108  # sun_path, with its terminating NUL
 HTTP, GRPC = b"h", b"g"  # what a connection handed over is for: the message its descriptor comes with
 
+
+@dataclass(frozen=True)
+class HandedOver:
+    """Connections to `port` accepted by another process and handed over (a process group's supervisor,
+    processes.py): the server listens on nothing and serves what its `adopt` is given."""
+
+    port: int
+
+
+Listen = int | HandedOver
+"""Where a server listens: a port (0: any free port), or nowhere (HandedOver)."""
 
 @dataclass(frozen=True)
 class Group:
@@ -74,6 +91,8 @@ class Member:
     channel: socket.socket
     http_port: int
     grpc_port: int | None
+    grpc_handed_over: bool = True
+    """The supervisor accepts the gRPC port's connections and hands them over; else each member binds the port."""
 
 
 def member_from_environment() -> Member | None:
@@ -86,7 +105,8 @@ def member_from_environment() -> Member | None:
     fields = json.loads(value)
     _stop_with(fields["supervisor"])
     group = Group(Path(fields["directory"]), fields["index"], fields["size"])
-    return Member(group, socket.socket(fileno=fields["channel_fd"]), fields["http_port"], fields["grpc_port"])
+    return Member(group, socket.socket(fileno=fields["channel_fd"]), fields["http_port"], fields["grpc_port"],
+                  fields["grpc_handed_over"])
 
 
 def receive_connections(channel: socket.socket, adopt: dict[bytes, Callable[[socket.socket], None]]) -> None:
@@ -123,17 +143,28 @@ def _stop_with(supervisor: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def listening_socket(host: str, port: int, protocol: str) -> socket.socket:
-    """A non-blocking socket listening on host:port (0: a free port). Raises OSError naming the protocol, the address
-    and the reason."""
+def front_carries_grpc(http_front: str, inference_mode: str) -> bool:
+    """Whether a server's C front will own its gRPC port's connections (native.py), known before any model loads and
+    without importing it: asked for (httpFront native), built, and the inference mode not inplace."""
+    return http_front == "native" and inference_mode != "inplace" and \
+        importlib.util.find_spec("tandem.worker.serve._front") is not None
+
+
+def listening_socket(host: str, port: int, protocol: str, listen: bool = True) -> socket.socket:
+    """A non-blocking socket listening on host:port (0: a free port); `listen` False: only bound, with SO_REUSEPORT,
+    holding the port for processes that bind it so too. Raises OSError naming the protocol, the address and the
+    reason."""
     listener = None
     try:
         family, kind, number, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                               flags=socket.AI_PASSIVE)[0]
         listener = socket.socket(family, kind, number)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if not listen:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         listener.bind(address)
-        listener.listen(BACKLOG)
+        if listen:
+            listener.listen(BACKLOG)
         listener.setblocking(False)
     except OSError as error:
         if listener is not None:
@@ -219,23 +250,26 @@ def exit_description(code: int) -> str:
         return f"was killed by signal {-code}"
 
 
-def supervise(arguments: list[str], host: str, port: int, grpc_port: int | None, size: int) -> int:
+def supervise(arguments: list[str], host: str, port: int, grpc_port: int | None, size: int,
+              hand_grpc_over: bool = True) -> int:
     """Serve as `size` processes of `tandem ARGUMENTS` on host:port (and grpc_port, unless None) until SIGTERM or
-    SIGINT, or until one of them exits; the supervisor's exit code (1 as well when a port cannot be listened on)."""
+    SIGINT, or until one of them exits; the supervisor's exit code (1 as well when a port cannot be listened on).
+    `hand_grpc_over`: the children's C front carries gRPC, so the supervisor accepts on its port too; else it only
+    reserves the port, which each child's grpc.aio binds."""
     try:
         http = listening_socket(host, port, "HTTP")
     except OSError as error:
         log.error("%s", error)
         return 1
     try:
-        grpc = None if grpc_port is None else listening_socket(host, grpc_port, "gRPC")
+        grpc = None if grpc_port is None else listening_socket(host, grpc_port, "gRPC", listen=hand_grpc_over)
     except OSError as error:
         http.close()
         log.error("%s", error)
         return 1
     directory = new_group_directory(size)
     try:
-        return asyncio.run(_run_group(arguments, directory, host, size, http, grpc))
+        return asyncio.run(_run_group(arguments, directory, host, size, http, grpc, hand_grpc_over))
     finally:
         http.close()
         if grpc is not None:
@@ -244,7 +278,7 @@ def supervise(arguments: list[str], host: str, port: int, grpc_port: int | None,
 
 
 async def _run_group(arguments: list[str], directory: Path, host: str, size: int, http: socket.socket,
-                     grpc: socket.socket | None) -> int:
+                     grpc: socket.socket | None, hand_grpc_over: bool) -> int:
     http_port = http.getsockname()[1]
     grpc_port = None if grpc is None else grpc.getsockname()[1]
     address = f"http://{host}:{http_port}" + ("" if grpc_port is None else f" and grpc://{host}:{grpc_port}")
@@ -270,7 +304,7 @@ async def _run_group(arguments: list[str], directory: Path, host: str, size: int
     try:
         try:
             for index, (_, theirs) in enumerate(pairs):
-                member = Member(Group(directory, index, size), theirs, http_port, grpc_port)
+                member = Member(Group(directory, index, size), theirs, http_port, grpc_port, hand_grpc_over)
                 children.append(await _start_child(arguments, member))
         finally:
             for _, theirs in pairs:
@@ -278,7 +312,7 @@ async def _run_group(arguments: list[str], directory: Path, host: str, size: int
         if stop.is_set():
             signal_all(signal.SIGTERM)  # for the children started after the signal
         dispatcher.start(http, HTTP)
-        if grpc is not None:
+        if grpc is not None and hand_grpc_over:
             dispatcher.start(grpc, GRPC)
         log.info("%d processes listening on %s (pids %s)", size, address,
                  ", ".join(str(child.pid) for child in children))
@@ -308,7 +342,7 @@ async def _start_child(arguments: list[str], member: Member) -> asyncio.subproce
     group = member.group
     fields = {"directory": str(group.directory), "index": group.index, "size": group.size,
               "channel_fd": member.channel.fileno(), "http_port": member.http_port, "grpc_port": member.grpc_port,
-              "supervisor": os.getpid()}
+              "grpc_handed_over": member.grpc_handed_over, "supervisor": os.getpid()}
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tandem.cli", *arguments, env={**os.environ, MEMBER: json.dumps(fields)},
         pass_fds=[member.channel.fileno()])

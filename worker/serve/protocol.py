@@ -33,6 +33,17 @@ ITEMSIZE = {name: torch.empty(0, dtype=torch_dtype).element_size() for name, (to
 _JSON_KINDS = {"BOOL": "b", "UINT8": "iu", "INT8": "iu", "INT16": "iu", "INT32": "iu", "INT64": "iu"}
 _KIND_NAMES = {"b": "true/false", "i": "integers", "u": "integers", "f": "non-integer numbers", "U": "strings"}
 _JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+
+
+def _overflow_at(dtype: torch.dtype) -> float:
+    """The least magnitude a float `dtype` rounds to an infinity: its largest value and half a step (a tie rounds to
+    the even neighbour, the infinity). Less than it, a value rounds to a finite one (or underflows to 0: fine)."""
+    info = torch.finfo(dtype)
+    return info.max + info.eps * 2.0 ** (math.frexp(info.max)[1] - 2)
+
+
+_FLOAT_RANGES = {name: (_overflow_at(DATATYPES[name][0]), float(torch.finfo(DATATYPES[name][0]).max))
+                 for name in ("FP16", "FP32")}
 _EMPTY: dict[str, Any] = {}
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
@@ -217,6 +228,13 @@ def listed_tensor(data: Any, shape: list[int], count: int, datatype: str, torch_
         low, high = array.min(), array.max()
         if low < info.min or high > info.max:
             raise ProtocolError(f"{where}: {datatype} data out of range ({info.min}..{info.max}): found {low}..{high}")
+    elif datatype in _FLOAT_RANGES and array.size:
+        overflow, largest = _FLOAT_RANGES[datatype]
+        low, high = array.min(), array.max()
+        if high >= overflow or low <= -overflow:
+            found = high if high >= overflow else low
+            raise ProtocolError(f"{where}: {datatype} data out of range: {float(found)!r} is beyond the largest "
+                                f"{datatype} value, \u00b1{largest:.8g} (send values within it)")
     if numpy_dtype is None:  # BF16: no numpy type; go through float32
         return torch.from_numpy(array.astype(np.float32)).to(torch_dtype).reshape(shape)
     return array.astype(numpy_dtype, copy=False).reshape(shape)  # np.asarray made it: already contiguous

@@ -12,10 +12,8 @@ configuration, statistics and model repository extensions):
     GET  /v2/models/{m}[/versions/{v}]/batching        the batching settings the server runs with (the pool's
                                                        batchLimit, queueLimit, maxQueueDelayMicroseconds,
                                                        requestTimeoutMs); also in the parameters of the model's
-                                                       metadata and readiness
-    PUT  /v2/models/{m}[/versions/{v}]/batching        run with new ones (any of the four; the others stay), no
-                                                       request failed (403 unless tandem serve
-                                                       --allow-batching-changes, as the operator starts servers)
+                                                       metadata and readiness. Read only: no port takes a change,
+                                                       a server reads its pool's (pool_watch.py)
     GET  /v2/models/{m}[/versions/{v}]/config          Triton's model configuration (for perf_analyzer)
     GET  /v2/models[/{m}[/versions/{v}]]/stats         Triton's statistics shape
     POST /v2/repository/index
@@ -28,7 +26,7 @@ with WWW-Authenticate: Bearer to a request without it, before anything else. The
 answers the same through the public methods here (metadata, config, stats, index, load).
 
 Errors are {"error": "..."} naming the problem: 400 bad request, 401 no or another token, 403 a load the pool's
-spec.modelRepository forbids or a batching change a server does not allow, 404 unknown model/version/endpoint, 405
+spec.modelRepository forbids, 404 unknown model/version/endpoint, 405
 wrong method, 429 queue full (with
 Retry-After), 503 loading or shutting down, 504 timed out, 500 the model's forward failed (only the request that
 breaks it fails: a failing batch is retried request by request). 413 (body too large) is the HTTP layer's.
@@ -43,12 +41,9 @@ import re
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 
 import tandem
-from tandem.api.inference import BatchingSettings
 from tandem.worker.serve import model_loading, triton
 from tandem.worker.serve.auth import CHALLENGE, path_needs_token, refusal
 from tandem.worker.serve.errors import InferenceTimeout, QueueFullError, ShutDownError
@@ -58,7 +53,6 @@ from tandem.worker.serve.metrics import OUTCOMES, exposition, merge_states
 from tandem.worker.serve.model_loading import LOADS_DISABLED, LoadForbidden, ModelLoadError
 from tandem.worker.serve.protocol import HEADER_LENGTH, ProtocolError, decode_request, dumps, encode_response
 from tandem.worker.serve.replicas import warmup_sizes
-from tandem.worker.serve.served_model import BatchingRefused
 
 if TYPE_CHECKING:
     from tandem.worker.serve.app import InferenceServer
@@ -124,9 +118,6 @@ class Routes:
                 if action == "infer":
                     _allow(method, "POST", path)
                     return self._infer(request, name, version)
-                if action == "batching" and method == "PUT":
-                    self.check_model(name, version)
-                    return self._change_batching(request)
                 _allow(method, "GET", path)
                 self.check_model(name, version)
                 if action is None:
@@ -136,7 +127,7 @@ class Routes:
                 elif action == "config":
                     reply = self._config()
                 elif action == "batching":
-                    reply = _json(self.server.model.batching.to_dict(), headers={"Allow": "GET, PUT"})
+                    reply = _json(self.server.model.batching.to_dict())
                 else:
                     reply = self._stats()
             elif path in self._fixed:
@@ -206,9 +197,10 @@ class Routes:
     def served_parameters(self, loaded) -> dict[str, Any]:
         """What is served (checkpoint, source, loaded_at, its recorded metrics; with a promotion gate, the last
         candidate skipped) and how (the batching settings, by their snake_case names: batch_limit, queue_limit,
-        max_queue_delay_microseconds, request_timeout_ms)."""
+        max_queue_delay_microseconds, request_timeout_ms; and the pool's settings it refused, `refused_*`)."""
         model = self.server.model
-        return {**loaded.parameters(), **model.promotion_parameters(), **model.batching.model_dump()}
+        return {**loaded.parameters(), **model.promotion_parameters(), **model.batching.model_dump(),
+                **model.refusal_parameters()}
 
     async def _model_ready(self) -> Reply:
         """Whether the model is ready (in every server process of the pod), and in `parameters` what is served (open
@@ -279,31 +271,6 @@ class Routes:
             "stats": None if inference is None else inference.stats.snapshot(),
             "batch_limits": sorted(server.model.batch_limits),
         }
-
-    # -- batching settings ----------------------------------------------------------------------------------
-
-    async def _change_batching(self, request: Request) -> None:
-        """PUT /v2/models/{m}/batching: some of the batching settings in the pool's names; answers the settings now
-        run with. 403 unless the server allows changes, 400 naming a bad field or the model's failure at the new batch
-        sizes (nothing changed), 503 while the model loads."""
-        server = self.server
-        if not server.allow_batching_changes:
-            reply = _error(403, "this server does not take batching changes: start tandem serve with "
-                           "--allow-batching-changes (the operator starts its servers so)")
-        else:
-            try:
-                settings = parse_batching(request.body, server.model.batching)
-                await server.update_batching(settings)
-            except ProtocolError as error:
-                reply = _error(error.status, str(error))
-            except ModelLoadError as error:
-                reply = _error(503, str(error), {"Retry-After": RETRY_AFTER_SECONDS})
-            except BatchingRefused as error:
-                reply = _error(400, f"batching not changed: {error} (still running with "
-                               f"{server.model.batching.summary()})")
-            else:
-                reply = _json(server.model.batching.to_dict())
-        request.respond(*reply)
 
     # -- model repository -----------------------------------------------------------------------------------
 
@@ -391,23 +358,6 @@ class Routes:
 def error_status(error: BaseException) -> int:
     """The HTTP status of a request that failed after it was submitted."""
     return 504 if isinstance(error, InferenceTimeout) else 503 if isinstance(error, ShutDownError) else 500
-
-
-def parse_batching(body: bytes, current: BatchingSettings) -> BatchingSettings:
-    """A batching change's body (a JSON object with any of the settings, by the pool's field names) over the
-    `current` settings. Raises ProtocolError (400) naming the field and what it must be."""
-    try:
-        change = orjson.loads(body or b"{}")
-    except orjson.JSONDecodeError as error:
-        raise ProtocolError(f"the batching change is not JSON: {error}", 400) from None
-    if not isinstance(change, dict):
-        raise ProtocolError("the batching change must be a JSON object such as {\"batchLimit\": 16}", 400)
-    try:
-        return BatchingSettings.model_validate({**current.to_dict(), **change})
-    except ValidationError as error:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in error.errors())
-        fields = ", ".join(BatchingSettings.model_construct().to_dict())
-        raise ProtocolError(f"bad batching change: {problems} (the settings: {fields})", 400) from None
 
 
 def _allow(method: str, allowed: str, path: str) -> None:

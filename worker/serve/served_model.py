@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tandem.api.inference import BatchingSettings, InferencePoolSpec
+from tandem.contract import REFUSED_BATCHING_PARAMETER
 from tandem.worker import checkpoint as checkpoints
 from tandem.worker.serve import model_loading, promotion
 from tandem.worker.serve.inference import ParallelInference
@@ -76,6 +77,9 @@ class ServedModel:
         self.inference: ParallelInference | None = None
         self.skipped: tuple[str, Verdict] | None = None
         """The latest followed checkpoint the gate did not promote, and the gate's verdict on it."""
+        self.refused: tuple[BatchingSettings, str] | None = None
+        """The pool's batching settings the model failed its warm-up at, and the error (pool_watch.py), until it runs
+        other settings."""
         self.peers: Peers | None = None
         self.weights: Path | None = None
         """In a group on CPU: the file the served replicas' weights are mapped from (group.SharedWeights)."""
@@ -227,6 +231,7 @@ class ServedModel:
                 raise BatchingRefused(f"the model fails its warm-up at the new batch sizes: {type(error).__name__}: "
                                       f"{error}") from error
             previous, self.batching = self.batching, settings
+            self.refused = None
             self.batch_limits.add(settings.batch_limit)
             self.loaded = _with_batch_limit(self.loaded, settings.batch_limit)
         log.info("batching of %s changed from %s to %s", self.name, previous.summary(), settings.summary())
@@ -289,6 +294,20 @@ class ServedModel:
     def record_skip(self, checkpoint: str, verdict: Verdict) -> None:
         """The latest candidate the gate did not promote (this process's leader's verdict, in a group)."""
         self.skipped = (checkpoint, verdict)
+
+    def record_refusal(self, settings: BatchingSettings, reason: str) -> None:
+        """The pool's batching settings this process's group refused (its leader's outcome, in a group)."""
+        self.refused = (settings, reason)
+
+    def refusal_parameters(self) -> dict[str, str | int]:
+        """For the model metadata's `parameters`, after a refusal of the pool's batching settings: those settings
+        (`refused_batch_limit`, ...) and `refused_reason` (contract.REFUSED_BATCHING_PARAMETER); empty otherwise."""
+        if self.refused is None:
+            return {}
+        settings, reason = self.refused
+        prefix = REFUSED_BATCHING_PARAMETER
+        return {**{f"{prefix}{name}": value for name, value in settings.model_dump().items()},
+                f"{prefix}reason": reason}
 
     def _best_checkpoint(self) -> Path | None:
         """A gated server's first checkpoint: the best recorded in the directory (None: none has the metric, so the

@@ -48,8 +48,9 @@ namespace) or by a Role in each watched namespace. Exact verbs, from what the op
 {{- define "tandem.namespacedRules" -}}
 # Its own resources: kopf lists and watches them and patches its annotations and finalizer on them; the operator
 # patches their status (the status subresource) and deletes a finished job when its TTL has passed. get on
-# paralleltrainingjobs and their status, with patch, is what each job's rank-0 Role grants: Kubernetes lets the
-# operator create that Role only because it holds those verbs itself.
+# paralleltrainingjobs and their status, with patch, is what each job's rank-0 Role grants, and get and watch on
+# inferencepools what each pool's server Role grants (its servers read their pool's batching settings): Kubernetes
+# lets the operator create those Roles only because it holds those verbs itself.
 - apiGroups: [tandem.dev]
   resources: [paralleltrainingjobs]
   verbs: [get, list, watch, patch, delete]
@@ -58,7 +59,7 @@ namespace) or by a Role in each watched namespace. Exact verbs, from what the op
   verbs: [get, patch]
 - apiGroups: [tandem.dev]
   resources: [inferencepools]
-  verbs: [list, watch, patch]
+  verbs: [get, list, watch, patch]
 - apiGroups: [tandem.dev]
   resources: [inferencepools/status]
   verbs: [patch]

@@ -1,0 +1,127 @@
+// The gRPC message prefix and the ModelInferRequest decoder of the C front (see _front_infer.h): "mine, exactly" or
+// "not mine", never an answer of its own.
+#include "_front_infer.h"
+
+#include <string.h>
+
+typedef struct {
+    const unsigned char *p, *end;
+} pb_t;
+
+static int varint(pb_t *s, uint64_t *value) {
+    uint64_t v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+        if (s->p >= s->end) return 0;
+        unsigned char byte = *s->p++;
+        v |= (uint64_t)(byte & 0x7f) << shift;
+        if (!(byte & 0x80)) {
+            *value = v;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+// The next field, which must be length-delimited (every field this path takes is): its number and bytes.
+static int delimited(pb_t *s, uint32_t *number, pb_t *field) {
+    uint64_t key, len;
+    if (!varint(s, &key) || (key & 7) != 2 || !varint(s, &len) || len > (uint64_t)(s->end - s->p)) return 0;
+    *number = key >> 3;
+    field->p = s->p;
+    field->end = s->p + len;
+    s->p += len;
+    return 1;
+}
+
+static int equals(pb_t field, const char *text, size_t len) {
+    return (size_t)(field.end - field.p) == len && (len == 0 || memcmp(field.p, text, len) == 0);
+}
+
+static int printable(pb_t field) {
+    for (const unsigned char *p = field.p; p < field.end; p++)
+        if (*p < 0x20 || *p > 0x7e) return 0;
+    return 1;
+}
+
+// An InferInputTensor: the model's input, FP32, shape [rows, <the example's shape>] (packed), nothing else.
+static int input_tensor(const infer_model_t *m, pb_t s, long *rows) {
+    int seen_name = 0, seen_datatype = 0, seen_shape = 0;
+    uint32_t number;
+    pb_t field;
+    while (s.p < s.end) {
+        if (!delimited(&s, &number, &field)) return 0;
+        if (number == 1 && !seen_name) {
+            if (!equals(field, m->input_name, m->input_name_len)) return 0;
+            seen_name = 1;
+        } else if (number == 2 && !seen_datatype) {
+            if (!equals(field, "FP32", 4)) return 0;
+            seen_datatype = 1;
+        } else if (number == 3 && !seen_shape) {
+            uint64_t dim;
+            if (!varint(&field, &dim) || dim < 1 || dim > 100000000) return 0;
+            *rows = dim;
+            for (int i = 0; i < m->dims; i++)
+                if (!varint(&field, &dim) || dim != (uint64_t)m->shape[i]) return 0;
+            if (field.p != field.end) return 0;
+            seen_shape = 1;
+        } else {
+            return 0;
+        }
+    }
+    return seen_name && seen_datatype && seen_shape;
+}
+
+// An InferRequestedOutputTensor naming the model's output, without parameters.
+static int requested_output(const infer_model_t *m, pb_t s) {
+    uint32_t number;
+    pb_t field;
+    if (!delimited(&s, &number, &field) || number != 1 || !equals(field, m->output_name, m->output_name_len))
+        return 0;
+    return s.p == s.end;
+}
+
+int grpc_message(const unsigned char *body, size_t len, const unsigned char **message, size_t *message_len) {
+    if (len < 5 || body[0] != 0
+        || ((size_t)body[1] << 24 | (size_t)body[2] << 16 | (size_t)body[3] << 8 | body[4]) != len - 5)
+        return 0;
+    *message = body + 5;
+    *message_len = len - 5;
+    return 1;
+}
+
+int infer_request(const infer_model_t *m, const unsigned char *message, size_t len, infer_call_t *call) {
+    pb_t s = {message, message + len}, field, id = {NULL, NULL}, raw = {NULL, NULL};
+    int seen_model = 0, seen_version = 0, seen_input = 0;
+    long rows = 0;
+    uint32_t number;
+    while (s.p < s.end) {
+        if (!delimited(&s, &number, &field)) return 0;
+        if (number == 1 && !seen_model) {
+            if (!equals(field, m->model_name, m->model_name_len)) return 0;
+            seen_model = 1;
+        } else if (number == 2 && !seen_version) {
+            if (field.p != field.end && !equals(field, m->version, m->version_len)) return 0;
+            seen_version = 1;
+        } else if (number == 3 && !id.p) {
+            if (!printable(field)) return 0;
+            id = field;
+        } else if (number == 5 && !seen_input) {
+            if (!input_tensor(m, field, &rows)) return 0;
+            seen_input = 1;
+        } else if (number == 6) {
+            if (!requested_output(m, field)) return 0;
+        } else if (number == 7 && !raw.p) {
+            raw = field;
+        } else {
+            return 0;  // parameters, typed contents, a repeated field, an unknown one: not ours
+        }
+    }
+    if (!seen_model || !seen_input || !raw.p || rows > m->max_rows) return 0;
+    if ((size_t)(raw.end - raw.p) != (size_t)rows * (size_t)m->features * sizeof(float)) return 0;
+    call->rows = rows;
+    call->raw = raw.p;
+    call->raw_len = raw.end - raw.p;
+    call->id = id.p;
+    call->id_len = id.p ? (size_t)(id.end - id.p) : 0;
+    return 1;
+}

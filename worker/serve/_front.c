@@ -51,7 +51,7 @@ void signal_fd(int fd) {
 // -- connections ------------------------------------------------------------------------------------------------
 
 void watch_events(Front *f, connection_t *c) {
-    int reading = c->h2 ? c->out_len < unsent_limit(f) : c->in_len < MAX_HEAD + (size_t)f->max_body;
+    int reading = c->h2 ? c->out_len < unsent_limit(f) : c->in_len < (size_t)(f->max_head + f->max_body);
     int writing = c->out_len > 0;
     if (reading == c->reading && writing == c->writing) return;
     c->reading = reading;
@@ -224,10 +224,10 @@ static int token_ok(void *f, const char *value, size_t len) {
 // bytes) or HTTP1_NOT_MINE, which the Python server answers (at once, as it would have without the front).
 static int recognize(Front *f, connection_t *c, request_t **out, size_t *used) {
     pthread_mutex_lock(&f->lock);
-    long max_body = f->max_body, max_rows = f->max_rows;
+    long max_body = f->max_body, max_rows = f->max_rows, max_head = f->max_head;
     int needs_token = f->token != NULL;
     pthread_mutex_unlock(&f->lock);
-    http1_spec_t spec = {f->infer_path, f->infer_path_len, MAX_HEAD, max_body, needs_token, token_ok, f};
+    http1_spec_t spec = {f->infer_path, f->infer_path_len, max_head, max_body, needs_token, token_ok, f};
     const char *body;
     size_t body_len;
     int what = http1_recognise(c->in, c->in_len, &spec, &body, &body_len, used);

@@ -24,7 +24,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MAX_HEAD 8192          // a longer head is not ours (the Python server answers it)
 #define MAX_DIMS 8
 #define SWEEP_MS 20            // deadlines and idle connections are looked at this often
 #define RETRY_AFTER "1"

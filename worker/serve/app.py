@@ -105,7 +105,6 @@ class InferenceServer:
         self.token = None if auth_token_file is None else BearerToken(auth_token_file)
         self.base_limits = Limits().with_idle_timeout(spec.idle_timeout_seconds)
         self.limits = self.base_limits  # raised for the model's full batch once it loads (_raise_limits)
-        self.max_body = self.limits.max_body_bytes
         self.model = ServedModel(spec, model_loading.locate(spec.model, checkpoint), name=self.name,
                                  follow_interval=follow_interval, on_swap=self._swapped)
         self.group = group
@@ -130,7 +129,7 @@ class InferenceServer:
         self.pending.start()
         if self._peer_routes is not None:
             await self._peer_routes.start(self.group.socket_path(self.group.index))
-        self._http = HttpServer(self.routes.handle, lambda: self.max_body, limits=self.limits,
+        self._http = HttpServer(self.routes.handle, lambda: self.limits.max_body_bytes, limits=self.limits,
                                 on_error=_log_crash)
         if grpc_port is not None:
             self._grpc = GrpcServer(GrpcService(self, self.token).methods(), self.limits)
@@ -180,7 +179,6 @@ class InferenceServer:
     async def _raise_limits(self, loaded: LoadedModel) -> None:
         """The limits raised to hold the model's full batch (limits.py), for every server of the ports."""
         self.limits = self.base_limits.for_batch(_message_limit(loaded), _body_limit(loaded))
-        self.max_body = self.limits.max_body_bytes
         if self._grpc is not None:
             await self._grpc.set_limits(self.limits)
         if self.front is not None:

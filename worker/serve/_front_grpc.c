@@ -63,6 +63,7 @@ struct h2 {
     stream_t *streams;
     int stream_count;
     int64_t opened, idle_since, last_written;
+    stream_t *receiving;       // the stream whose header block is coming in (blocks are never interleaved)
     size_t held;               // DATA buffered over all its streams
     size_t loose;              // DATA not acknowledged whose stream is gone (the connection's window only)
     int owing;                 // some DATA is not acknowledged (over a budget)
@@ -71,11 +72,16 @@ struct h2 {
 
 static nghttp2_session_callbacks *callbacks;
 
-static void put(buffer_t *b, const void *bytes, size_t n) {
+// Room for `n` more bytes (a call's headers and a small message fit the first allocation).
+static void reserve(buffer_t *b, size_t n) {
     if (b->len + n > b->cap) {
-        b->cap = (b->len + n) * 2 + 64;
+        b->cap = (b->len + n) * 2 + 512;
         b->bytes = grown(b->bytes, b->cap);
     }
+}
+
+static void put(buffer_t *b, const void *bytes, size_t n) {
+    reserve(b, n);
     memcpy(b->bytes + b->len, bytes, n);
     b->len += n;
 }
@@ -152,7 +158,9 @@ static size_t percent_encoded(const char *message, size_t len, char *into) {
 // The status fields (grpc-status, and grpc-message unless an OK without one) appended to nva; their count.
 static size_t status_fields(nghttp2_nv *nva, int code, const char *message, size_t len, char *digits, char **encoded) {
     size_t n = 0;
-    int digits_len = snprintf(digits, 12, "%d", code);
+    int digits_len = code >= 10 ? 2 : 1;  // gRPC's codes are 0-16
+    digits[0] = code >= 10 ? '0' + code / 10 : '0' + code;
+    digits[1] = '0' + code % 10;
     nva[n++] = (nghttp2_nv)NV("grpc-status", digits, digits_len);
     *encoded = NULL;
     if (code != OK || len) {
@@ -358,6 +366,7 @@ static int on_begin_headers(nghttp2_session *session, const nghttp2_frame *frame
     if (h->streams) h->streams->prev = s;
     h->streams = s;
     h->stream_count++;
+    h->receiving = s;
     nghttp2_session_set_stream_user_data(session, s->id, s);
     return 0;
 }
@@ -366,11 +375,12 @@ static int on_header(nghttp2_session *session, const nghttp2_frame *frame, const
                      const uint8_t *value, size_t value_len, uint8_t flags, void *user_data) {
     h2_t *h = user_data;
     if (frame->hd.type != NGHTTP2_HEADERS || frame->headers.cat != NGHTTP2_HCAT_REQUEST) return 0;  // trailers
-    stream_t *s = nghttp2_session_get_stream_user_data(session, frame->hd.stream_id);
-    if (!s) return 0;
+    stream_t *s = h->receiving;
+    if (!s || s->id != frame->hd.stream_id) return 0;
     s->head_size += name_len + value_len + 32;
     if (s->head_size > h->max_head) return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;  // the stream is reset
     uint32_t n = name_len;
+    reserve(&s->fields, 8 + name_len + value_len);
     put(&s->fields, &n, 4);
     put(&s->fields, name, name_len);
     n = value_len;
@@ -392,6 +402,10 @@ static int on_data_chunk(nghttp2_session *session, uint8_t flags, int32_t id, co
             send_status(h, s, RESOURCE_EXHAUSTED, why, why_len);
             s->cut = 1;  // the client sends no more of it (on_frame_sent)
         } else {
+            if (!s->body.len && len >= 5) {  // room for a small message at once (a large one grows as it comes)
+                size_t announced = (size_t)data[1] << 24 | (size_t)data[2] << 16 | (size_t)data[3] << 8 | data[4];
+                if (announced <= 65536) reserve(&s->body, 5 + announced);
+            }
             put(&s->body, data, len);
             s->held += len;
             hold(h, len);
@@ -463,6 +477,7 @@ static void free_stream(stream_t *s) {
 static void forget(h2_t *h, stream_t *s) {
     if (s->request) abandon(h->f, s->request);  // withdrawn from the queue (or its answer dropped)
     if (s->bridged) pass_call(h->f, h, s, NULL, NULL);
+    if (h->receiving == s) h->receiving = NULL;
     if (s->prev) s->prev->next = s->next;
     else h->streams = s->next;
     if (s->next) s->next->prev = s->prev;
@@ -509,11 +524,13 @@ void h2_start(Front *f, connection_t *c) {
     h->max_head = f->max_head;
     nghttp2_settings_entry settings[] = {{NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS, f->max_streams},
                                          {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, f->stream_window},
-                                         {NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE, f->max_head}};
+                                         {NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE, f->max_head},
+                                         {NGHTTP2_SETTINGS_NO_RFC7540_PRIORITIES, 1}};
     int32_t connection_window = f->connection_window;
     nghttp2_option *option;
     nghttp2_option_new(&option);
     nghttp2_option_set_no_auto_window_update(option, 1);
+    nghttp2_option_set_no_closed_streams(option, 1);  // no RFC 7540 priorities: nothing to keep closed streams for
     nghttp2_option_set_max_outbound_ack(option, f->max_owed_acks);
     nghttp2_option_set_max_settings(option, f->max_settings);
     nghttp2_option_set_stream_reset_rate_limit(option, f->reset_burst, f->resets_per_second);
@@ -594,44 +611,20 @@ void h2_answer(Front *f, request_t *r, batch_t *b, long offset) {
         send_status(h, s, status_code(f, b->status), b->message, b->message_len);
         return;
     }
-    // ModelInferResponse: model_name (1), model_version (2), id (3), outputs (5): {name (1), datatype (2), shape (3,
-    // packed)}, raw_output_contents (6); in field order, as protobuf writes it.
-    size_t raw_len = (size_t)r->rows * b->out_features * sizeof(float);
-    buffer_t dims = {0}, tensor = {0}, m = {0};
-#define VARINT(into, value) do {                                       \
-        unsigned char bytes_[10];                                      \
-        size_t n_ = 0;                                                 \
-        uint64_t v_ = (value);                                         \
-        do {                                                           \
-            bytes_[n_++] = (v_ & 0x7f) | (v_ >= 0x80 ? 0x80 : 0);      \
-            v_ >>= 7;                                                  \
-        } while (v_);                                                  \
-        put((into), bytes_, n_);                                       \
-    } while (0)
-#define DELIMITED(into, number, bytes, len) do {                       \
-        VARINT(into, (uint64_t)(number) << 3 | 2);                     \
-        VARINT(into, len);                                             \
-        put((into), (bytes), (len));                                   \
-    } while (0)
-    VARINT(&dims, r->rows);
-    for (int i = 0; i < b->out_dims; i++) VARINT(&dims, b->out_shape[i]);
-    DELIMITED(&tensor, 1, f->output_name, f->output_name_len);
-    DELIMITED(&tensor, 2, "FP32", 4);
-    DELIMITED(&tensor, 3, dims.bytes, dims.len);
-    put(&m, "\0\0\0\0\0", 5);
-    DELIMITED(&m, 1, f->model_name, f->model_name_len);
-    if (f->version_len) DELIMITED(&m, 2, f->version, f->version_len);
-    if (r->id_len) DELIMITED(&m, 3, r->id, r->id_len);
-    DELIMITED(&m, 5, tensor.bytes, tensor.len);
-    DELIMITED(&m, 6, (const char *)(b->y + offset * b->out_features), raw_len);
-#undef DELIMITED
-#undef VARINT
-    free_buffer(&tensor);
-    free_buffer(&dims);
-    uint32_t message_len = m.len - 5;
-    unsigned char length[4] = {message_len >> 24, message_len >> 16, message_len >> 8, message_len};
-    memcpy(m.bytes + 1, length, 4);
-    send_answer(h, s, OK, NULL, 0, m.bytes, m.len);
+    infer_answer_t answer = {.model_name = f->model_name, .model_name_len = f->model_name_len, .version = f->version,
+                             .version_len = f->version_len, .output_name = f->output_name,
+                             .output_name_len = f->output_name_len, .id = r->id, .id_len = r->id_len,
+                             .rows = r->rows, .dims = b->out_dims, .shape = b->out_shape,
+                             .y = b->y + offset * b->out_features};
+    size_t len = infer_response_size(&answer);
+    if (!len) {
+        static const char why[] = "the answer is larger than a gRPC message can be (4 GiB)";
+        send_status(h, s, RESOURCE_EXHAUSTED, why, sizeof why - 1);
+        return;
+    }
+    unsigned char *message = grown(NULL, len);
+    infer_response(&answer, message);
+    send_answer(h, s, OK, NULL, 0, (char *)message, len);
 }
 
 void h2_answer_error(Front *f, request_t *r, int status, const char *message, size_t len) {

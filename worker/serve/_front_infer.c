@@ -1,5 +1,5 @@
-// The gRPC message prefix and the ModelInferRequest decoder of the C front (see _front_infer.h): "mine, exactly" or
-// "not mine", never an answer of its own.
+// The gRPC message prefix, the ModelInferRequest decoder (see _front_infer.h: "mine, exactly" or "not mine", never an
+// answer of its own) and the ModelInferResponse encoder of the C front.
 #include "_front_infer.h"
 
 #include <string.h>
@@ -124,4 +124,80 @@ int infer_request(const infer_model_t *m, const unsigned char *message, size_t l
     call->id = id.p;
     call->id_len = id.p ? (size_t)(id.end - id.p) : 0;
     return 1;
+}
+
+// -- the answer -------------------------------------------------------------------------------------------------------
+
+static size_t varint_size(uint64_t value) {
+    size_t n = 1;
+    while (value >= 0x80) {
+        value >>= 7;
+        n++;
+    }
+    return n;
+}
+
+static unsigned char *put_varint(unsigned char *into, uint64_t value) {
+    while (value >= 0x80) {
+        *into++ = (value & 0x7f) | 0x80;
+        value >>= 7;
+    }
+    *into++ = value;
+    return into;
+}
+
+static size_t delimited_size(size_t len) { return 1 + varint_size(len) + len; }  // field numbers below 16
+
+static unsigned char *put_delimited(unsigned char *into, uint32_t number, const void *bytes, size_t len) {
+    *into++ = number << 3 | 2;
+    into = put_varint(into, len);
+    if (len) memcpy(into, bytes, len);
+    return into + len;
+}
+
+// The sizes of the answer's parts: the packed shape, the output tensor, the raw contents; 0 if they overflow.
+static int answer_sizes(const infer_answer_t *a, size_t *shape_len, size_t *tensor_len, size_t *raw_len) {
+    if (a->rows < 0) return 0;
+    uint64_t values = (uint64_t)a->rows;
+    *shape_len = varint_size((uint64_t)a->rows);
+    for (int i = 0; i < a->dims; i++) {
+        *shape_len += varint_size((uint64_t)a->shape[i]);
+        if (a->shape[i] < 0 || (a->shape[i] && values > UINT32_MAX / (uint64_t)a->shape[i])) return 0;
+        values *= (uint64_t)a->shape[i];
+    }
+    if (values > UINT32_MAX / sizeof(float)) return 0;
+    *raw_len = values * sizeof(float);
+    *tensor_len = delimited_size(a->output_name_len) + delimited_size(4) + delimited_size(*shape_len);
+    return 1;
+}
+
+size_t infer_response_size(const infer_answer_t *a) {
+    size_t shape_len, tensor_len, raw_len;
+    if (!answer_sizes(a, &shape_len, &tensor_len, &raw_len)) return 0;
+    uint64_t len = delimited_size(a->model_name_len) + (a->version_len ? delimited_size(a->version_len) : 0)
+                 + (a->id_len ? delimited_size(a->id_len) : 0) + delimited_size(tensor_len) + delimited_size(raw_len);
+    return len > UINT32_MAX ? 0 : 5 + len;
+}
+
+void infer_response(const infer_answer_t *a, unsigned char *into) {
+    size_t shape_len, tensor_len, raw_len, len = infer_response_size(a) - 5;
+    answer_sizes(a, &shape_len, &tensor_len, &raw_len);
+    unsigned char *p = into;
+    *p++ = 0;
+    *p++ = len >> 24;
+    *p++ = len >> 16;
+    *p++ = len >> 8;
+    *p++ = len;
+    p = put_delimited(p, 1, a->model_name, a->model_name_len);
+    if (a->version_len) p = put_delimited(p, 2, a->version, a->version_len);
+    if (a->id_len) p = put_delimited(p, 3, a->id, a->id_len);
+    *p++ = 5 << 3 | 2;
+    p = put_varint(p, tensor_len);
+    p = put_delimited(p, 1, a->output_name, a->output_name_len);
+    p = put_delimited(p, 2, "FP32", 4);
+    *p++ = 3 << 3 | 2;
+    p = put_varint(p, shape_len);
+    p = put_varint(p, (uint64_t)a->rows);
+    for (int i = 0; i < a->dims; i++) p = put_varint(p, (uint64_t)a->shape[i]);
+    put_delimited(p, 6, a->y, raw_len);
 }

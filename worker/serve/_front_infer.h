@@ -1,6 +1,6 @@
-// The gRPC part of the C front that is Tandem's own and not a protocol library's: the 5-byte gRPC message prefix
-// and the one ModelInferRequest it decodes (hand-written protobuf). Pure functions of (bytes, length, the model's
-// expected shape): no allocation, no Python, no socket, so that a fuzzer can call them alone (_front_infer.c).
+// The gRPC part of the C front that is Tandem's own and not a protocol library's: the 5-byte gRPC message prefix,
+// the one ModelInferRequest it decodes and the ModelInferResponse it encodes (hand-written protobuf). Pure functions
+// of their arguments: no allocation, no Python, no socket, so that a fuzzer can call them alone (_front_infer.c).
 #ifndef TANDEM_FRONT_INFER_H
 #define TANDEM_FRONT_INFER_H
 #include <stddef.h>
@@ -33,5 +33,24 @@ int grpc_message(const unsigned char *body, size_t len, const unsigned char **me
 // id; the one input, FP32, of the model's example shape, at most max_rows rows, with its raw contents; outputs naming
 // the model's, without parameters; nothing else): 1 and *call; else 0 (the Python server's to answer).
 int infer_request(const infer_model_t *model, const unsigned char *message, size_t len, infer_call_t *call);
+
+// The answer to a call the front served: the model's names, the call's id (may be empty), and the outputs, `rows`
+// examples of the per-example `shape` (`dims` dimensions), rows x the product of shape values.
+typedef struct {
+    const char *model_name, *version, *output_name, *id;
+    size_t model_name_len, version_len, output_name_len, id_len;
+    long rows;
+    int dims;
+    const long *shape;
+    const float *y;
+} infer_answer_t;
+
+// The size of the answer's length-prefixed ModelInferResponse; 0 if it is over what gRPC's prefix can say (4 GiB).
+size_t infer_response_size(const infer_answer_t *answer);
+
+// The answer's length-prefixed ModelInferResponse (model_name, model_version if any, id if any, the one output:
+// name, FP32 and shape [rows, shape...], then raw_output_contents; in field order, as protobuf writes them), written
+// to `into`, which holds infer_response_size(answer) bytes; that many bytes are written.
+void infer_response(const infer_answer_t *answer, unsigned char *into);
 
 #endif

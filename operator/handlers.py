@@ -15,12 +15,14 @@ twice).
 from __future__ import annotations
 
 import asyncio
+import socket
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
 from tandem.api import GROUP, VERSION
+from tandem.api.inference import POOL_PHASES
 from tandem.operator import daemon, metrics, queueing
 from tandem.operator.api_policy import configure_kopf
 from tandem.operator.cluster import Cluster, login
@@ -29,6 +31,7 @@ from tandem.operator.training import Plan, Queueing, reconcile
 from tandem.operator.training_objects import JOB_LABEL, JOB_PLURAL, config_map_name, selector_string
 
 WORKLOADS = "workloads"
+EVENT_SOURCE = "tandem-operator"
 
 
 @kopf.on.startup()
@@ -36,12 +39,16 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = 0  # the Events the decisions ask for; kopf posts nothing else (loggers stay off)
+    settings.posting.reporting_component = EVENT_SOURCE  # kubectl describe's "From"
+    settings.posting.reporting_instance = socket.gethostname()  # the operator's pod
+    settings.posting.event_name_prefix = f"{EVENT_SOURCE}-"
     configure_kopf(settings)
     memo.cluster = Cluster(login())
     memo.wakers = {}
     memo.pool_wakers = {}
     memo.pool_sources = {}
     memo.phases = metrics.PhaseCount()
+    memo.pool_phases = metrics.PhaseCount(metrics.POOLS_BY_PHASE, POOL_PHASES)
 
 
 @kopf.index("v1", "pods", labels={JOB_LABEL: kopf.PRESENT})

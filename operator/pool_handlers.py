@@ -34,7 +34,7 @@ from pydantic import ValidationError
 
 from tandem.api import GROUP, VERSION
 from tandem.api.inference import LIVE_FIELDS, BatchingSettings
-from tandem.operator import daemon
+from tandem.operator import daemon, metrics
 from tandem.operator.handlers import wake
 from tandem.operator.observed import read_resource
 from tandem.operator.pool_objects import POOL_LABEL, POOL_PLURAL
@@ -104,6 +104,9 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
             plan = reconcile_pool(observed, children, pods, served, job, datetime.now(UTC),
                                   memo.settings.worker_image)
             await _apply(plan, observed.body, children, memo.cluster, put, state)
+            memo.pool_phases.set(key, plan.status.get("phase"))
+            metrics.observe_pool(key, observed.body.get("status") or {}, plan.status,
+                                 observed.model.spec.replicas if observed.model else 0, plan.events)
             return plan.requeue_after
 
         try:
@@ -111,6 +114,8 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
         finally:
             memo.pool_wakers.pop(key, None)
             memo.pool_sources.pop(key, None)
+            memo.pool_phases.set(key, None)
+            metrics.forget_pool(key)
 
 
 async def _ask_servers(session: aiohttp.ClientSession, reads: Sources, pods: list[dict[str, Any]]) -> list[Served]:

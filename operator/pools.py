@@ -163,7 +163,7 @@ def reconcile_pool(parsed: ParsedResource, children: dict[str, dict[str, Any] | 
                                 now)
     phase, message = _phase(replicas, ready, pods, missing, load_failure)
     if phase != phase_before:
-        plan.events.append(("Warning" if phase in ("Failed", "Degraded") else "Normal", phase, message))
+        plan.events.append((event_type(phase, phase_before, rolling, load_failure), phase, message))
     plan.status = {
         "phase": phase, "message": message, "conditions": conditions, "replicas": int(counts.get("replicas") or 0),
         "readyReplicas": ready, "readySummary": f"{ready}/{replicas}", "endpoint": endpoint(pool, namespace),
@@ -292,6 +292,13 @@ def _load_failure(pods: list[dict[str, Any]]) -> str | None:
                 continue
             return f"pod {pod['metadata']['name']}: {detail.strip()[-600:]}"
     return None
+
+
+def event_type(phase: str, phase_before: str, rolling: bool, load_failure: str | None) -> str:
+    """Warning for what needs a person: Failed, a model that does not load, and replicas lost by a pool that was
+    Ready outside a rollout; Normal for the replicas a rollout or a start is still bringing up."""
+    lost = phase_before == "Ready" and not rolling
+    return "Warning" if phase == "Failed" or (phase == "Degraded" and (load_failure is not None or lost)) else "Normal"
 
 
 def _phase(replicas: int, ready: int, pods: list[dict[str, Any]], missing: str | None,

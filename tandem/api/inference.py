@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, StringConstraints, model_validator
 
@@ -12,6 +12,7 @@ from tandem.columns import file_name
 
 InferenceMode = Literal["batched", "sequential", "inplace"]
 PoolPhase = Literal["Pending", "Loading", "Ready", "Degraded", "Failed"]
+POOL_PHASES: tuple[str, ...] = get_args(PoolPhase)
 Datatype = Literal["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "BF16", "FP32", "FP64"]
 
 

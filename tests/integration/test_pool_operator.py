@@ -146,8 +146,10 @@ def test_a_pool_becomes_its_objects_scales_through_its_scale_subresource_and_del
     ready = wait_pool(cluster, "objects", lambda s: s.get("phase") == "Ready", "Ready")
     assert ready["readySummary"] == "2/2" and ready["model"]["source"] == "callable"
     assert "checkpoint" not in ready["model"]
-    cluster.wait_for(lambda: "Ready" in [e["reason"] for e in cluster.list("events", NS)
-                                         if e["involvedObject"]["name"] == "objects"], 10, "the pool's Ready Event")
+    event = cluster.wait_for(lambda: next((e for e in cluster.list("events", NS) if e["reason"] == "Ready"
+                                           and e["involvedObject"]["name"] == "objects"), None), 10,
+                             "the pool's Ready Event")
+    assert event["source"]["component"] == event["reportingComponent"] == "tandem-operator", event
     created = {kind: cluster.get(kind, NS, name) for kind, name in [
         ("deployments", "objects-server"), ("services", "objects"), ("configmaps", "objects-spec"),
         ("poddisruptionbudgets", "objects-server"), ("horizontalpodautoscalers", "objects")]}

@@ -122,8 +122,13 @@ CASES = [
      [replace(s, metrics={"accuracy": 0.9722222, "evalLoss": 0.1}) for s in TWO_SERVING], job(),
      {"phase": "Ready", "model": {"gateMetric": "accuracy=0.9722", "metrics": {"accuracy": 0.9722222,
                                                                                "evalLoss": 0.1}}}),
-    ("one of two ready: Degraded", STEADY, "all-1", [], TWO_SERVING[:1], job(),
-     {"phase": "Degraded", "event": "Degraded"}),
+    ("a Ready pool loses one of two: Degraded, a Warning", STEADY, "all-1", [], TWO_SERVING[:1], job(),
+     {"phase": "Degraded", "event": ("Warning", "Degraded")}),
+    ("a starting pool has one of two ready: Degraded, Normal", pool({"observedGeneration": 1, "phase": "Loading"}),
+     "all-1", [], TWO_SERVING[:1], job(), {"phase": "Degraded", "event": ("Normal", "Degraded")}),
+    ("a rollout has one of two ready: Degraded, Normal", pool({"observedGeneration": 1, "phase": "Ready"},
+                                                              generation=2, image="tandem:2"),
+     "all-1", [], TWO_SERVING[:1], job(), {"phase": "Degraded", "event": ("Normal", "Degraded")}),
     ("replicas mid-swap serve different checkpoints: a condition says so", STEADY, "all-2", [],
      [served("digits-server-a", 200), served("digits-server-b", 180)], job(),
      {"phase": "Ready", "condition": ("CheckpointsDiffer", "True", "digits-server-b: /var/lib/tandem/models/digits/"
@@ -192,7 +197,7 @@ def test_reconcile_pool(name, body, children, pods, reports, source, expected):
         assert (template != children["Deployment"]["spec"]["template"]["metadata"]["annotations"][SPEC_HASH]) \
             == expected["rolls"]
     if "event" in expected:
-        assert [reason for _, reason, _ in plan.events] == [expected["event"]]
+        assert [(kind, reason) for kind, reason, _ in plan.events] == [expected["event"]]
     if "message" in expected:
         assert expected["message"] in status["message"]
     if "requeue" in expected:

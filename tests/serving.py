@@ -170,16 +170,24 @@ def serve_process(manifest: Path, *args: str, command: str = "-m") -> subprocess
 
 
 def port_from_log(process: subprocess.Popen) -> int:
-    """The port from `tandem serve`'s first line: `listening on http://127.0.0.1:PORT ...`."""
+    """The port from `tandem serve`'s line `listening on http://127.0.0.1:PORT ...` (once the model is loaded)."""
     return ports_from_log(process)[0]
 
 
 def ports_from_log(process: subprocess.Popen) -> tuple[int, int | None]:
-    """The HTTP and gRPC ports from `tandem serve`'s first line: `listening on http://127.0.0.1:PORT and
-    grpc://127.0.0.1:PORT ...` (None: no gRPC)."""
-    line = process.stderr.readline()
-    assert "listening on http://127.0.0.1:" in line, line
-    return ports_in(line)
+    """The HTTP and gRPC ports from `tandem serve`'s line `listening on http://127.0.0.1:PORT and
+    grpc://127.0.0.1:PORT ...` (None: no gRPC), written once the model is loaded; the lines before it are read."""
+    return ports_in(listening_line(process))
+
+
+def listening_line(process: subprocess.Popen) -> str:
+    """`tandem serve`'s `listening on` line, once the model is loaded (the lines before it read and dropped)."""
+    lines = []
+    while line := process.stderr.readline():
+        if "listening on http://127.0.0.1:" in line:
+            return line
+        lines.append(line)
+    raise AssertionError(f"tandem serve ended without listening: {''.join(lines)[-2000:]}")
 
 
 def ports_in(line: str) -> tuple[int, int | None]:

@@ -23,6 +23,7 @@ from serving import (
     WAIT_S,
     inputs,
     json_body,
+    listening_line,
     make_pool,
     ports_in,
     reference,
@@ -207,7 +208,7 @@ def test_one_process_is_todays_server_without_a_supervisor(tmp_path):
     """`--processes 1` overrides a pool's processesPerReplica: 2: one process serving alone, as before."""
     process = serve_process(write_pool(tmp_path, processesPerReplica=2), "--processes", "1")
     try:
-        line = process.stderr.readline()
+        line = listening_line(process)
         assert line.startswith("tandem serve: listening on http://127.0.0.1:"), line
         port = int(line.split("http://127.0.0.1:")[1].split()[0])
         wait_until(lambda: request(port, "GET", "/v2/health/ready")[0] == 200, what="ready")

@@ -317,9 +317,6 @@ class InferenceServer:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         await self.start(host, port, grpc_port, channel)
-        grpc_address = "" if self.grpc_port is None else f" and grpc://{host}:{self.grpc_port}"
-        log.info("listening on http://%s:%d%s (live; ready once the model is loaded and warmed up)%s", host,
-                 self.port, grpc_address, "; clients need the bearer token" if self.token else "")
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({self.loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if self.loading.done() and self.loading.exception() is not None:
@@ -330,6 +327,9 @@ class InferenceServer:
             return 1
         if not stop.is_set():
             _freeze_heap()
+            grpc_address = "" if self.grpc_port is None else f" and grpc://{host}:{self.grpc_port}"
+            log.info("listening on http://%s:%d%s%s", host, self.port, grpc_address,
+                     "; clients need the bearer token" if self.token else "")
             spec, batching = self.spec, self.model.batching
             log.info("ready: model %r version %s from %s; %s, %d worker(s), batch limit %d, queue limit %d",
                      self.name, self.version, self.model.loaded.loaded_from, spec.inference_mode,

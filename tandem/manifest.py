@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import io
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,9 @@ def load_file(path: str | Path) -> list[Resource]:
     except OSError as error:
         raise ManifestError(str(path), [f"cannot read the file: {error.strerror}"]) from error
     try:
-        documents = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+        stream = io.StringIO(text)
+        stream.name = str(path)  # what YAML's errors name: the file, not "<unicode string>"
+        documents = [doc for doc in yaml.safe_load_all(stream) if doc is not None]
     except yaml.YAMLError as error:
         raise ManifestError(str(path), [f"not valid YAML: {error}"]) from error
     if not documents:
@@ -147,7 +151,9 @@ def _describe(kind: str, path: str, detail: dict[str, Any]) -> str:
     kind_of_error = detail["type"]
     if kind_of_error == "extra_forbidden":
         allowed = _allowed_fields(kind, path.rsplit(".", 1)[0] if "." in path else "")
-        return f"{path}: unknown field; allowed here: {', '.join(allowed)}"
+        guess = difflib.get_close_matches(path.rsplit(".", 1)[-1], allowed, n=1)
+        hint = f"did you mean {guess[0]!r}? " if guess else ""
+        return f"{path}: unknown field; {hint}allowed here: {', '.join(allowed)}"
     if kind_of_error == "missing":
         return f"{path}: required field is missing"
     message = detail["msg"].removeprefix("Value error, ")

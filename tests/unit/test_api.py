@@ -197,7 +197,8 @@ INVALID = [
     ("unknown mode", _train(trainingMode="ring"), "spec.trainingMode", "'allReduce'"),
     ("missing model", _without_model(), "spec.trainer.model", "required"),
     ("negative batchLimit", _pool(batchLimit=-1), "spec.batchLimit", "greater than or equal to 1"),
-    ("unknown field", _train(worker=2), "spec.worker", "unknown field; allowed here: "),
+    ("unknown field", _train(worker=2), "spec.worker", "unknown field; did you mean 'workers'? allowed here: "),
+    ("unknown field, nothing close", _train(zzz=2), "spec.zzz", "unknown field; allowed here: "),
     ("unknown nested field", _with(_train(), "spec.trainer.lr", 0.1), "spec.trainer.lr", "allowed here: "),
     ("bad model reference", _with(_train(), "spec.trainer.model", "no-colon"), "spec.trainer.model", "pattern"),
     ("bad data reference", _with(_train(), "spec.trainer.data", "data.csv"), "spec.trainer.data", ".npz"),
@@ -246,6 +247,14 @@ def test_malformed_yaml_is_a_clear_error(tmp_path, text):
     with pytest.raises(ManifestError) as caught:
         load_file(bad)
     assert str(bad) in str(caught.value)
+
+
+def test_a_yaml_error_names_the_file_and_line_not_a_string(tmp_path):
+    bad = tmp_path / "job.yaml"
+    bad.write_text("spec:\n  workers: [2\n")
+    with pytest.raises(ManifestError) as caught:
+        load_file(bad)
+    assert f'in "{bad}", line 2' in str(caught.value) and "<unicode string>" not in str(caught.value)
 
 
 def test_crds_command_prints_both_crds(capsys):

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from tandem import contract
+from tandem import __version__, contract
 from tandem.manifest import ManifestError, load_file
 
 
@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tandem",
         description="Data-parallel PyTorch training and batched inference, on one machine or on Kubernetes.",
     )
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     crds = commands.add_parser("crds", help="print the CustomResourceDefinitions, or write them to a directory")

@@ -10,6 +10,7 @@ import yaml
 from jobs import ROOT
 from openapi_schema_validator import OAS30Validator
 
+import tandem
 from tandem.api import InferencePool, ParallelTrainingJob
 from tandem.cli import main
 from tandem.crd import RESOURCES, crd, crd_files
@@ -278,3 +279,9 @@ def test_the_readme_example_manifest_validates():
     assert manifests, "the README shows an annotated manifest"
     for manifest in manifests:
         assert parse(manifest)
+
+
+def test_version_is_printed_and_exits_0(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"tandem {tandem.__version__}\n"

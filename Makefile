@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup system-packages crds bench clean device-wheels images e2e sanitize fuzz
+.PHONY: run test lint setup system-packages crds bench clean device-wheels images e2e sanitize fuzz devcluster
 
 # tests/integration/test_kubectl.py needs kubectl >= 1.27 on PATH (it validates `apply` through the OpenAPI v3
 # documents; Debian bookworm's kubernetes-client is 1.20); without one those tests skip, saying why.
@@ -43,6 +43,10 @@ system-packages:
 run: $(STAMP)
 	$(BIN)/tandem validate examples/*.yaml
 	$(BIN)/tandem run examples/digits-train.yaml
+
+# The operator on an emulated cluster (devcluster/), until Ctrl-C: it prints the KUBECONFIG to export for kubectl.
+devcluster: $(STAMP)
+	$(BIN)/tandem devcluster
 
 # -rs: every skip's reason is shown (here, the kind end-to-end test's: it runs only with `make e2e`);
 # --durations: the slowest tests, to keep the suite's time in sight.
@@ -85,9 +89,10 @@ sanitize: $(STAMP)
 		tests/integration/test_grpc.py tests/integration/test_grpc_server.py; \
 		status=$$?; $(BIN)/python setup.py -q build_ext --inplace --force; exit $$status
 
-# The front's own parsers in C (HTTP/1.1 recogniser on llhttp, JSON infer body, ModelInferRequest decoder) under
-# libFuzzer with ASan and UBSan, FUZZ_SECONDS each (fuzz/run.sh prints executions and coverage; bench/RESULTS.md
-# keeps the latest). Needs clang, libFuzzer and llvm-cov: installed here when missing, as root with apt-get.
+# The front's own parsers and encoders in C (HTTP/1.1 recogniser on llhttp, JSON infer body and answer,
+# ModelInferRequest decoder and ModelInferResponse encoder) under libFuzzer with ASan and UBSan, FUZZ_SECONDS each
+# (fuzz/run.sh prints executions and coverage; bench/RESULTS.md keeps the latest). Needs clang, libFuzzer and
+# llvm-cov: installed here when missing, as root with apt-get.
 FUZZ_SECONDS ?= 60
 FUZZ_PACKAGES := clang libfuzzer-14-dev llvm
 fuzz: system-packages

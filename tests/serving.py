@@ -182,11 +182,16 @@ def ports_from_log(process: subprocess.Popen) -> tuple[int, int | None]:
 
 def listening_line(process: subprocess.Popen) -> str:
     """`tandem serve`'s `listening on` line, once the model is loaded (the lines before it read and dropped)."""
+    return log_until_listening(process)[-1]
+
+
+def log_until_listening(process: subprocess.Popen) -> list[str]:
+    """`tandem serve`'s log lines up to its `listening on` line (the last), written once the model is loaded."""
     lines = []
     while line := process.stderr.readline():
-        if "listening on http://127.0.0.1:" in line:
-            return line
         lines.append(line)
+        if "listening on http://127.0.0.1:" in line:
+            return lines
     raise AssertionError(f"tandem serve ended without listening: {''.join(lines)[-2000:]}")
 
 

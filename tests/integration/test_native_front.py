@@ -26,9 +26,10 @@ from serving import (
     infer,
     inputs,
     json_body,
+    log_until_listening,
     make_pool,
     needs_c_front,
-    port_from_log,
+    ports_in,
     reference,
     request,
     serve_process,
@@ -468,7 +469,8 @@ def test_tandem_serve_http_front_native_overrides_the_pool_and_a_model_it_cannot
     manifest.write_text(json.dumps(make_pool(workersPerReplica=1).to_dict()))
     process = serve_process(manifest, "--http-front", "native", "--no-grpc")
     try:
-        port = port_from_log(process)
+        log = log_until_listening(process)
+        port = ports_in(log[-1])[0]
         wait_until(lambda: request(port, "GET", "/v2/health/ready")[0] == 200, what="ready")
         x = inputs(2)
         answer = json.loads(request(port, "POST", INFER, json_body(x))[2])
@@ -478,7 +480,7 @@ def test_tandem_serve_http_front_native_overrides_the_pool_and_a_model_it_cannot
     finally:
         if process.poll() is None:
             process.kill()
-    assert "httpFront native: the C front serves JSON inference requests" in process.stderr.read()
+    assert "httpFront native: the C front serves JSON inference requests" in "".join(log) + process.stderr.read()
     with Servers() as servers:  # inplace mode has no queue for the front to fill: the Python server serves it all
         server = servers(make_pool(inferenceMode="inplace", httpFront="native"))
         assert server.server.front is None

@@ -360,14 +360,6 @@ static void readable(Front *f, connection_t *c) {
 
 // -- answers ------------------------------------------------------------------------------------------------------
 
-// The shortest of %.8g and %.9g that reads back as the same float32.
-static int format_float(char *into, float value) {
-    if (!isfinite(value)) return sprintf(into, "null");  // as orjson writes NaN and infinities
-    int n = sprintf(into, "%.8g", value);
-    if (strtof(into, NULL) != value) n = sprintf(into, "%.9g", value);
-    return n;
-}
-
 // Answer request `index` of the batch, whose outputs begin at example `offset` of the batch's.
 static void answer_request(Front *f, batch_t *b, int index, long offset, char **scratch, size_t *scratch_cap,
                            int closing) {
@@ -379,36 +371,18 @@ static void answer_request(Front *f, batch_t *b, int index, long offset, char **
         respond_error(f, c, b->status, b->message, b->message_len, closing);
         return;
     }
-    long count = r->rows * b->out_features;
-    size_t need = f->answer_head_len + r->id_len + f->output_name_len + 64 + 24 * (MAX_DIMS + 1) + count * 18;
+    json_answer_t answer = {.model_name = f->model_name, .model_name_len = f->model_name_len, .version = f->version,
+                            .version_len = f->version_len, .output_name = f->output_name,
+                            .output_name_len = f->output_name_len, .id = r->id, .id_len = r->id_len,
+                            .rows = r->rows, .dims = b->out_dims, .shape = b->out_shape,
+                            .y = b->y + offset * b->out_features};
+    size_t need = json_answer_bound(&answer);
     if (need > *scratch_cap) {
         *scratch_cap = need * 2;
         *scratch = grown(*scratch, *scratch_cap);
     }
     char *body = *scratch;
-    size_t n = 0;
-    memcpy(body, f->answer_head, f->answer_head_len);
-    n += f->answer_head_len;
-    if (r->id) {
-        memcpy(body + n, ",\"id\":", 6);
-        n += 6;
-        memcpy(body + n, r->id, r->id_len);
-        n += r->id_len;
-    }
-    n += sprintf(body + n, ",\"outputs\":[{\"name\":\"");
-    memcpy(body + n, f->output_name, f->output_name_len);
-    n += f->output_name_len;
-    n += sprintf(body + n, "\",\"datatype\":\"FP32\",\"shape\":[%d", r->rows);
-    for (int i = 0; i < b->out_dims; i++) n += sprintf(body + n, ",%ld", b->out_shape[i]);
-    memcpy(body + n, "],\"data\":[", 10);
-    n += 10;
-    const float *y = b->y + offset * b->out_features;
-    for (long i = 0; i < count; i++) {
-        if (i) body[n++] = ',';
-        n += format_float(body + n, y[i]);
-    }
-    memcpy(body + n, "]}]}", 4);
-    n += 4;
+    size_t n = json_answer(&answer, body);
     respond(f, c, 200, "OK", "", body, n, closing);
 }
 
@@ -812,7 +786,6 @@ static void Front_dealloc(Front *f) {
     free(f->infer_path);
     free(f->input_name);
     free(f->output_name);
-    free(f->answer_head);
     free(f->model_name);
     free(f->version);
     free(f->token);
@@ -888,13 +861,6 @@ static PyObject *Front_serve_model(Front *f, PyObject *args, PyObject *kwargs) {
     f->input_name_len = input_len;
     f->output_name = copied(output_name, output_len);
     f->output_name_len = output_len;
-    PyObject *head = PyUnicode_FromFormat("{\"model_name\":\"%s\",\"model_version\":\"%s\"", model, version);
-    if (!head) return NULL;
-    Py_ssize_t head_len;
-    const char *head_bytes = PyUnicode_AsUTF8AndSize(head, &head_len);
-    f->answer_head = copied(head_bytes, head_len);
-    f->answer_head_len = head_len;
-    Py_DECREF(head);
     f->model_name = copied(model, model_len);
     f->model_name_len = model_len;
     f->version = copied(version, version_len);

@@ -88,10 +88,8 @@ typedef struct {
     int dims;
     long shape[MAX_DIMS];      // per example
     long features;
-    char *answer_head;         // {"model_name":...,"model_version":...
     char *model_name, *version;
     size_t model_name_len, version_len;
-    size_t answer_head_len;
     char *output_name;
     size_t output_name_len;
     int epoll_fd, wake_fd, handed_fd, want_fd;

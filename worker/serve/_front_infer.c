@@ -158,11 +158,16 @@ static unsigned char *put_delimited(unsigned char *into, uint32_t number, const 
 // The sizes of the answer's parts: the packed shape, the output tensor, the raw contents; 0 if they overflow.
 static int answer_sizes(const infer_answer_t *a, size_t *shape_len, size_t *tensor_len, size_t *raw_len) {
     if (a->rows < 0) return 0;
-    uint64_t values = (uint64_t)a->rows;
+    int empty = a->rows == 0;
     *shape_len = varint_size((uint64_t)a->rows);
     for (int i = 0; i < a->dims; i++) {
+        if (a->shape[i] < 0) return 0;
         *shape_len += varint_size((uint64_t)a->shape[i]);
-        if (a->shape[i] < 0 || (a->shape[i] && values > UINT32_MAX / (uint64_t)a->shape[i])) return 0;
+        empty |= a->shape[i] == 0;
+    }
+    uint64_t values = empty ? 0 : (uint64_t)a->rows;
+    for (int i = 0; i < a->dims && !empty; i++) {
+        if (values > UINT32_MAX / (uint64_t)a->shape[i]) return 0;
         values *= (uint64_t)a->shape[i];
     }
     if (values > UINT32_MAX / sizeof(float)) return 0;

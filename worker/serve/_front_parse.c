@@ -1,9 +1,10 @@
 // The C front's parsers (see _front_parse.h): "mine, exactly" or "not mine". HTTP/1.1 is llhttp's to parse, strict
-// (no lenient flag); the front only looks at what it parsed. The JSON body is the front's own.
+// (no lenient flag); the front only looks at what it parsed. The JSON body is the front's own, and so is its answer's.
 #include "_front_parse.h"
 
 #include <ctype.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -323,4 +324,73 @@ int infer_body_values(const infer_body_t *parsed, long count, float *x) {
     for (long i = 0; i < count; i++)
         if ((i && !eat(&d, ',')) || !number(&d, &x[i])) return 0;
     return eat(&d, ']');
+}
+
+// -- the JSON answer ----------------------------------------------------------------------------------------------
+
+#define ANSWER_MODEL "{\"model_name\":\""
+#define ANSWER_VERSION "\",\"model_version\":\""
+#define ANSWER_ID "\",\"id\":"     // the version's closing quote, then the id's key
+#define ANSWER_NO_ID "\""
+#define ANSWER_OUTPUT ",\"outputs\":[{\"name\":\""
+#define ANSWER_SHAPE "\",\"datatype\":\"FP32\",\"shape\":["
+#define ANSWER_DATA "],\"data\":["
+#define ANSWER_END "]}]}"
+#define LITERAL_LEN(text) (sizeof(text) - 1)
+#define LONG_TEXT_MAX 20   // "-9223372036854775808"
+#define FLOAT_TEXT_MAX 15  // "-1.17549435e-38": %.9g's longest for a float32 ("null" is shorter)
+
+// The shortest of %.8g and %.9g that reads back as the same float32.
+static int format_float(char *into, float value) {
+    if (!isfinite(value)) return sprintf(into, "null");  // as orjson writes NaN and infinities
+    int n = sprintf(into, "%.8g", value);
+    if (strtof(into, NULL) != value) n = sprintf(into, "%.9g", value);
+    return n;
+}
+
+static char *put(char *into, const char *bytes, size_t len) {
+    if (len) memcpy(into, bytes, len);
+    return into + len;
+}
+
+static long answer_values(const json_answer_t *a) {
+    long features = 1;
+    for (int i = 0; i < a->dims; i++) features *= a->shape[i];
+    long values = a->rows * features;
+    return values > 0 ? values : 0;
+}
+
+size_t json_answer_bound(const json_answer_t *a) {
+    size_t text = LITERAL_LEN(ANSWER_MODEL) + LITERAL_LEN(ANSWER_VERSION) + LITERAL_LEN(ANSWER_ID)
+                + LITERAL_LEN(ANSWER_OUTPUT) + LITERAL_LEN(ANSWER_SHAPE) + LITERAL_LEN(ANSWER_DATA)
+                + LITERAL_LEN(ANSWER_END);
+    return text + a->model_name_len + a->version_len + a->id_len + a->output_name_len + LONG_TEXT_MAX
+         + (size_t)a->dims * (1 + LONG_TEXT_MAX) + (size_t)answer_values(a) * (1 + FLOAT_TEXT_MAX) + 1;
+}
+
+size_t json_answer(const json_answer_t *a, char *into) {
+    char *p = put(into, ANSWER_MODEL, LITERAL_LEN(ANSWER_MODEL));
+    p = put(p, a->model_name, a->model_name_len);
+    p = put(p, ANSWER_VERSION, LITERAL_LEN(ANSWER_VERSION));
+    p = put(p, a->version, a->version_len);
+    if (a->id) {
+        p = put(p, ANSWER_ID, LITERAL_LEN(ANSWER_ID));
+        p = put(p, a->id, a->id_len);
+    } else {
+        p = put(p, ANSWER_NO_ID, LITERAL_LEN(ANSWER_NO_ID));
+    }
+    p = put(p, ANSWER_OUTPUT, LITERAL_LEN(ANSWER_OUTPUT));
+    p = put(p, a->output_name, a->output_name_len);
+    p = put(p, ANSWER_SHAPE, LITERAL_LEN(ANSWER_SHAPE));
+    p += sprintf(p, "%ld", a->rows);
+    for (int i = 0; i < a->dims; i++) p += sprintf(p, ",%ld", a->shape[i]);
+    p = put(p, ANSWER_DATA, LITERAL_LEN(ANSWER_DATA));
+    long values = answer_values(a);
+    for (long i = 0; i < values; i++) {
+        if (i) *p++ = ',';
+        p += format_float(p, a->y[i]);
+    }
+    p = put(p, ANSWER_END, LITERAL_LEN(ANSWER_END));
+    *p = 0;
+    return p - into;
 }

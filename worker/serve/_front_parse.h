@@ -1,6 +1,7 @@
-// What the C front parses that is its own, as pure functions of bytes (no socket, no lock, no Python object), so a
-// fuzzer calls them as the front does: the recogniser of the one HTTP/1.1 request the front serves (on llhttp, which
-// parses the protocol) and the parser of that request's JSON body (the front's own).
+// What the C front parses and writes over HTTP/1.1 that is its own, as pure functions (no socket, no lock, no Python
+// object), so a fuzzer calls them as the front does: the recogniser of the one HTTP/1.1 request the front serves (on
+// llhttp, which parses the protocol), and its JSON both ways: the parser of that request's body and the encoder of its
+// answer's (the front's own).
 #ifndef TANDEM_FRONT_PARSE_H
 #define TANDEM_FRONT_PARSE_H
 #include <stddef.h>
@@ -56,5 +57,27 @@ int infer_body_parse(const char *body, size_t len, const infer_spec_t *spec, inf
 // The `count` (rows x features) numbers of a body infer_body_parse took, into x[0, count), read as the Python server
 // reads them (a double rounded to float32): 1, or 0 (not ours: another count, or a number float32 cannot hold).
 int infer_body_values(const infer_body_t *parsed, long count, float *x);
+
+// The answer to a request the front served: the model's names, which are written as they are (the front serves only
+// names that need no JSON escape: native.PLAIN_NAME), the request's id (its JSON string with its quotes, as
+// infer_body_parse took it; NULL: none), and the outputs, `rows` examples of the per-example `shape` (`dims` values,
+// each >= 0), rows x the product of shape floats (a count that neither the product nor rows x it overflows).
+typedef struct {
+    const char *model_name, *version, *output_name, *id;
+    size_t model_name_len, version_len, output_name_len, id_len;
+    long rows;
+    int dims;
+    const long *shape;
+    const float *y;
+} json_answer_t;
+
+// At most the bytes json_answer writes, its text and a terminating NUL.
+size_t json_answer_bound(const json_answer_t *answer);
+
+// The answer's JSON body, {"model_name": ..., "model_version": ..., "id": <if any>, "outputs": [{"name": ...,
+// "datatype": "FP32", "shape": [rows, <shape>], "data": [numbers]}]} without spaces, each number the shortest of %.8g
+// and %.9g that reads back as the same float32 (null for NaN and the infinities, as orjson writes them): written to
+// `into`, which holds json_answer_bound(answer) bytes, followed by a NUL; returns its length (without the NUL).
+size_t json_answer(const json_answer_t *answer, char *into);
 
 #endif

@@ -15,22 +15,12 @@
 #include <string.h>
 
 #include "_front_parse.h"
+#include "input.h"
 
 #define MOST_DIMS 8          // the front's MAX_DIMS
 #define MOST_VALUES 1024     // answers with more floats are left out: keeps the runs fast
 #define LONGEST_NAME 40
 
-typedef struct {
-    const uint8_t *p, *end;
-} input_t;
-
-static uint8_t next_byte(input_t *in) { return in->p < in->end ? *in->p++ : 0; }
-
-static uint64_t next_bytes(input_t *in, int n) {
-    uint64_t value = 0;
-    for (int i = 0; i < n; i++) value |= (uint64_t)next_byte(in) << (8 * i);
-    return value;
-}
 
 // A name the front serves (native.PLAIN_NAME's letters), of a length from the input.
 static size_t next_name(input_t *in, char *name) {
@@ -150,7 +140,7 @@ static void expect_float(text_t *t, float value) {
     assert(memcmp(&as_double, &value, sizeof value) == 0);
 }
 
-static void check_answer(const json_answer_t *a, long values, const char *answer, size_t len) {
+static void check_answer(const answer_t *a, long values, const char *answer, size_t len) {
     text_t t = {answer, answer + len};
     expect(&t, "{\"model_name\":");
     expect_string(&t, a->model_name, a->model_name_len, 0);
@@ -181,7 +171,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     input_t in = {data, data + size};
     char model_name[LONGEST_NAME], version[LONGEST_NAME], output_name[LONGEST_NAME], id[2 + 2 * LONGEST_NAME];
     long shape[MOST_DIMS];
-    json_answer_t a;
+    answer_t a;
     uint8_t flags = next_byte(&in);
     a.dims = (flags & 0x0f) % (MOST_DIMS + 1);
     int has_id = flags & 0x10, special_floats = flags & 0x20;

@@ -11,20 +11,10 @@
 #include <string.h>
 
 #include "_front_infer.h"
+#include "input.h"
 
 #define LARGEST_ENCODED (1 << 20)  // answers larger than this are sized but not written: keeps the runs fast
 
-typedef struct {
-    const uint8_t *p, *end;
-} input_t;
-
-static uint8_t next_byte(input_t *in) { return in->p < in->end ? *in->p++ : 0; }
-
-static uint64_t next_bytes(input_t *in, int n) {
-    uint64_t value = 0;
-    for (int i = 0; i < n; i++) value |= (uint64_t)next_byte(in) << (8 * i);
-    return value;
-}
 
 // A name or id: a length from the input, then that many of its bytes (fewer where it ends).
 static const char *next_text(input_t *in, size_t *len) {
@@ -82,7 +72,7 @@ static void assert_bytes(reader_t field, const void *bytes, size_t len) {
     assert((size_t)(field.end - field.p) == len && (len == 0 || memcmp(field.p, bytes, len) == 0));
 }
 
-static void check_answer(const infer_answer_t *a, const unsigned char *answer, size_t size, size_t raw_len) {
+static void check_answer(const answer_t *a, const unsigned char *answer, size_t size, size_t raw_len) {
     assert(size >= 5 && answer[0] == 0);
     size_t prefixed = (size_t)answer[1] << 24 | (size_t)answer[2] << 16 | (size_t)answer[3] << 8 | answer[4];
     assert(prefixed == size - 5);
@@ -103,7 +93,7 @@ static void check_answer(const infer_answer_t *a, const unsigned char *answer, s
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     input_t in = {data, data + size};
-    infer_answer_t a;
+    answer_t a;
     long shape[INFER_MAX_DIMS];
     a.dims = next_byte(&in) % (INFER_MAX_DIMS + 1);
     a.model_name = next_text(&in, &a.model_name_len);

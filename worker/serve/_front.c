@@ -360,6 +360,14 @@ static void readable(Front *f, connection_t *c) {
 
 // -- answers ------------------------------------------------------------------------------------------------------
 
+// Request r's answer, its outputs from example `offset` of batch b's, for the encoders (_front_answer.h).
+answer_t answer_of(Front *f, request_t *r, batch_t *b, long offset) {
+    return (answer_t){.model_name = f->model_name, .model_name_len = f->model_name_len, .version = f->version,
+                      .version_len = f->version_len, .output_name = f->output_name,
+                      .output_name_len = f->output_name_len, .id = r->id, .id_len = r->id_len, .rows = r->rows,
+                      .dims = b->out_dims, .shape = b->out_shape, .y = b->y + offset * b->out_features};
+}
+
 // Answer request `index` of the batch, whose outputs begin at example `offset` of the batch's.
 static void answer_request(Front *f, batch_t *b, int index, long offset, char **scratch, size_t *scratch_cap,
                            int closing) {
@@ -371,11 +379,7 @@ static void answer_request(Front *f, batch_t *b, int index, long offset, char **
         respond_error(f, c, b->status, b->message, b->message_len, closing);
         return;
     }
-    json_answer_t answer = {.model_name = f->model_name, .model_name_len = f->model_name_len, .version = f->version,
-                            .version_len = f->version_len, .output_name = f->output_name,
-                            .output_name_len = f->output_name_len, .id = r->id, .id_len = r->id_len,
-                            .rows = r->rows, .dims = b->out_dims, .shape = b->out_shape,
-                            .y = b->y + offset * b->out_features};
+    answer_t answer = answer_of(f, r, b, offset);
     size_t need = json_answer_bound(&answer);
     if (need > *scratch_cap) {
         *scratch_cap = need * 2;

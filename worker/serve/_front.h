@@ -24,6 +24,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "_front_answer.h"
+
 #define MAX_DIMS 8
 #define SWEEP_MS 20            // deadlines and idle connections are looked at this often
 #define RETRY_AFTER "1"
@@ -189,6 +191,7 @@ int enqueue(Front *f, request_t *r, int64_t limit_ns, char *why, size_t why_cap,
 int token_matches(Front *f, const char *value, size_t len);
 void free_request(request_t *r);
 void expire(Front *f, request_t *r, int64_t now);
+answer_t answer_of(Front *f, request_t *r, batch_t *b, long offset);
 
 // _front_grpc.c
 void h2_start(Front *f, connection_t *c);

@@ -611,11 +611,7 @@ void h2_answer(Front *f, request_t *r, batch_t *b, long offset) {
         send_status(h, s, status_code(f, b->status), b->message, b->message_len);
         return;
     }
-    infer_answer_t answer = {.model_name = f->model_name, .model_name_len = f->model_name_len, .version = f->version,
-                             .version_len = f->version_len, .output_name = f->output_name,
-                             .output_name_len = f->output_name_len, .id = r->id, .id_len = r->id_len,
-                             .rows = r->rows, .dims = b->out_dims, .shape = b->out_shape,
-                             .y = b->y + offset * b->out_features};
+    answer_t answer = answer_of(f, r, b, offset);
     size_t len = infer_response_size(&answer);
     if (!len) {
         static const char why[] = "the answer is larger than a gRPC message can be (4 GiB)";

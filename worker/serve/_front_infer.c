@@ -156,7 +156,7 @@ static unsigned char *put_delimited(unsigned char *into, uint32_t number, const 
 }
 
 // The sizes of the answer's parts: the packed shape, the output tensor, the raw contents; 0 if they overflow.
-static int answer_sizes(const infer_answer_t *a, size_t *shape_len, size_t *tensor_len, size_t *raw_len) {
+static int answer_sizes(const answer_t *a, size_t *shape_len, size_t *tensor_len, size_t *raw_len) {
     if (a->rows < 0) return 0;
     int empty = a->rows == 0;
     *shape_len = varint_size((uint64_t)a->rows);
@@ -176,7 +176,7 @@ static int answer_sizes(const infer_answer_t *a, size_t *shape_len, size_t *tens
     return 1;
 }
 
-size_t infer_response_size(const infer_answer_t *a) {
+size_t infer_response_size(const answer_t *a) {
     size_t shape_len, tensor_len, raw_len;
     if (!answer_sizes(a, &shape_len, &tensor_len, &raw_len)) return 0;
     uint64_t len = delimited_size(a->model_name_len) + (a->version_len ? delimited_size(a->version_len) : 0)
@@ -184,7 +184,7 @@ size_t infer_response_size(const infer_answer_t *a) {
     return len > UINT32_MAX ? 0 : 5 + len;
 }
 
-void infer_response(const infer_answer_t *a, unsigned char *into) {
+void infer_response(const answer_t *a, unsigned char *into) {
     size_t shape_len, tensor_len, raw_len, len = infer_response_size(a) - 5;
     answer_sizes(a, &shape_len, &tensor_len, &raw_len);
     unsigned char *p = into;

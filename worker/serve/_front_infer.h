@@ -6,6 +6,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "_front_answer.h"
+
 #define INFER_MAX_DIMS 8
 
 // The served model as a ModelInferRequest must name it: names, its input's per-example shape, rows at most.
@@ -34,23 +36,13 @@ int grpc_message(const unsigned char *body, size_t len, const unsigned char **me
 // the model's, without parameters; nothing else): 1 and *call; else 0 (the Python server's to answer).
 int infer_request(const infer_model_t *model, const unsigned char *message, size_t len, infer_call_t *call);
 
-// The answer to a call the front served: the model's names, the call's id (may be empty), and the outputs, `rows`
-// examples of the per-example `shape` (`dims` dimensions), rows x the product of shape values.
-typedef struct {
-    const char *model_name, *version, *output_name, *id;
-    size_t model_name_len, version_len, output_name_len, id_len;
-    long rows;
-    int dims;
-    const long *shape;
-    const float *y;
-} infer_answer_t;
 
 // The size of the answer's length-prefixed ModelInferResponse; 0 if it is over what gRPC's prefix can say (4 GiB).
-size_t infer_response_size(const infer_answer_t *answer);
+size_t infer_response_size(const answer_t *answer);
 
 // The answer's length-prefixed ModelInferResponse (model_name, model_version if any, id if any, the one output:
 // name, FP32 and shape [rows, shape...], then raw_output_contents; in field order, as protobuf writes them), written
 // to `into`, which holds infer_response_size(answer) bytes; that many bytes are written.
-void infer_response(const infer_answer_t *answer, unsigned char *into);
+void infer_response(const answer_t *answer, unsigned char *into);
 
 #endif

@@ -353,14 +353,14 @@ static char *put(char *into, const char *bytes, size_t len) {
     return into + len;
 }
 
-static long answer_values(const json_answer_t *a) {
+static long answer_values(const answer_t *a) {
     long features = 1;
     for (int i = 0; i < a->dims; i++) features *= a->shape[i];
     long values = a->rows * features;
     return values > 0 ? values : 0;
 }
 
-size_t json_answer_bound(const json_answer_t *a) {
+size_t json_answer_bound(const answer_t *a) {
     size_t text = LITERAL_LEN(ANSWER_MODEL) + LITERAL_LEN(ANSWER_VERSION) + LITERAL_LEN(ANSWER_ID)
                 + LITERAL_LEN(ANSWER_OUTPUT) + LITERAL_LEN(ANSWER_SHAPE) + LITERAL_LEN(ANSWER_DATA)
                 + LITERAL_LEN(ANSWER_END);
@@ -368,7 +368,7 @@ size_t json_answer_bound(const json_answer_t *a) {
          + (size_t)a->dims * (1 + LONG_TEXT_MAX) + (size_t)answer_values(a) * (1 + FLOAT_TEXT_MAX) + 1;
 }
 
-size_t json_answer(const json_answer_t *a, char *into) {
+size_t json_answer(const answer_t *a, char *into) {
     char *p = put(into, ANSWER_MODEL, LITERAL_LEN(ANSWER_MODEL));
     p = put(p, a->model_name, a->model_name_len);
     p = put(p, ANSWER_VERSION, LITERAL_LEN(ANSWER_VERSION));

@@ -6,6 +6,8 @@
 #define TANDEM_FRONT_PARSE_H
 #include <stddef.h>
 
+#include "_front_answer.h"
+
 // What a request at the start of a connection's input is to the front.
 enum { HTTP1_INCOMPLETE, HTTP1_MINE, HTTP1_NOT_MINE };
 
@@ -58,26 +60,18 @@ int infer_body_parse(const char *body, size_t len, const infer_spec_t *spec, inf
 // reads them (a double rounded to float32): 1, or 0 (not ours: another count, or a number float32 cannot hold).
 int infer_body_values(const infer_body_t *parsed, long count, float *x);
 
-// The answer to a request the front served: the model's names, which are written as they are (the front serves only
-// names that need no JSON escape: native.PLAIN_NAME), the request's id (its JSON string with its quotes, as
-// infer_body_parse took it; NULL: none), and the outputs, `rows` examples of the per-example `shape` (`dims` values,
-// each >= 0), rows x the product of shape floats (a count that neither the product nor rows x it overflows).
-typedef struct {
-    const char *model_name, *version, *output_name, *id;
-    size_t model_name_len, version_len, output_name_len, id_len;
-    long rows;
-    int dims;
-    const long *shape;
-    const float *y;
-} json_answer_t;
+// The JSON answer's bound and body. Of the answer (_front_answer.h): the model's names are written as they are (the
+// front serves only names that need no JSON escape: native.PLAIN_NAME), the id is the request's JSON string with its
+// quotes as infer_body_parse took it (NULL: none), the shape's values are each >= 0 and rows x their product floats a
+// count that does not overflow.
 
 // At most the bytes json_answer writes, its text and a terminating NUL.
-size_t json_answer_bound(const json_answer_t *answer);
+size_t json_answer_bound(const answer_t *answer);
 
 // The answer's JSON body, {"model_name": ..., "model_version": ..., "id": <if any>, "outputs": [{"name": ...,
 // "datatype": "FP32", "shape": [rows, <shape>], "data": [numbers]}]} without spaces, each number the shortest of %.8g
 // and %.9g that reads back as the same float32 (null for NaN and the infinities, as orjson writes them): written to
 // `into`, which holds json_answer_bound(answer) bytes, followed by a NUL; returns its length (without the NUL).
-size_t json_answer(const json_answer_t *answer, char *into);
+size_t json_answer(const answer_t *answer, char *into);
 
 #endif

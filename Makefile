@@ -107,7 +107,8 @@ fuzz: system-packages
 # For bench/device_check.sh: what the device machine's image lacks of what `tandem run`, `tandem serve` and the
 # benchmarks import (the image has torch, numpy, rich, pyyaml, attrs, prometheus-client, uvloop), for its Python 3.12.
 DEVICE_WHEELS := pydantic pydantic_core annotated-types typing-inspection pydantic-settings python-dotenv orjson httptools \
-	openapi-schema-validator jsonschema jsonschema-specifications referencing rpds-py rfc3339-validator jsonpointer
+	openapi-schema-validator jsonschema jsonschema-specifications referencing rpds-py rfc3339-validator jsonpointer \
+	tensorboard absl-py protobuf
 device-wheels: $(STAMP)
 	rm -rf .device-wheels
 	$(BIN)/python -m pip download -q --only-binary=:all: --no-deps --implementation cp --python-version 3.12 \

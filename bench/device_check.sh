@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of the trainer and the inference server, as one prepared script for a session lent a device.
 #
-#   here:   make device-wheels          # the packages the device image lacks, as cp312 wheels (4 MB)
+#   here:   make device-wheels          # the packages the device image lacks, as cp312 wheels (about 10 MB)
 #   device: run(command="bash bench/device_check.sh", carry=[".device-wheels"], timeout_s=560)
 #
 # The device image brings python3 with torch (and numpy, rich, pyyaml, scikit-learn, uvloop); the wheels add

@@ -40,7 +40,8 @@ def manifest(directory: Path, name: str, steps: int, warmup: int, workers: int, 
 
 
 def tandem_run(path: Path) -> dict:
-    result = subprocess.run([sys.executable, "-m", "tandem.cli", "run", str(path)], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "tandem.cli", "run", str(path), "-o", "json"], capture_output=True,
+                            text=True)
     if result.returncode != 0:
         sys.exit(f"tandem run {path.name} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout)

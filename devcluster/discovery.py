@@ -7,6 +7,15 @@ As on a server: the core group's version list is `/v1` (kmock's own serving name
 kubectl warns that `ptj` "could also match lower priority resource paralleltrainingjobs/status") and its own verbs
 and kind (`scale` is autoscaling/v1 Scale, `eviction` policy/v1 Eviction, `binding` Binding, `log` get only).
 
+The groups of `/apis` come in a server's order, which decides what a name two groups share means to kubectl (its
+RESTMapper takes the first group that has it): the built-in groups first, by the priorities kube-apiserver gives them
+(cmd/kube-apiserver/app/aggregator.go: apps 17800, ..., coordination.k8s.io 16500), then every CRD's group at the
+priority 1000 its APIService gets (crdregistration), ties in the order of the APIServices' names, `VERSION.GROUP`
+(kube-aggregator's ByGroupPriorityMinimum). So with the Gateway API Inference Extension's CRD beside Tandem's,
+`inferencepools` means `inferencepools.inference.networking.k8s.io` (`v1.inference...` sorts before
+`v1alpha1.tandem.dev`), as on a cluster; aggregated discovery breaks such ties by the group's name, which orders those
+two the same way.
+
 Not emulated: aggregated discovery (apidiscovery.k8s.io/v2): kubectl asks for it first and, answered with the plain
 documents, falls back to reading each group version, as it does against a server older than 1.26.
 """
@@ -47,8 +56,27 @@ def document(catalog: Catalog, path: str) -> dict[str, Any] | None:
     return None
 
 
+# kube-apiserver's group priorities (aggregator.go's apiVersionPriorities) of the built-in groups served here and a
+# few more; any other group is a CRD's: its APIService has GroupPriorityMinimum 1000.
+_BUILTIN_PRIORITY = {
+    "apiregistration.k8s.io": 18000, "apps": 17800, "events.k8s.io": 17750, "authentication.k8s.io": 17700,
+    "authorization.k8s.io": 17600, "autoscaling": 17500, "batch": 17400, "certificates.k8s.io": 17300,
+    "networking.k8s.io": 17200, "policy": 17100, "rbac.authorization.k8s.io": 17000, "storage.k8s.io": 16800,
+    "apiextensions.k8s.io": 16700, "admissionregistration.k8s.io": 16700, "scheduling.k8s.io": 16600,
+    "coordination.k8s.io": 16500, "node.k8s.io": 16300, "discovery.k8s.io": 16200,
+    "flowcontrol.apiserver.k8s.io": 16100,
+}
+_CRD_PRIORITY = 1000
+
+
 def _groups(catalog: Catalog) -> list[str]:
-    return sorted({kind.group for kind in catalog if kind.group})
+    """The named groups in the order `/apis` lists them: by priority, highest first, then by APIService name."""
+    first: dict[str, tuple[int, str]] = {}
+    for kind in catalog:
+        if kind.group:
+            key = (-_BUILTIN_PRIORITY.get(kind.group, _CRD_PRIORITY), f"{kind.version}.{kind.group}")
+            first[kind.group] = min(first.get(kind.group, key), key)
+    return sorted(first, key=first.__getitem__)
 
 
 def api_group(catalog: Catalog, group: str) -> dict[str, Any] | None:

@@ -25,7 +25,8 @@ operator removes once the job is not Running (training_plan.eta_removal). The ru
 6. A rank that fails (in a pod of several, its launcher ends the pod and names it), a rank pod deleted or evicted,
    or rank 0 silent past `heartbeatTimeoutSeconds`, fails the group: every pod is deleted, and once they are gone
    and the backoff has passed a new group starts from `status.checkpoint.latest` (tandem/restart_policy.py), until
-   `backoffLimit` restarts are spent: Failed.
+   `backoffLimit` restarts are spent: Failed. A rank that found the model or data invalid (its exit code says so)
+   fails the job at once (InvalidModelOrData), its report leading the message: a restart would fail the same way.
 7. Otherwise the phase follows the pods (workers / ranksPerPod of them): Pending (with the scheduler's or the
    kubelet's reason), Running once every pod runs, Succeeded when every pod exited 0.
 """
@@ -39,7 +40,15 @@ from tandem.api import ParallelTrainingJob
 from tandem.api.training import TRAINING_PHASES
 from tandem.contract import RESUME_LATEST
 from tandem.operator import queueing
-from tandem.operator.observed import ParsedResource, condition, isoformat, observe_pod, timestamp, with_condition
+from tandem.operator.observed import (
+    ParsedResource,
+    RankPod,
+    condition,
+    isoformat,
+    observe_pod,
+    timestamp,
+    with_condition,
+)
 from tandem.operator.training_objects import (
     MASTER_PORT,
     applied_job,
@@ -243,40 +252,47 @@ class _Reconciler(QueueRules):
         first = min(timestamp(p.finished_at) or self.now for p in failed)
         return any(p.live for p in self.pods) and (self.now - first).total_seconds() < PEER_WAIT_SECONDS
 
-    def _failure(self) -> tuple[str, bool] | None:
-        """Why the running group has failed, if it has, and whether it hangs. Of several failed ranks the first to
-        end is the cause: the others lost it (their collectives fail when it goes); of those that ended within the
-        same second (finishedAt's resolution), one that lost a peer is not."""
+    def _failure(self) -> tuple[str, bool, str | None] | None:
+        """Why the running group has failed, if it has, whether it hangs, and the report of a rank that found the
+        model or data invalid. Of several failed ranks the first to end is the cause: the others lost it (their
+        collectives fail when it goes); of those that ended within the same second (finishedAt's resolution), one
+        that lost a peer is not."""
         failed = sorted((p for p in self.pods if p.phase == "Failed"),
                         key=lambda p: (p.finished_at, p.lost_a_peer, p.index))
         if failed:
-            pod = failed[0]
-            detail = f": {pod.termination_message}" if pod.termination_message else ""
-            if pod.failed_rank is not None:  # named by the pod's launcher
-                rank, local_rank, how = pod.failed_rank
-                return f"rank {rank} (pod {pod.name}, local rank {local_rank}) {how}{detail}", False
-            if pod.exit_code is None:  # it never exited: its node was lost, say (the pod's reason says so)
-                return f"{self._ranks(pod.index)} (pod {pod.name}) failed{detail}", False
-            return f"{self._ranks(pod.index)} (pod {pod.name}) exited with code {pod.exit_code}{detail}", False
+            pod = failed[0]  # an invalid model or data: its report says what the log's tail would
+            return self._pod_failure(pod, detail=pod.invalid_report is None), False, pod.invalid_report
         for pod in self.pods:
             if pod.terminating:
-                return f"{self._ranks(pod.index)}'s pod {pod.name} was deleted or evicted", False
+                return f"{self._ranks(pod.index)}'s pod {pod.name} was deleted or evicted", False, None
         indices = {p.index for p in self.pods}
         if self.phase == "Running":
             missing = sorted(set(range(self.spec.pods)) - indices)
             if missing:
-                return f"{self._ranks(missing[0])}'s pod {pod_name(self.job.metadata.name, missing[0])} is gone", False
+                gone = pod_name(self.job.metadata.name, missing[0])
+                return f"{self._ranks(missing[0])}'s pod {gone} is gone", False, None
             running_since = timestamp((condition(self.conditions, "Running") or {}).get("lastTransitionTime"))
             heartbeat = timestamp((self.status.get("progress") or {}).get("lastHeartbeat"))
             reports = self.spec.training_mode != "custom"  # a custom command reports nothing: no heartbeat to miss
             if reports and heartbeat_expired(heartbeat, running_since, self.spec.heartbeat_timeout_seconds, self.now):
-                return f"rank 0 sent no heartbeat for more than {self.spec.heartbeat_timeout_seconds} s", True
+                return f"rank 0 sent no heartbeat for more than {self.spec.heartbeat_timeout_seconds} s", True, None
         return None
 
-    def _group_failed(self, cause: str, hung: bool) -> None:
+    def _pod_failure(self, pod: RankPod, *, detail: bool) -> str:
+        """A failed pod's cause: its rank(s), how they ended and, with `detail`, the end of its termination message."""
+        said = f": {pod.termination_message}" if detail and pod.termination_message else ""
+        if pod.failed_rank is not None:  # named by the pod's launcher
+            rank, local_rank, how = pod.failed_rank
+            return f"rank {rank} (pod {pod.name}, local rank {local_rank}) {how}{said}"
+        if pod.exit_code is None:  # it never exited: its node was lost, say (the pod's reason says so)
+            return f"{self._ranks(pod.index)} (pod {pod.name}) failed{said}"
+        return f"{self._ranks(pod.index)} (pod {pod.name}) exited with code {pod.exit_code}{said}"
+
+    def _group_failed(self, cause: str, hung: bool, invalid_report: str | None) -> None:
         self.result.kill_at_once = hung
         decision = after_failure(restarts_done=self.restarts, backoff_limit=self.spec.backoff_limit,
-                                 base_seconds=self.settings.restart_backoff_seconds, cause=cause)
+                                 base_seconds=self.settings.restart_backoff_seconds, cause=cause,
+                                 invalid_report=invalid_report)
         if decision.action == "fail":
             self._fail(decision.reason, decision.message)
             return

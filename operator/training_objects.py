@@ -105,7 +105,7 @@ def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, index: int, *, g
         namespace=owner["metadata"].get("namespace"), spec_path=PurePosixPath(SPEC_MOUNT) / SPEC_FILE,
         checkpoint_dir=PurePosixPath(checkpoint_directory(job)),
         resume_from=PurePosixPath(resume_from) if resume_from and resume_from != RESUME_LATEST else None,
-        resume_latest=resume_from == RESUME_LATEST,
+        resume_latest=resume_from == RESUME_LATEST, job_uid=owner["metadata"].get("uid"),
     )
     several = spec.ranks_per_pod > 1
     environ = contract.pod_environ() if several else contract.to_environ()

@@ -33,15 +33,57 @@ def _validate(args: argparse.Namespace) -> int:
             failed += 1
             continue
         for resource in resources:
-            print(f"{file}: {resource.kind}/{resource.metadata.name} is valid")
+            problem, checked = _inputs_checked(resource, deep=args.deep)
+            if problem is not None:
+                print(f"{file}: {resource.kind}/{resource.metadata.name}: {problem}", file=sys.stderr)
+                failed += 1
+            else:
+                print(f"{file}: {resource.kind}/{resource.metadata.name} is valid{checked}")
     return 1 if failed else 0
+
+
+def _inputs_checked(resource, *, deep: bool) -> tuple[str | None, str]:
+    """A ParallelTrainingJob's model, data or custom command checked as `tandem run` checks them before starting:
+    with `deep`, or by default where its data is on this machine. (the problem or None, what was checked)."""
+    if resource.kind != "ParallelTrainingJob":
+        return None, ""
+    from tandem.worker.train.invalid import InvalidModelOrData
+    from tandem.worker.train.preflight import check_job, data_elsewhere
+
+    spec = resource.spec
+    if not deep and spec.training_mode == "custom":  # its command is the image's
+        return None, ""
+    if not deep and (elsewhere := data_elsewhere(spec.trainer)) is not None:
+        return None, f" (its model and data are not checked: {elsewhere!r} is not on this machine; --deep checks them)"
+    try:
+        check_job(spec)
+    except InvalidModelOrData as error:
+        return f"InvalidModelOrData: {error}", ""
+    if spec.training_mode == "custom":
+        return None, "; its command can start"
+    return None, "; one batch of its data went through its model"
 
 
 def _run(args: argparse.Namespace) -> int:
     from tandem.backends.local import run
 
-    return run(args.file, workers=args.workers, status_out=args.status_out,
+    return run(args.file, workers=args.workers, status_out=args.status_out, output=args.output,
                restart_backoff_seconds=args.restart_backoff_seconds)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from tandem.curves import NoCurves, plot
+
+    try:
+        drawn = plot(Path(args.run_dir), Path(args.out))
+    except NoCurves as error:
+        print(f"tandem plot: {error}", file=sys.stderr)
+        return 1
+    for run, series in drawn.items():
+        counts = ", ".join(f"{tag} {len(points)} points" for tag, points in series.items())
+        print(f"{run}: {counts}")
+    print(f"wrote {args.out}")
+    return 0
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -118,6 +160,22 @@ def _serve(args: argparse.Namespace) -> int:
     exit_without_teardown(code)  # a forward still running past the grace period would abort the teardown
 
 
+def _devcluster(args: argparse.Namespace) -> int:
+    checkout = Path(__file__).resolve().parents[1]
+    if not (checkout / "devcluster").is_dir():
+        print("tandem devcluster: runs from a checkout of the repository (devcluster/ is not part of the installed "
+              "package): `make devcluster` there", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(checkout))  # the checkout's devcluster/, as the tests and benchmarks import it
+    try:
+        from devcluster.standalone import run
+    except ModuleNotFoundError as error:
+        print(f"tandem devcluster: needs the test extra ({error}): `make setup`, or pip install -e '.[test]'",
+              file=sys.stderr)
+        return 2
+    return run(None if args.dir is None else Path(args.dir))
+
+
 def _process_count(value: str) -> int:
     if not value.isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number of processes: give a whole number, 1 or more")
@@ -146,17 +204,33 @@ def build_parser() -> argparse.ArgumentParser:
     crds.add_argument("--out", metavar="DIR", help="write one YAML file per CRD into DIR (e.g. crds/)")
     crds.set_defaults(handler=_crds)
 
-    validate = commands.add_parser("validate", help="check manifests against the CRD schema and the API model")
+    validate = commands.add_parser("validate", help="check manifests against the CRD schema and the API model, and "
+                                                    "a job's model against its data")
     validate.add_argument("files", nargs="+", metavar="FILE")
+    validate.add_argument("--deep", action="store_true",
+                          help="check each ParallelTrainingJob as `tandem run` does before starting: resolve its model "
+                               "and data and push one batch of the data through the model (a custom job: its command "
+                               "can start). By default only where its data is on this machine")
     validate.set_defaults(handler=_validate)
 
     run = commands.add_parser("run", help="run a ParallelTrainingJob on this machine, one process per rank")
     run.add_argument("file", metavar="FILE")
     run.add_argument("--workers", type=int, metavar="N", help="ranks to start (overrides spec.workers)")
     run.add_argument("--status-out", metavar="PATH", help="also write the final status as JSON to PATH")
+    run.add_argument("-o", "--output", choices=("summary", "json"), default="summary",
+                     help="what stdout shows at the end: a short summary (default), or the final status as JSON (the "
+                          "object a cluster keeps in the job's .status)")
     run.add_argument("--restart-backoff-seconds", type=float, default=10.0, metavar="S",
                      help="base of the backoff before a failed group restarts, doubling per restart (default 10)")
     run.set_defaults(handler=_run)
+
+    plot = commands.add_parser("plot", help="draw a training run's loss and eval accuracy against the step, from "
+                                            "the TensorBoard event files rank 0 writes, as a PNG")
+    plot.add_argument("run_dir", metavar="RUN_DIR",
+                      help="the job's checkpoint directory (spec.checkpoint.directory), its tensorboard/ folder, or "
+                           "one run's folder in it")
+    plot.add_argument("-o", "--out", default="curves.png", metavar="PNG", help="where to write it (default curves.png)")
+    plot.set_defaults(handler=_plot)
 
     worker = commands.add_parser("worker", help="run one rank (train), or a pod's ranks (launch), from the worker "
                                                 "contract env (what pods run)")
@@ -205,6 +279,18 @@ def build_parser() -> argparse.ArgumentParser:
     operator = commands.add_parser("operator", help="run the Kubernetes operator (ParallelTrainingJobs)")
     operator_main.add_arguments(operator)
     operator.set_defaults(handler=operator_main.run)
+
+    devcluster = commands.add_parser(
+        "devcluster", help="try the operator without a cluster: an emulated API server, a kubelet running pods as "
+                           "local processes, and the operator, until Ctrl-C (from a checkout: devcluster/)",
+        description="Run an emulated Kubernetes API server (devcluster/), a kubelet that runs pods' commands as local "
+                    "processes, and `tandem operator`, with the CRDs applied, until Ctrl-C (or SIGTERM) stops them "
+                    "all. Prints the `export KUBECONFIG=...` line for kubectl. From a checkout of the repository "
+                    "after `make setup`.")
+    devcluster.add_argument("--dir", metavar="DIR",
+                            help="keep the cluster's files here: kubeconfig, claims, pods' and the operator's logs "
+                                 "(default: a temporary directory, removed on exit)")
+    devcluster.set_defaults(handler=_devcluster)
     return parser
 
 

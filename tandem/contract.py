@@ -22,6 +22,12 @@ and by hand. The names are torchrun's where torchrun has one:
                                 TANDEM_CHECKPOINT_DIR when there is one (a new job on a claim that holds some, as
                                 `checkpoint.resume: true` asks), else start afresh; empty or unset: start afresh
     TANDEM_STATUS_FILE          `tandem run` only: where rank 0 publishes its status for the launcher to show
+    TANDEM_RUN_ID               `tandem run` only: the run rank 0 writes checkpoints as; the launcher holds the
+                                checkpoint directory's lease and has made it the run's. Unset (on a cluster, by
+                                hand), rank 0 takes the lease and makes the directory its run's itself
+                                (worker/checkpoint_owner.py): a fresh run is named after TANDEM_JOB_UID
+    TANDEM_JOB_UID              the ParallelTrainingJob's uid, on a cluster: rank 0 of the same job, restarted,
+                                takes over the lease its predecessor held
 
 Ranks other than 0 wait for the master's TCP port (not just its name) with a bounded timeout before joining;
 gloo on CPU, NCCL for CUDA tensors when CUDA devices are present, and `trainer.requireGPU: true` makes a CPU
@@ -54,6 +60,8 @@ RESUME_FROM = "TANDEM_RESUME_FROM"
 RESUME_LATEST = "latest"
 """TANDEM_RESUME_FROM's value for "the latest complete checkpoint in the checkpoint directory, if any"."""
 STATUS_FILE = "TANDEM_STATUS_FILE"
+RUN_ID = "TANDEM_RUN_ID"
+JOB_UID = "TANDEM_JOB_UID"
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500  # torchrun's
@@ -90,6 +98,22 @@ def checkpoint_step(name: str) -> int | None:
     return int(stem) if name.startswith("step-") and name.endswith(".pt") and stem.isdigit() else None
 
 
+INVALID_MODEL_OR_DATA = "InvalidModelOrData"
+"""The reason a job fails with when its model or data cannot work (a reference that does not resolve, data without
+arrays x and y, data the model cannot take) or its custom command cannot start: a restart would fail the same way."""
+INVALID_MODEL_OR_DATA_EXIT_CODE = 78
+"""A rank's exit code for such a failure (sysexits.h's EX_CONFIG). The job fails at once, spending no `backoffLimit`;
+the rank's output ends with the report (`invalid_model_or_data_report`), which the job's message leads with."""
+
+
+def invalid_model_or_data_report(output: str) -> str | None:
+    """The report that ends the output of a rank that exited with INVALID_MODEL_OR_DATA_EXIT_CODE: from its last line
+    starting `InvalidModelOrData: ` (the exception's line) to the end (the frame that raised it); None without one."""
+    lines = output.rstrip().splitlines()
+    starts = [index for index, line in enumerate(lines) if line.startswith(f"{INVALID_MODEL_OR_DATA}: ")]
+    return "\n".join(lines[starts[-1]:]) if starts else None
+
+
 class ContractError(RuntimeError):
     """The worker's environment does not satisfy the contract, or the group it describes cannot form."""
 
@@ -113,6 +137,8 @@ class WorkerContract:
     resume_latest: bool = False
     """Resume from the latest complete checkpoint in `checkpoint_dir`, if any (when `resume_from` is None)."""
     status_file: Path | None = None
+    run_id: str | None = None
+    job_uid: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -148,6 +174,8 @@ class WorkerContract:
             resume_from=None if env.get(RESUME_FROM) == RESUME_LATEST else _path(env, RESUME_FROM),
             resume_latest=env.get(RESUME_FROM) == RESUME_LATEST,
             status_file=_path(env, STATUS_FILE),
+            run_id=env.get(RUN_ID) or None,
+            job_uid=env.get(JOB_UID) or None,
         )
 
     @classmethod
@@ -176,7 +204,7 @@ class WorkerContract:
             JOB: self.job, RESUME_FROM: str(self.resume_from or (RESUME_LATEST if self.resume_latest else "")),
         }
         optional = {NAMESPACE: self.namespace, SPEC: self.spec_path, CHECKPOINT_DIR: self.checkpoint_dir,
-                    STATUS_FILE: self.status_file}
+                    STATUS_FILE: self.status_file, RUN_ID: self.run_id, JOB_UID: self.job_uid}
         environ.update({name: str(value) for name, value in optional.items() if value is not None})
         return environ
 

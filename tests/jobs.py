@@ -44,9 +44,10 @@ def manifest(tmp_path: Path, name: str, *, trainer: dict | None = None, **spec) 
 
 
 def tandem_run(path: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`tandem run` to its end, its final status as JSON on stdout (`-o json`: `final_status` reads it)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "run", str(path), *args],
+        [sys.executable, "-m", "tandem.cli", "run", str(path), "-o", "json", *args],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=path.parent,
     )
 
@@ -76,11 +77,13 @@ def leftover_processes(job_name: str) -> list[int]:
 
 
 def start_tandem_run(path: Path, *args: str) -> tuple[subprocess.Popen, Path]:
-    """`tandem run` started in the background; with the file its stderr goes to."""
+    """`tandem run` started in the background (its final status as JSON on stdout); with the file its stderr goes
+    to."""
     stderr = path.parent / f"{path.stem}-stderr.txt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     with open(stderr, "w") as err:
-        launcher = subprocess.Popen([sys.executable, "-m", "tandem.cli", "run", str(path), *args], cwd=path.parent,
+        launcher = subprocess.Popen([sys.executable, "-m", "tandem.cli", "run", str(path), "-o", "json", *args],
+                                    cwd=path.parent,
                                     stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     return launcher, stderr
 

@@ -106,7 +106,7 @@ BUGS = [
         "tests/unit/test_api_policy.py::"
         "test_the_loop_decides_a_failed_pass_again_within_seconds_and_a_clean_pass_clears_a_refusal"),
     Bug("keepLast never prunes", "worker/checkpoint.py",
-        "for old in list_checkpoints(directory)[:-keep_last]:", "for old in []:",
+        "pruned = checkpoint_owner.run_files(directory)[:-keep_last]", "pruned = []",
         "tests/integration/test_trainer.py::test_keep_last_prunes_the_trainers_older_checkpoints"),
     Bug("a pod's ranks numbered from its index, not index x ranksPerPod", "tandem/contract.py",
         "RANK: str(group_rank * local_world_size)", "RANK: str(group_rank)",
@@ -141,7 +141,7 @@ BUGS = [
         "if (head > spec->max_head)",
         "tests/integration/test_abuse.py::test_what_the_rfcs_refuse_is_refused"),
     Bug("the C front's JSON parser taking an FP32 value float32 cannot hold", "worker/serve/_front_parse.c",
-        "!isfinite(", "!isnan(",
+        "if (!isfinite(*value)) return 0;", "if (!isnan(*value)) return 0;",
         "tests/integration/test_abuse.py::test_what_the_rfcs_refuse_is_refused"),
     Bug("a gRPC call its client cancels left queued until its deadline", "worker/serve/grpc_service.py",
         "        if answered.cancelled() and self.on_abort is not None:\n            self.on_abort()\n",

@@ -4,14 +4,16 @@ and a client that keeps sending inference requests to a pool's servers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
-from jobs import ROOT
+from jobs import ROOT, TESTS
 
 from devcluster import Cluster
 from devcluster.network import free_port
@@ -32,6 +34,15 @@ def start_operator(cluster: Cluster, *extra: str) -> None:
     cluster.spawn([sys.executable, "-m", "tandem.cli", "operator", "--namespace", NS, "--restart-backoff-seconds",
                    "0", "--worker-image", "tandem-worker:test", "--metrics-port", str(cluster.metrics_port), *extra],
                   name="operator", cwd=ROOT, client="operator")
+
+
+@contextlib.contextmanager
+def cluster_with_operator(directory: Path) -> Iterator[Cluster]:
+    """The emulated cluster in `directory` with `tandem operator` running (start_operator), the tests' modules
+    importable by its pods."""
+    with Cluster(directory, extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
+        start_operator(cluster)
+        yield cluster
 
 
 def operator_metrics(cluster: Cluster) -> str:

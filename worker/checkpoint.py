@@ -11,7 +11,9 @@ plain values (no pickled classes):
                   RNG states, data position, compression residuals)
 
 The file appears under its final name only once complete (temp file, fsync, rename, fsync of the
-directory), so any `step-*.pt` is a finished checkpoint; a damaged one is still refused on load.
+directory), so any `step-*.pt` is a finished checkpoint; a damaged one is still refused on load. The directory's
+run record (checkpoint_owner.py) lists the files its run wrote: `keepLast` prunes, and `latest` looks, among those
+alone.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 import tandem
 from tandem.contract import checkpoint_name
+from tandem.worker import checkpoint_owner
 
 FORMAT = "tandem-checkpoint/1"
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
@@ -52,12 +55,14 @@ def build_manifest(**fields: Any) -> dict[str, Any]:
     }
 
 
-def save(directory: Path, state: Mapping[str, Any], *, step: int, keep_last: int) -> Path:
-    """Write `state` (which must hold `manifest` and `model`) as the checkpoint of `step`; keep the newest
-    `keep_last`. Returns the final path, which exists only once the file is complete."""
+def save(directory: Path, state: Mapping[str, Any], *, step: int, keep_last: int, run: str | None = None) -> Path:
+    """Write `state` (which must hold `manifest` and `model`) as the checkpoint of `step` of `run`, the directory's
+    recorded run (None: a directory without a record); keep the run's newest `keep_last`. Returns the final path,
+    which exists only once the file is complete."""
     directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, step)
     temporary = directory / f".{final.name}.{os.getpid()}.tmp"
+    _claim_name(directory, final.name, run)
     try:
         with open(temporary, "wb") as file:
             torch.save({"format": FORMAT, **state}, file)
@@ -67,9 +72,25 @@ def save(directory: Path, state: Mapping[str, Any], *, step: int, keep_last: int
     finally:
         temporary.unlink(missing_ok=True)
     _fsync_directory(directory)
-    for old in list_checkpoints(directory)[:-keep_last]:
-        old.unlink(missing_ok=True)
+    pruned = checkpoint_owner.run_files(directory)[:-keep_last]
+    for old in pruned:
+        (directory / old).unlink(missing_ok=True)
+    if run is not None:
+        checkpoint_owner.forget(directory, pruned)
     return final
+
+
+def _claim_name(directory: Path, name: str, run: str | None) -> None:
+    """Count `name` as `run`'s before it is written; without a run, only in a directory no run has recorded."""
+    try:
+        if run is not None:
+            checkpoint_owner.record_written(directory, name, run)
+        elif (recorded := checkpoint_owner.read_run(directory)) is not None:
+            raise checkpoint_owner.OwnershipError(
+                f"{directory} holds the checkpoints of run {recorded.run} (job {recorded.job}): not writing {name} "
+                "there; use another checkpoint directory")
+    except checkpoint_owner.OwnershipError as error:
+        raise CheckpointError(str(error)) from error
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -89,9 +110,10 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 
 def latest(directory: Path) -> Path | None:
-    """The latest complete checkpoint in `directory` (the highest step), None when it holds none."""
-    checkpoints = list_checkpoints(directory)
-    return checkpoints[-1] if checkpoints else None
+    """The latest complete checkpoint of the directory's run (the last it wrote; in a directory without a run
+    record, the highest step), None when there is none."""
+    checkpoints = checkpoint_owner.run_files(directory) if directory.is_dir() else []
+    return directory / checkpoints[-1] if checkpoints else None
 
 
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import pkgutil
+import types
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +27,41 @@ def import_reference(ref: str) -> Any:
         target: Any = importlib.import_module(module_name)
     except Exception as error:  # the user's module may fail in any way while importing
         reason = f"{type(error).__name__}: {error}"
-        raise BadReference(f"cannot import module {module_name!r} of {ref!r}: {reason}") from error
+        missing = isinstance(error, ModuleNotFoundError) and error.name == module_name  # itself, not an import of it
+        hint = did_you_mean(module_name, sibling_modules(module_name)) if missing else ""
+        raise BadReference(f"cannot import module {module_name!r} of {ref!r}: {reason}{hint}") from error
     for part in attribute.split("."):
         try:
             target = getattr(target, part)
         except AttributeError as error:
-            raise BadReference(f"{ref!r}: module {module_name!r} has no attribute {attribute!r}") from error
+            hint = did_you_mean(part, own_names(target))
+            raise BadReference(f"{ref!r}: module {module_name!r} has no attribute {attribute!r}{hint}") from error
     return target
+
+
+def sibling_modules(module_name: str) -> list[str]:
+    """The modules of `module_name`'s package (the top-level ones for a top-level name)."""
+    package_name, _, _ = module_name.rpartition(".")
+    try:
+        path = importlib.import_module(package_name).__path__ if package_name else None
+    except (ImportError, AttributeError):  # no such package, or a module rather than a package
+        return []
+    prefix = f"{package_name}." if package_name else ""
+    return [prefix + module.name for module in pkgutil.iter_modules(path)]
+
+
+def own_names(target: Any) -> list[str]:
+    """The public names `target` defines: of a module, what it defines itself, not what it imports."""
+    names = [name for name in dir(target) if not name.startswith("_")]
+    if not isinstance(target, types.ModuleType):
+        return names
+    return [name for name in names if getattr(getattr(target, name), "__module__", None) == target.__name__]
+
+
+def did_you_mean(name: str, candidates: list[str]) -> str:
+    """`; did you mean 'x'?` with the candidate closest to `name`, or '' when none is close."""
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def call_reference(ref: str, kwargs: dict[str, Any] | None = None, *, expect: type | None = None) -> Any:
@@ -68,7 +99,10 @@ def _npz_dataset(path: Path) -> TensorDataset:
         with np.load(path, allow_pickle=False) as arrays:
             missing = {"x", "y"} - set(arrays.files)
             if missing:
-                raise BadReference(f"{path}: a data file needs arrays x and y; missing {sorted(missing)}")
+                raise BadReference(
+                    f"{path}: a data file needs arrays x and y; missing {sorted(missing)} (it holds "
+                    f"{sorted(arrays.files)}): save the examples as x and their labels or targets as y, "
+                    "numpy.savez(path, x=..., y=...)")
             x, y = arrays["x"], arrays["y"]
     except (OSError, ValueError) as error:
         if isinstance(error, BadReference):

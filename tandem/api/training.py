@@ -203,14 +203,21 @@ class CheckpointSpec(ApiModel):
 
     directory: Annotated[str, StringConstraints(min_length=1)] = "checkpoints"
     """Checkpoint directory; a relative path resolves under the working directory locally and under the
-    checkpoint volume's mount in pods."""
+    checkpoint volume's mount in pods. It holds one run's checkpoints (named in its `tandem-run.json`) and has one
+    writer at a time (`tandem-lease.json`: a second run of it is refused, naming the holder)."""
     persistent_volume_claim: str | None = None
     """A PersistentVolumeClaim the operator mounts for checkpoints (shared by all restarts)."""
     every_steps: Annotated[int, Field(ge=1)] | None = None
     every_minutes: Annotated[float, Field(gt=0)] | None = None
     keep_last: Annotated[int, Field(ge=1)] = 3
+    """The run's newest checkpoints kept: its older ones are deleted as it writes new ones (another run's, never)."""
     resume: bool = True
-    """Resume from the latest complete checkpoint in `directory` when one exists."""
+    """Resume from the latest complete checkpoint in `directory` when one exists: the run that wrote it carries on.
+    false: a new run, refused in a directory holding another run's checkpoints (unless `overwrite`)."""
+    overwrite: bool = False
+    """With `resume: false`, move another run's checkpoints found in `directory` (and its run record) into a
+    subdirectory named after that run, `run-<id>`, before starting; nothing is deleted. Without it such a start is
+    refused."""
 
 
 class Gang(ApiModel):

@@ -8,13 +8,20 @@ request to checkpoint and stop, and never leaves a process behind. It applies th
 - a rank that fails (non-zero exit, killed) stops the whole group; after an exponential backoff from
   `--restart-backoff-seconds` the group starts again from the latest complete checkpoint, until `backoffLimit`
   restarts are spent, and then the job fails;
+- a model, data or custom command that cannot work fails the job before any rank starts (the pre-flight check,
+  worker/train/preflight.py), or at once when a rank finds it so (its exit code and report): InvalidModelOrData,
+  no restart;
 - past `activeDeadlineSeconds` (counted from the first group's start) the ranks get SIGTERM, write a checkpoint
   and stop, or are killed after the grace period; the job fails (DeadlineExceeded).
+
+Before any rank starts, the launcher makes the checkpoint directory this run's (worker/checkpoint_owner.py): it takes
+the directory's lease, held until it exits (a second `tandem run` of the directory is refused at once, naming the
+holder), and decides the run the ranks write as: the recorded one when resuming, else a new one, refused where
+another run's checkpoints are unless `checkpoint.overwrite` moves them aside.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import sys
@@ -27,12 +34,15 @@ import torch
 
 from tandem.api import ParallelTrainingJob, ParallelTrainingJobStatus
 from tandem.backends.local_ranks import Launcher
+from tandem.backends.run_summary import Ending
+from tandem.contract import INVALID_MODEL_OR_DATA_EXIT_CODE, invalid_model_or_data_report
 from tandem.manifest import ManifestError, load_one
 from tandem.restart_policy import after_failure, deadline_exceeded
-from tandem.worker import checkpoint
+from tandem.worker import checkpoint, checkpoint_owner
 from tandem.worker.local_group import POLL_SECONDS, GroupExit
+from tandem.worker.train.invalid import InvalidModelOrData, custom_command_problem, report
+from tandem.worker.train.preflight import check_fit, load_inputs
 from tandem.worker.train.reporting import ConsoleSink, now
-from tandem.worker.user_code import BadReference, build_model, import_reference
 
 INTERRUPTED_EXIT_CODE = 130  # stopped by Ctrl-C / SIGTERM after a final checkpoint, as shells report SIGINT
 DEFAULT_RESTART_BACKOFF_SECONDS = 10.0  # as the operator's --restart-backoff-seconds
@@ -44,15 +54,16 @@ class PreflightError(ValueError):
 
 
 def preflight(job: ParallelTrainingJob) -> Path | None:
-    """Everything that would make every rank fail at once, checked here and reported once. Returns the
-    checkpoint the ranks resume from (verified to load into the model), if any."""
+    """Everything that would make every rank fail at once, checked here and reported once: a PreflightError, or an
+    InvalidModelOrData for a model, data or custom command that cannot work (tandem/worker/train/preflight.py).
+    Returns the checkpoint the ranks resume from (verified to load into the model), if any."""
     spec = job.spec
     checkpoint_dir = Path(spec.checkpoint.directory).resolve()
     resume_from = checkpoint.latest(checkpoint_dir) if spec.checkpoint.resume else None
     if spec.training_mode == "custom":
-        program = spec.custom.command[0]
-        if shutil.which(program) is None:
-            raise PreflightError(f"spec.custom.command: {program!r} is not an executable on PATH")
+        problem = custom_command_problem([*spec.custom.command, *spec.custom.args])
+        if problem is not None:
+            raise InvalidModelOrData(problem)
         return resume_from
     trainer = spec.trainer
     if trainer.require_gpu and not torch.cuda.is_available():
@@ -65,26 +76,42 @@ def preflight(job: ParallelTrainingJob) -> Path | None:
             f"spec.workers: {spec.workers} ranks with gpusPerWorker {spec.gpus_per_worker} need a GPU each; this "
             f"machine has {torch.cuda.device_count()}: run with --workers {torch.cuda.device_count()}"
         )
-    try:
-        model = build_model(trainer.model, trainer.model_args)
-        for field, ref in (("data", trainer.data), ("evalData", trainer.eval_data)):
-            if ref is None:
-                continue
-            if ref.endswith(".npz"):
-                if not Path(ref).is_file():
-                    raise PreflightError(f"spec.trainer.{field}: data file {ref!r} does not exist")
-            else:
-                import_reference(ref)
-    except BadReference as error:
-        raise PreflightError(f"spec.trainer: {error}") from error
+    model, train_set, eval_set = load_inputs(trainer)
+    check_fit(model, train_set, eval_set)
     if resume_from is not None:
         try:
             checkpoint.restore_model(model, checkpoint.load(resume_from)["model"], resume_from)
         except checkpoint.CheckpointError as error:
             raise PreflightError(
-                f"cannot resume: {error}. Remove it, or set spec.checkpoint.resume: false to start afresh"
+                f"cannot resume: {error}. Remove it, or start afresh with spec.checkpoint.resume: false and "
+                "spec.checkpoint.overwrite: true (which moves the directory's checkpoints aside)"
             ) from error
     return resume_from
+
+
+def claim_directory(
+    job: ParallelTrainingJob,
+) -> tuple[checkpoint_owner.LeaseKeeper, checkpoint_owner.DirectoryPlan | None]:
+    """The checkpoint directory's lease, held for this `tandem run` (refused at once while another holds it), and how
+    the run begins there (refused when it would start afresh among another run's checkpoints). A custom command's
+    files are its own: no run is recorded for it."""
+    settings = job.spec.checkpoint
+    directory = Path(settings.directory).resolve()
+    fresh = checkpoint_owner.RunRecord(run=checkpoint_owner.new_run_id(), job=job.metadata.name,
+                                       started=checkpoint_owner.now())
+    try:
+        keeper = checkpoint_owner.take_lease(directory, checkpoint_owner.this_process(fresh.run, fresh.job, None))
+        try:
+            plan = None if job.spec.training_mode == "custom" else \
+                checkpoint_owner.prepare(directory, fresh=fresh, resume=settings.resume, overwrite=settings.overwrite)
+        except checkpoint_owner.OwnershipError:
+            keeper.release()
+            raise
+    except checkpoint_owner.OwnershipError as error:
+        raise PreflightError(str(error)) from error
+    if plan is not None:
+        keeper.name_run(plan.run.run)
+    return keeper, plan
 
 
 class Display:
@@ -107,16 +134,16 @@ class LocalJob:
     """The job's groups of ranks, one after another: the first from `resume_from`, each restart from the latest
     checkpoint, until one ends, the restarts allowed are spent, the deadline passes or a stop is asked for."""
 
-    def __init__(self, job: ParallelTrainingJob, *, run_dir: Path, resume_from: Path | None,
+    def __init__(self, job: ParallelTrainingJob, *, run_dir: Path, resume_from: Path | None, run: str | None,
                  backoff_seconds: float = DEFAULT_RESTART_BACKOFF_SECONDS, grace_seconds: float = GRACE_SECONDS):
         self.job = job
         self.spec = job.spec
         self.run_dir = run_dir
         self.resume_from = resume_from
+        self.run_id = run
         self.backoff_seconds = backoff_seconds
         self.grace_seconds = grace_seconds
         self.checkpoint_dir = Path(self.spec.checkpoint.directory).resolve()
-        self.older_checkpoints = {_identity(path) for path in checkpoint.list_checkpoints(self.checkpoint_dir)}
         self.groups: list[Launcher] = []
         self.group: Launcher | None = None
         """The group running now, if any."""
@@ -140,7 +167,7 @@ class LocalJob:
         resume_from = self.resume_from
         while True:
             group = Launcher(self.job, run_dir=self.run_dir / f"group-{len(self.groups)}", resume_from=resume_from,
-                             grace_seconds=self.grace_seconds)
+                             run=self.run_id, grace_seconds=self.grace_seconds)
             self.groups.append(group)
             group.start()
             self.group = group
@@ -157,7 +184,8 @@ class LocalJob:
                 return self.ended(ended)
             self.report_failure(display, group, ended)
             decision = after_failure(restarts_done=self.restarts, backoff_limit=self.spec.backoff_limit,
-                                     base_seconds=self.backoff_seconds, cause=ended.cause)
+                                     base_seconds=self.backoff_seconds, cause=ended.cause,
+                                     invalid_report=invalid_report(group, ended))
             if decision.action == "fail":
                 return self.finished("Failed", decision.message), 1
             self.restarts = decision.restarts
@@ -169,7 +197,7 @@ class LocalJob:
                                      "running it again resumes from the latest checkpoint"), INTERRUPTED_EXIT_CODE
             if self.past_deadline():
                 return self.deadline_exceeded(), 1
-            resume_from = self.restart_checkpoint()
+            resume_from = checkpoint.latest(self.checkpoint_dir)  # the run's: the directory is its alone
 
     def report_failure(self, display: Display, group: Launcher, ended: GroupExit) -> None:
         self.failed.append((group, ended))
@@ -182,15 +210,6 @@ class LocalJob:
         until = time.monotonic() + seconds
         while time.monotonic() < until and not self.stop_requested and not self.past_deadline():
             time.sleep(min(POLL_SECONDS, max(0.0, until - time.monotonic())))
-
-    def restart_checkpoint(self) -> Path | None:
-        """Where a restarted group resumes: the latest complete checkpoint; with `checkpoint.resume: false`, the
-        latest this run wrote (the directory's older checkpoints were set aside at the start)."""
-        if self.spec.checkpoint.resume:
-            return checkpoint.latest(self.checkpoint_dir)
-        written = [path for path in checkpoint.list_checkpoints(self.checkpoint_dir)
-                   if _identity(path) not in self.older_checkpoints]
-        return written[-1] if written else None
 
     def show(self, display: Display, status: ParallelTrainingJobStatus) -> None:
         status = status.model_copy(deep=True)
@@ -236,16 +255,16 @@ class LocalJob:
         return status, {"Succeeded": 0, "Suspended": INTERRUPTED_EXIT_CODE}.get(status.phase, 1)
 
 
-def _identity(path: Path) -> tuple[str, int, int] | None:
-    try:
-        stat = path.stat()
-    except OSError:
+def invalid_report(group: Launcher, ended: GroupExit) -> str | None:
+    """The report of a rank that found the model or data invalid (the end of its log), or None."""
+    if ended.code != INVALID_MODEL_OR_DATA_EXIT_CODE:
         return None
-    return path.name, stat.st_ino, stat.st_mtime_ns
+    return invalid_model_or_data_report(group.tail(ended.failed_rank))
 
 
-def run(path: str, *, workers: int | None = None, status_out: str | None = None,
+def run(path: str, *, workers: int | None = None, status_out: str | None = None, output: str = "summary",
         restart_backoff_seconds: float = DEFAULT_RESTART_BACKOFF_SECONDS) -> int:
+    ending = Ending(Path(path), output, status_out)
     try:
         job = load_one(path, ParallelTrainingJob)
         if workers is not None:
@@ -254,13 +273,35 @@ def run(path: str, *, workers: int | None = None, status_out: str | None = None,
             job.spec.workers = workers
         if restart_backoff_seconds < 0:
             raise PreflightError(f"--restart-backoff-seconds {restart_backoff_seconds:g}: must be 0 or more")
-        resume_from = preflight(job)
+        keeper, plan = claim_directory(job)
+        try:
+            resume_from = preflight(job)
+        except BaseException:
+            keeper.release()
+            raise
     except (ManifestError, PreflightError) as error:
         print(f"tandem run: {error}", file=sys.stderr)
         return 2
+    except InvalidModelOrData as error:
+        return failed_before_start(job, error, ending)
+    try:
+        return run_claimed(job, plan, resume_from, ending=ending, restart_backoff_seconds=restart_backoff_seconds)
+    finally:
+        keeper.release()
 
+
+def run_claimed(job: ParallelTrainingJob, plan: checkpoint_owner.DirectoryPlan | None, resume_from: Path | None, *,
+                ending: Ending, restart_backoff_seconds: float) -> int:
+    """`tandem run` once the checkpoint directory's lease is held and the job has passed its pre-flight check."""
+    if plan is not None:
+        directory = Path(job.spec.checkpoint.directory).resolve()
+        checkpoint_owner.apply_plan(directory, plan)
+        if plan.set_aside:
+            print(f"tandem run: moved another run's checkpoints ({checkpoint_owner.names_text(list(plan.set_aside))})"
+                  f" into {directory / plan.aside_into} (spec.checkpoint.overwrite)", file=sys.stderr)
     run_dir = Path(tempfile.mkdtemp(prefix=f"tandem-{job.metadata.name}-"))
-    local_job = LocalJob(job, run_dir=run_dir, resume_from=resume_from, backoff_seconds=restart_backoff_seconds)
+    local_job = LocalJob(job, run_dir=run_dir, resume_from=resume_from, run=plan.run.run if plan else None,
+                         backoff_seconds=restart_backoff_seconds)
     previous = {sig: signal.signal(sig, local_job.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     display = Display(job.metadata.name)
     try:
@@ -274,10 +315,17 @@ def run(path: str, *, workers: int | None = None, status_out: str | None = None,
 
     if status.phase != "Succeeded" or status.restarts:
         print(f"tandem run: {status.phase}: {status.message}", file=sys.stderr)
-    text = json.dumps(status.to_dict(), indent=2)
-    print(text)
-    if status_out:
-        Path(status_out).write_text(text + "\n")
+    ending.show(job, status)
     if not local_job.failed:
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
+
+
+def failed_before_start(job: ParallelTrainingJob, error: InvalidModelOrData, ending: Ending) -> int:
+    """The job fails before any rank starts, as it would on a cluster (InvalidModelOrData, no restart): exit code 2,
+    like every mistake found before starting."""
+    status = ParallelTrainingJobStatus(phase="Failed", message=report(error), restarts=0, completion_time=now())
+    status.workers.total = job.spec.workers
+    print(f"tandem run: Failed: {status.message}", file=sys.stderr)
+    ending.show(job, status, summary=False)
+    return 2

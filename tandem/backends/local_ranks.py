@@ -27,7 +27,7 @@ SHOWN_PREFIX = "tandem worker: "
 class Launcher(LocalGroup):
     """The ranks of one group, their logs and rank 0's status file, all in `run_dir`."""
 
-    def __init__(self, job: ParallelTrainingJob, *, run_dir: Path, resume_from: Path | None,
+    def __init__(self, job: ParallelTrainingJob, *, run_dir: Path, resume_from: Path | None, run: str | None,
                  grace_seconds: float = 30.0):
         spec = job.spec
         self.job = job
@@ -38,7 +38,7 @@ class Launcher(LocalGroup):
         contracts = [WorkerContract.local(
             rank, spec.workers, master_port=self.master_port, job=job.metadata.name, spec_path=spec_path,
             checkpoint_dir=Path(spec.checkpoint.directory).resolve(), resume_from=resume_from,
-            status_file=self.status_file,
+            status_file=self.status_file, run_id=run,
         ) for rank in range(spec.workers)]
         super().__init__(rank_command(spec), contracts,
                          environ={**os.environ, **{e.name: e.value or "" for e in spec.env}}, log_dir=run_dir,

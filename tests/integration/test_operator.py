@@ -15,7 +15,7 @@ import kubernetes
 import kubernetes_validate
 import pytest
 import yaml
-from jobs import ROOT, TESTS
+from jobs import ROOT
 from operator_runs import (
     GROUP,
     JOBS,
@@ -23,6 +23,7 @@ from operator_runs import (
     STARTUP,
     VERSION,
     claim,
+    cluster_with_operator,
     custom_job,
     events,
     start_operator,
@@ -36,8 +37,7 @@ from tandem.operator.training_objects import CHECKPOINT_MOUNT
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with Cluster(tmp_path_factory.mktemp("cluster"), extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
-        start_operator(cluster)
+    with cluster_with_operator(tmp_path_factory.mktemp("cluster")) as cluster:
         yield cluster
 
 

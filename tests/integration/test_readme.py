@@ -1,5 +1,5 @@
 """Every example the README shows runs as shown: its Python blocks (the tritonclient one against a real `tandem
-serve`, on a free port instead of 8000) and its `tandem validate` output."""
+serve`, on a free port instead of 8000), its `tandem serve --checkpoint` command and its `tandem validate` output."""
 
 from __future__ import annotations
 
@@ -9,9 +9,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tritonclient.http as triton
 from jobs import ROOT
-from serving import WAIT_S, ports_from_log, request, serve_process, wait_until, write_checkpoint
+from serving import (
+    WAIT_S,
+    inputs,
+    ports_from_log,
+    reference,
+    request,
+    serve_process,
+    wait_until,
+    write_checkpoint,
+)
 
 README = (ROOT / "README.md").read_text()
 PYTHON_BLOCKS = [block.split("```", 1)[0] for block in README.split("```python\n")[1:]]
@@ -47,23 +58,47 @@ def test_the_parallel_inference_example(tmp_path):
     run_python(block_using("ParallelInference("), tmp_path)
 
 
-def test_the_tritonclient_examples_against_tandem_serve_over_http_and_grpc(tmp_path):
-    write_checkpoint(tmp_path / "checkpoints", seed=0, step=10)
-    server = serve_process(ROOT / "examples" / "digits-pool.yaml", "--checkpoint", str(tmp_path / "checkpoints"))
+def test_tandem_serve_checkpoint_serves_a_file_or_a_directorys_latest_to_the_tritonclient_examples(tmp_path):
+    """The README's `tandem serve examples/digits-pool.yaml --port 8000 --checkpoint runs/digits-train/checkpoints`
+    (the console script, on free ports), with checkpoints written by the trainer's checkpoint writer: one file, and a
+    directory of two whose latest is served. tritonclient gets the (1, 10) output of the right weights; against the
+    directory's server, the README's tritonclient examples (HTTP, then gRPC) each print one row of 10 scores; each
+    server exits 0 on SIGTERM. (The checkpoint cases were in test_server.py, whose tests all run under both HTTP
+    fronts: the example pool names none, so both ran the same.)"""
+    one = write_checkpoint(tmp_path / "file", seed=1, step=5)
+    write_checkpoint(tmp_path / "directory", seed=4, step=3)
+    latest = write_checkpoint(tmp_path / "directory", seed=5, step=9)
+    cases = [(one, one, 1), (tmp_path / "directory", latest, 5)]  # --checkpoint, served checkpoint, its seed
+    processes = [serve_process(ROOT / "examples" / "digits-pool.yaml", "--checkpoint", str(path), command="tandem")
+                 for path, _, _ in cases]
     try:
-        port, grpc_port = ports_from_log(server)
-        wait_until(lambda: request(port, "GET", "/v2/health/ready")[0] == 200, what="ready")
-        for client, address in (("tritonclient.http", f"localhost:{port}"), ("tritonclient.grpc",
-                                                                            f"localhost:{grpc_port}")):
-            code = block_using(client).replace("localhost:8000", address).replace("localhost:8001", address)
-            printed = run_python(code, tmp_path)
-            assert len(re.findall(r"[-\d.e]+", printed)) == 10, (client, printed)  # one row of 10 scores
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(WAIT_S) == 0
+        x = inputs(1)
+        for process, (_, served_checkpoint, seed) in zip(processes, cases, strict=True):
+            port, grpc_port = ports_from_log(process)
+            wait_until(lambda p=port: request(p, "GET", "/v2/health/ready")[0] == 200, what="ready")
+            client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+            tensor = triton.InferInput("input", [1, 64], "FP32")
+            tensor.set_data_from_numpy(x)
+            y = client.infer("digits", [tensor]).as_numpy("output")
+            assert y.shape == (1, 10)
+            np.testing.assert_allclose(y, reference(x, seed=seed), rtol=1e-5, atol=1e-6)
+            assert client.get_model_repository_index() == [
+                {"name": "digits", "version": "1", "state": "READY", "reason": str(served_checkpoint)}]
+            client.close()
+            if served_checkpoint == latest:
+                for module, address in (("tritonclient.http", f"localhost:{port}"),
+                                        ("tritonclient.grpc", f"localhost:{grpc_port}")):
+                    code = block_using(module).replace("localhost:8000", address).replace("localhost:8001", address)
+                    printed = run_python(code, tmp_path)
+                    assert len(re.findall(r"[-\d.e]+", printed)) == 10, (module, printed)  # one row of 10 scores
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            assert process.wait(WAIT_S) == 0
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def test_the_validate_example_prints_what_the_readme_shows(tmp_path):

@@ -19,7 +19,6 @@ import torch
 import tritonclient.http as triton
 from inference_models import GATES, POISON, Forward, Gate
 from serving import (
-    ROOT,
     WAIT_S,
     Servers,
     fill_the_queue,
@@ -593,40 +592,6 @@ def test_a_drain_past_its_grace_period_answers_503_and_exits_0_right_after_it(tm
             process.wait()
     log = process.stderr.read()
     assert "grace period over with 3 requests unanswered" in log and "stopped (some requests" in log
-
-
-def test_tandem_serve_checkpoint_serves_a_checkpoint_file_or_a_directorys_latest(tmp_path):
-    """The README's `tandem serve examples/digits-pool.yaml --port 8000 --checkpoint runs/digits-train/checkpoints`
-    (on a free port), with checkpoints written by the trainer's checkpoint writer: one file, and a directory of
-    two whose latest is served. tritonclient gets the (1, 10) output of the right weights."""
-    one = write_checkpoint(tmp_path / "file", seed=1, step=5)
-    write_checkpoint(tmp_path / "directory", seed=4, step=3)
-    latest = write_checkpoint(tmp_path / "directory", seed=5, step=9)
-    cases = [(one, one, 1), (tmp_path / "directory", latest, 5)]  # --checkpoint, served checkpoint, its seed
-    processes = [serve_process(ROOT / "examples" / "digits-pool.yaml", "--checkpoint", str(path), command="tandem")
-                 for path, _, _ in cases]
-    try:
-        x = inputs(1)
-        for process, (_, served_checkpoint, seed) in zip(processes, cases, strict=True):
-            port = port_from_log(process)
-            wait_until(lambda p=port: request(p, "GET", "/v2/health/ready")[0] == 200, what="ready")
-            client = triton.InferenceServerClient(f"127.0.0.1:{port}")
-            tensor = triton.InferInput("input", [1, 64], "FP32")
-            tensor.set_data_from_numpy(x)
-            y = client.infer("digits", [tensor]).as_numpy("output")
-            assert y.shape == (1, 10)
-            np.testing.assert_allclose(y, reference(x, seed=seed), rtol=1e-5, atol=1e-6)
-            assert client.get_model_repository_index() == [
-                {"name": "digits", "version": "1", "state": "READY", "reason": str(served_checkpoint)}]
-            client.close()
-            process.send_signal(signal.SIGTERM)
-        for process in processes:
-            assert process.wait(WAIT_S) == 0
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
 
 
 def batch_size_buckets(port: int, model: str = "digits") -> dict[str, float]:

@@ -163,7 +163,7 @@ def test_keep_last_prunes_the_trainers_older_checkpoints(tmp_path):
                     checkpoint={"directory": str(tmp_path / "pruned" / "checkpoints"), "everySteps": 5, "keepLast": 2})
     result = tandem_run(path)
     assert result.returncode == 0, result.stderr
-    names = sorted(p.name for p in (tmp_path / "pruned" / "checkpoints").iterdir())
+    names = sorted(p.name for p in (tmp_path / "pruned" / "checkpoints").glob("step-*"))
     assert names == ["step-00000015.pt", "step-00000020.pt"]
 
 
@@ -299,26 +299,11 @@ def test_accumulation_clipping_warmup_and_mixed_precision_train(tmp_path, monkey
     assert accuracy >= 0.5, f"{precision}: accuracy {accuracy} after 30 steps"
 
 
-def test_parallel_wrapper_trains_the_callers_model(tmp_path):
-    from tandem import ParallelWrapper
-    from tandem.examples.digits import eval_data, mlp, train_data
-
-    torch.manual_seed(0)
-    model = mlp(hidden=32)
-    before = [p.detach().clone() for p in model.parameters()]
-    with ParallelWrapper(model, workers=2, mode="allReduce", batch_size=16, epochs=5, lr=0.05,
-                         show_progress=False) as wrapper:
-        status = wrapper.fit(train_data(), eval_data=eval_data())
-    assert status.phase == "Succeeded"
-    assert status.metrics["accuracy"] >= 0.93  # measured: 0.955
-    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    with pytest.raises(RuntimeError, match="closed"):
-        wrapper.fit(train_data())
-
-
-def test_parallel_wrapper_ranks_update_their_own_replicas():
-    """2 workers x batch 16 give the weights of 1 worker x batch 32, as with `tandem run`: ranks that shared the
-    caller's parameters in memory would each apply the update to the same tensors."""
+def test_parallel_wrapper_trains_the_callers_model_and_its_ranks_update_their_own_replicas():
+    """The caller's model holds the trained parameters (every one changed) and a closed wrapper fits no more; 2
+    workers x batch 16 give the weights of 1 worker x batch 32, as with `tandem run`: ranks that shared the
+    caller's parameters in memory would each apply the update to the same tensors. (The wrapper training to its
+    accuracy, with evaluation data, is the README's example: test_readme.py::test_the_parallel_wrapper_example.)"""
     from tandem import ParallelWrapper
     from tandem.examples.digits import mlp, train_data
 
@@ -326,9 +311,14 @@ def test_parallel_wrapper_ranks_update_their_own_replicas():
     for workers, batch_size in ((2, 16), (1, 32)):
         torch.manual_seed(0)
         model = mlp(hidden=32)
+        before = [p.detach().clone() for p in model.parameters()]
         with ParallelWrapper(model, workers=workers, batch_size=batch_size, max_steps=20, lr=0.1,
                              show_progress=False) as wrapper:
-            wrapper.fit(train_data())
+            status = wrapper.fit(train_data())
+        assert status.phase == "Succeeded"
+        assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
         trained.append(model.state_dict())
+    with pytest.raises(RuntimeError, match="closed"):
+        wrapper.fit(train_data())
     for name in trained[0]:
         torch.testing.assert_close(trained[0][name], trained[1][name], rtol=1e-4, atol=1e-5)

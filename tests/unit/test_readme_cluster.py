@@ -290,7 +290,7 @@ def test_a_checkpoint_that_does_not_fit_the_resumed_job():
     assert shown(rank_failed(raised(error.value)))
     for fragment, source in (("optimizer state does not fit this job (", "worker/train/state.py"),
                              ("truncated or corrupt checkpoint (", "worker/checkpoint.py"),
-                             (". Remove it, or set spec.checkpoint.resume: false to start afresh",
+                             (". Remove it, or start afresh with spec.checkpoint.resume: false and ",
                               "tandem/backends/local.py")):
         assert fragment in (ROOT / source).read_text() and flat(fragment) in flat(TROUBLESHOOTING), fragment
 

@@ -487,7 +487,8 @@ def test_a_rank_pod_carries_the_worker_contract_and_the_passthrough_settings():
                    "MASTER_ADDR": "digits-worker-0.digits-workers", "MASTER_PORT": "29500", "TANDEM_JOB": "digits",
                    "TANDEM_NAMESPACE": "ml", "TANDEM_SPEC": "/etc/tandem/job.json",
                    "TANDEM_CHECKPOINT_DIR": "/var/lib/tandem/checkpoints/digits",
-                   "TANDEM_RESUME_FROM": "/var/lib/tandem/checkpoints/digits/step-00000100.pt", "HF_HOME": "/cache"}
+                   "TANDEM_RESUME_FROM": "/var/lib/tandem/checkpoints/digits/step-00000100.pt", "HF_HOME": "/cache",
+                   "TANDEM_JOB_UID": "uid-1"}
     assert container["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"nvidia.com/gpu": "1"}}
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert container["securityContext"]["allowPrivilegeEscalation"] is False

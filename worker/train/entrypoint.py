@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import traceback
 from pathlib import Path
 from typing import NoReturn
 
 from tandem.api import ParallelTrainingJob
-from tandem.contract import WorkerContract
+from tandem.contract import INVALID_MODEL_OR_DATA_EXIT_CODE, WorkerContract
+from tandem.worker import checkpoint_owner as owner
 from tandem.worker.process_exit import exit_without_teardown
+from tandem.worker.train.invalid import InvalidModelOrData, custom_command_problem, report
 
 
 def load_job(env: WorkerContract) -> ParallelTrainingJob:
@@ -27,9 +30,15 @@ def run_custom(job: ParallelTrainingJob) -> int:
     command would never see the SIGTERM that stops its pod."""
     from tandem.worker.train.signals import STOP_SIGNALS
 
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     command = [*job.spec.custom.command, *job.spec.custom.args]
-    os.execvp(command[0], command)
+    problem = custom_command_problem(command)
+    if problem is not None:
+        raise InvalidModelOrData(problem)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    try:
+        os.execvp(command[0], command)
+    except OSError as error:
+        raise InvalidModelOrData(f"spec.custom.command: cannot start {command[0]!r}: {error.strerror}") from error
     return 127  # only reached if exec returns, which it does not
 
 
@@ -47,27 +56,31 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
 
     stop_signals = StopSignals()  # a stop before training starts exits at once, even in the rendezvous
     from tandem.worker.checkpoint import latest
+    from tandem.worker.train.preflight import check_fit, load_inputs
     from tandem.worker.train.process_group import join_group, shutdown_process_group
     from tandem.worker.train.reporting import ConsoleSink, StatusFileSink
     from tandem.worker.train.status_sink import KubernetesStatusSink
     from tandem.worker.train.trainer import RankContext, seed_everything, train
-    from tandem.worker.user_code import build_model, load_dataset
 
     spec, trainer = job.spec, job.spec.trainer
-    device = join_group(env, gpus=spec.gpus_per_worker, require_gpu=trainer.require_gpu)
     seed_everything(trainer.seed, trainer.deterministic)  # the same initial weights on every rank and every run
-    model = build_model(trainer.model, trainer.model_args)
-    train_set = load_dataset(trainer.data, trainer.data_args)
-    eval_set = load_dataset(trainer.eval_data, trainer.data_args) if trainer.eval_data else None
+    model, train_set, eval_set = load_inputs(trainer)
+    if env.is_master:  # before joining: the others wait at the rendezvous, and the job fails with this rank's word
+        check_fit(model, train_set, eval_set)
+    checkpoint_dir = env.checkpoint_dir or _checkpoint_dir(job)
+    # Without a launcher holding the checkpoint directory for it (on a cluster, by hand), rank 0 makes it the run's,
+    # before joining: the others look for a checkpoint to resume only once it is.
+    keeper, run = _claim_directory(env, job, checkpoint_dir) if env.is_master and env.run_id is None \
+        else (None, env.run_id)
+    device = join_group(env, gpus=spec.gpus_per_worker, require_gpu=trainer.require_gpu)
     sinks = []
     if env.is_master:
         sinks = [StatusFileSink(env.status_file)] if env.status_file else [ConsoleSink(env.job)]
         if env.namespace:  # on a cluster: the job's status subresource too
             sinks.append(KubernetesStatusSink(env.job, env.namespace))
-    checkpoint_dir = env.checkpoint_dir or _checkpoint_dir(job)
     context = RankContext(
         rank=env.rank, world_size=env.world_size, device=device, job=env.job, checkpoint_dir=checkpoint_dir,
-        resume_from=env.resume_from or (latest(checkpoint_dir) if env.resume_latest else None), sinks=sinks,
+        resume_from=env.resume_from or (latest(checkpoint_dir) if env.resume_latest else None), run=run, sinks=sinks,
     )
     stop_signals.attach(context)
     try:
@@ -78,6 +91,9 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
         if env.is_master and env.status_file:
             _record_failure(env, error)
         raise
+    finally:
+        if keeper is not None:
+            keeper.release()
     del model, train_set, eval_set
     shutdown_process_group()
     return 0
@@ -85,6 +101,30 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
 
 def _checkpoint_dir(job: ParallelTrainingJob) -> Path:
     return Path(job.spec.checkpoint.directory)
+
+
+def _claim_directory(env: WorkerContract, job: ParallelTrainingJob, directory: Path) -> tuple[owner.LeaseKeeper, str]:
+    """Rank 0's hold on the checkpoint directory (its lease, renewed until released) and the run it writes as: the
+    recorded run when it resumes, else a new one named after the job's uid (checkpoint_owner.plan_directory). A
+    lease another job holds is waited for until it goes stale."""
+    fresh = owner.RunRecord(run=env.job_uid or owner.new_run_id(), job=env.job, uid=env.job_uid, started=owner.now())
+    keeper = owner.take_lease(
+        directory, owner.this_process(fresh.run, env.job, env.job_uid),
+        wait_seconds=owner.LEASE_STALE_SECONDS + owner.LEASE_RENEW_SECONDS,
+        waiting=lambda held: print(f"tandem worker: waiting for {directory}, held by {held.describe(owner.now())}",
+                                   file=sys.stderr, flush=True))
+    try:
+        plan = owner.prepare(directory, fresh=fresh, resume=env.resume_from is not None or env.resume_latest,
+                             overwrite=job.spec.checkpoint.overwrite)
+        owner.apply_plan(directory, plan)
+    except BaseException:
+        keeper.release()
+        raise
+    keeper.name_run(plan.run.run)
+    if plan.set_aside:
+        print(f"tandem worker: moved another run's checkpoints ({owner.names_text(list(plan.set_aside))}) into "
+              f"{directory / plan.aside_into} (spec.checkpoint.overwrite)", file=sys.stderr, flush=True)
+    return keeper, plan.run.run
 
 
 def _record_failure(env: WorkerContract, error: BaseException) -> None:
@@ -101,6 +141,10 @@ def _record_failure(env: WorkerContract, error: BaseException) -> None:
 def cli() -> NoReturn:
     try:
         code = main()
+    except InvalidModelOrData as error:
+        traceback.print_exc()
+        print(report(error), file=sys.stderr, flush=True)  # the output's last lines: the job's message
+        code = INVALID_MODEL_OR_DATA_EXIT_CODE
     except Exception:
         traceback.print_exc()
         code = 1

@@ -15,6 +15,7 @@ the step, and then the device waits for the CPU to queue the next one: on a GPU,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,13 +53,17 @@ class NonFiniteGuard:
 class StepRecord:
     """Each step's loss and verdict, on the device until `flush` reads them in step order."""
 
-    def __init__(self, counts: Any, *, max_consecutive_bad_steps: int, counts_bad_steps: bool):
+    def __init__(self, counts: Any, *, max_consecutive_bad_steps: int, counts_bad_steps: bool,
+                 on_read: Callable[[int, list[float], list[bool]], None] | None = None):
         self.counts = counts
         """Where the bad-step counts live (`bad_steps`, `consecutive_bad_steps`): the trainer's Position, which
         checkpoints save and resumes restore; updated at each flush."""
         self.max_consecutive_bad_steps = max_consecutive_bad_steps
         self.counts_bad_steps = counts_bad_steps
         """False under fp16, where the gradient scaler skips overflowing steps as a matter of course."""
+        self.on_read = on_read
+        """Given what each flush read, in step order: (the first step's number, the steps' losses, whether each was
+        bad): rank 0's scalar log (scalars.py) takes its losses from here, never waiting for the device itself."""
         self._losses: list[torch.Tensor] = []
         self._bad: list[torch.Tensor] = []
         self._first_step = 0
@@ -81,6 +86,8 @@ class StepRecord:
             return
         recorded = torch.stack([torch.stack(self._losses).float(), torch.stack(self._bad)]).tolist()
         first, self._losses, self._bad = self._first_step, [], []
+        if self.on_read is not None:
+            self.on_read(first, recorded[0], [bool(found) for found in recorded[1]])
         counts = self.counts
         for offset, (loss, found) in enumerate(zip(*recorded, strict=True)):
             if not found:

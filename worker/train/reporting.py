@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Protocol
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tandem.api import ParallelTrainingJobStatus
 from tandem.api.training import CheckpointRecord
 from tandem.worker.train.preemption import preemption_cost
+from tandem.worker.train.progress_bar import ProgressBar
 from tandem.worker.train.status_sink import HISTORY_LIMIT
 
 
@@ -60,14 +60,13 @@ def read_status_file(path: Path) -> ParallelTrainingJobStatus | None:
 
 class ConsoleSink:
     """Epoch, step/total, loss, samples/s and ETA (as kubectl's columns print them): a live bar on a terminal, one log
-    line per update otherwise."""
+    line per update otherwise (progress_bar.py: the bar fits the terminal's width)."""
 
     def __init__(self, title: str, stream=None):
         self.title = title
         self.console = Console(file=stream or sys.stderr)
         self.live = self.console.is_terminal
-        self._progress: Progress | None = None
-        self._task = None
+        self._bar: ProgressBar | None = None
 
     def publish(self, status: ParallelTrainingJobStatus) -> None:
         progress = status.progress
@@ -79,23 +78,14 @@ class ConsoleSink:
                 highlight=False, soft_wrap=True,
             )
             return
-        if self._progress is None:
-            self._progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[detail]}"), TimeRemainingColumn(), console=self.console,
-            )
-            self._progress.start()
-            self._task = self._progress.add_task(self.title, total=progress.total_steps or None, detail="")
-        self._progress.update(
-            self._task, completed=progress.step, total=progress.total_steps or None,
-            description=f"{self.title} epoch {progress.epoch}",
-            detail=f"loss {loss}  {speed} samples/s",
-        )
+        if self._bar is None:
+            self._bar = ProgressBar(self.title, self.console)
+        self._bar.show(status)
 
     def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 class Reporter:
@@ -166,10 +156,11 @@ class Reporter:
         checkpoint.history = [*checkpoint.history, record][-HISTORY_LIMIT:]
         self.publish()
 
-    def resumed(self, path: Path, *, step: int, epoch: int) -> None:
-        """Training resumes from the checkpoint at `path`: the first status shows its step, not 0."""
+    def resumed(self, path: Path, *, step: int, epoch: int, metrics: dict[str, float] | None = None) -> None:
+        """Training resumes from the checkpoint at `path` (`metrics`: those its manifest records): the first status
+        shows its step, not 0."""
         self.status.progress.step, self.status.progress.epoch = step, epoch
-        self.checkpoint(path, step)
+        self.checkpoint(path, step, metrics=metrics)
 
     def final(self, phase: str, message: str, *, epoch: int, metrics: dict[str, float], bytes_sent: int,
               dense_bytes: int) -> ParallelTrainingJobStatus:

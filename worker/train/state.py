@@ -137,18 +137,21 @@ class Layout:
 class Checkpointer:
     """Writes the train state as checkpoints (rank 0 alone writes; every rank takes part) and resumes from one."""
 
-    def __init__(self, spec: ParallelTrainingJobSpec, *, rank: int, world_size: int, job: str, directory: Path):
+    def __init__(self, spec: ParallelTrainingJobSpec, *, rank: int, world_size: int, job: str, directory: Path,
+                 run: str | None = None):
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
         self.job = job
         self.directory = directory
+        self.run = run
+        """The run the checkpoints belong to (the directory's record names it; None: a directory without one)."""
         self.layout = Layout.of(spec, world_size)
         self.seconds: float | None = None
         """On rank 0, the wall time of the latest save, from its start (the mode's preparation, gathering each rank's
         state) until the file is complete on disk: what a graceful preemption costs (status.preemptionCost)."""
         self.metrics: dict[str, float] = {}
-        """What the latest save's evaluation measured (empty without one)."""
+        """What the latest save's evaluation measured, or the resumed checkpoint's (empty without one)."""
 
     def save(self, state: TrainState, *, input_shape: list[int] | None, final: bool = False,
              evaluate: Callable[[], dict[str, float]] | None = None) -> Path | None:
@@ -170,11 +173,11 @@ class Checkpointer:
                 input_shape=input_shape, input_dtype="FP32", step=position.step, epoch=position.epoch,
                 world_size=self.world_size, batch_size_per_worker=self.layout.batch_size,
                 gradient_accumulation_steps=self.layout.accumulation, training_mode=self.spec.training_mode,
-                job=self.job, metrics=self.metrics,
+                job=self.job, run=self.run, metrics=self.metrics,
             )
             contents = {"manifest": manifest, **state.state_dict(), "per_rank": per_rank}
             path = checkpoint.save(self.directory, contents, step=position.step,
-                                   keep_last=self.spec.checkpoint.keep_last)
+                                   keep_last=self.spec.checkpoint.keep_last, run=self.run)
             self.seconds = time.perf_counter() - started
             return path
 
@@ -190,6 +193,7 @@ class Checkpointer:
         """
         contents = checkpoint.load(source, map_location="cpu")
         state.load_state_dict(contents, source)
+        self.metrics = dict(contents["manifest"].get("metrics") or {})
         per_rank = contents.get("per_rank") or []
         saved = Layout.of_manifest(contents["manifest"], default=self.layout)
         reset: list[str] = []

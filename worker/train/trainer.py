@@ -4,13 +4,14 @@ Read top to bottom: set up (seed, the mode around the model, optimizer, data, sc
 the planned total, each followed by what the mode does after a step (averaging), progress, a stop check all ranks
 agree on, and checkpoints when due. A final checkpoint and the evaluation close it. The pieces live beside it:
 modes.py (allReduce, sharedGradients, averaging), step.py (one optimizer step), state.py (what checkpoints hold),
-data.py, nonfinite.py, rank_agreement.py, reporting.py, evaluation.py.
+data.py, nonfinite.py, rank_agreement.py, reporting.py, evaluation.py, scalars.py (rank 0's TensorBoard curves).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import sys
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from tandem.worker.train.nonfinite import StepRecord
 from tandem.worker.train.optim import LearningRateSchedule, build_optimizer
 from tandem.worker.train.rank_agreement import Agreement, Outcome
 from tandem.worker.train.reporting import Reporter, Sink
+from tandem.worker.train.scalars import ScalarLog, run_directory
 from tandem.worker.train.state import Checkpointer, Position, TrainState, seed_rank
 from tandem.worker.train.step import TrainStep
 
@@ -47,6 +49,8 @@ class RankContext:
     job: str
     checkpoint_dir: Path
     resume_from: Path | None = None
+    run: str | None = None
+    """The run whose checkpoints rank 0 writes (the checkpoint directory's record names it)."""
     sinks: list[Sink] = field(default_factory=list)
     listeners: list[Callable[[int, torch.nn.Module, torch.optim.Optimizer, bool], None]] = field(default_factory=list)
     """Called after every optimizer step with (step, model, optimizer, synchronised): DL4J's TrainingListener.
@@ -88,7 +92,7 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
     scaler = torch.amp.GradScaler(context.device.type, enabled=trainer.mixed_precision == "fp16")
     state = TrainState(model, optimizer, scaler, schedule, mode, Position())
     checkpointer = Checkpointer(spec, rank=context.rank, world_size=context.world_size, job=context.job,
-                                directory=context.checkpoint_dir)
+                                directory=context.checkpoint_dir, run=context.run)
     seed_rank(trainer.seed, context.rank)  # per-rank dropout noise; a resume restores it
     if context.resume_from is not None:
         checkpointer.resume(state, context.resume_from)
@@ -96,11 +100,23 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
     schedule.total_steps = total_steps = planned_steps(trainer, batches_per_epoch=len(loader), position=position)
     reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps,
                         compression=mode.compression_report) if context.is_master else None
-    if reporter is not None and context.resume_from is not None:
-        reporter.resumed(context.resume_from, step=position.step, epoch=epoch_shown(position))
+    if context.resume_from is not None:
+        done = nothing_left(context.resume_from, position, trainer, total_steps)
+        if reporter is not None:
+            print(f"tandem worker: {done or resuming_line(context.resume_from, position, total_steps)}",
+                  file=sys.stderr, flush=True)
+            reporter.resumed(context.resume_from, step=position.step, epoch=epoch_shown(position),
+                             metrics=checkpointer.metrics)
+        if done is not None:  # nothing to train: its checkpoints are left as they are
+            return None if reporter is None else reporter.final(
+                "Succeeded", done, epoch=epoch_shown(position), metrics=checkpointer.metrics, bytes_sent=0,
+                dense_bytes=0)
     train_step = TrainStep(trainer, mode, optimizer, scaler, schedule, context.device, context.world_size)
+    scalars = ScalarLog(run_directory(context.checkpoint_dir, context.run or context.job), position=position,
+                        schedule=schedule, mode=mode) if context.is_master else None
     record = StepRecord(position, max_consecutive_bad_steps=trainer.max_consecutive_bad_steps,
-                        counts_bad_steps=trainer.mixed_precision != "fp16")
+                        counts_bad_steps=trainer.mixed_precision != "fp16",
+                        on_read=scalars.losses if scalars is not None else None)
     every_minutes, every_steps = spec.checkpoint.every_minutes, spec.checkpoint.every_steps
     agreement = Agreement(is_master=context.is_master, first_step=position.step + 1,
                           checkpoint_every_seconds=every_minutes * 60 if every_minutes is not None else None)
@@ -126,6 +142,7 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
         if reporter is not None and path is not None:
             report_progress()
             reporter.checkpoint(path, position.step, seconds=checkpointer.seconds, metrics=checkpointer.metrics)
+            scalars.checkpoint(position.step, checkpointer.metrics)
 
     outcome = NOTHING_AGREED
     model.train()
@@ -151,6 +168,8 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
                 save()
     agreement.close()
     save(final=True)
+    if scalars is not None:
+        scalars.close()
 
     metrics = checkpointer.metrics  # the final checkpoint's evaluation: the trained model's
     communication = communication_totals(mode)
@@ -164,6 +183,29 @@ def epoch_shown(position: Position) -> int:
     """The epoch under way, counted from 1; at an epoch's last step, that epoch (the position has turned to the
     next, which has not begun)."""
     return max(1, position.epoch + (1 if position.batches_done else 0))
+
+
+def resuming_line(source: Path, position: Position, total_steps: int) -> str:
+    return f"resuming from {source.name} (step {position.step} of {total_steps})"
+
+
+def nothing_left(source: Path, position: Position, trainer: TrainerSpec, total_steps: int) -> str | None:
+    """Why a run resumed from `source` has nothing to train, None while steps remain: the checkpoint is at the job's
+    last step (complete), or past it (`epochs` or `maxSteps` lowered since it was written)."""
+    if position.step < total_steps:
+        return None
+    afresh = ("to train afresh, give the job another checkpoint.directory, or set checkpoint.resume: false and "
+              "checkpoint.overwrite: true")
+    past_epochs = (position.epoch, position.batches_done) > (trainer.epochs, 0)
+    past_steps = trainer.max_steps is not None and position.step > trainer.max_steps
+    if past_epochs or past_steps:
+        limit, value = ("trainer.epochs", trainer.epochs) if past_epochs else ("trainer.maxSteps", trainer.max_steps)
+        return (f"{source.name} is at step {position.step} (epoch {epoch_shown(position)}), past this job's end "
+                f"({limit}: {value}): nothing to train, its checkpoints left as they are. Raise {limit} to train on "
+                f"from it; {afresh}")
+    return (f"already complete: {source.name} is at step {position.step} of {total_steps}, the job's last: nothing "
+            f"to train, its checkpoints left as they are. Raise trainer.epochs (or trainer.maxSteps) to train "
+            f"further; {afresh}")
 
 
 def planned_steps(trainer: TrainerSpec, *, batches_per_epoch: int, position: Position) -> int:

@@ -87,7 +87,9 @@ def is_bare(command: str) -> bool:
     return any(word in BARE or word.split("/", 1)[0] in BARE for word in shlex.split(command)[1:])
 
 
-README_POOL_COMMANDS = [c for c in kubectl_commands(README) if names_a_pool(c)]
+README_AND_DOCS = "\n".join([README, *(path.read_text() for path in sorted((ROOT / "docs").glob("*.md")))])  # the
+# README's deep sections (InferencePools, gated promotion) are in docs/, as it links
+README_POOL_COMMANDS = [c for c in kubectl_commands(README_AND_DOCS) if names_a_pool(c)]
 
 
 def kubectl(cluster: Cluster, command: str, input: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -54,6 +54,8 @@ def kubectl_missing() -> str | None:
 pytestmark = pytest.mark.skipif(bool(MISSING := kubectl_missing()), reason=MISSING or "")
 
 README = (ROOT / "README.md").read_text()
+README_AND_DOCS = "\n".join([README, *(path.read_text() for path in sorted((ROOT / "docs").glob("*.md")))])  # the
+# README's deep sections are in docs/
 QUICK_START = README.split("\n## Quick start on a cluster", 1)[1].split("\n## ", 1)[0]
 TRAIN, POOL = ROOT / "examples" / "digits-train.yaml", ROOT / "examples" / "digits-pool.yaml"
 AGE = re.compile(r"\d+[smhdy](\d+[smh])?")
@@ -342,7 +344,7 @@ def test_readme_samples_are_laid_out_as_kubectl_prints_them():
     """Every `kubectl get` sample of the README: columns aligned as kubectl aligns them, an age kubectl can print;
     and the quick start's three, which this file compares with (so that a README edit cannot make the comparisons
     vacuous)."""
-    blocks = re.findall(r"\n(    NAME .*\n    \S.*)\n", README)
+    blocks = re.findall(r"\n(    NAME .*\n    \S.*)\n", README_AND_DOCS)
     assert len(blocks) == 5
     for block in blocks:
         (row,) = table("\n".join(line[4:] for line in block.splitlines()))

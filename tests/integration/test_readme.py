@@ -3,6 +3,7 @@ serve`, on a free port instead of 8000), its `tandem serve --checkpoint` command
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -26,6 +27,8 @@ from serving import (
 
 README = (ROOT / "README.md").read_text()
 PYTHON_BLOCKS = [block.split("```", 1)[0] for block in README.split("```python\n")[1:]]
+# The first page's `curl -s localhost:8000/v2/models/digits/infer -d '{...}'`, its continuation lines included.
+CURL = re.search(r"^curl -s localhost:8000/v2/models/digits/infer -d '[^']*'$", README, re.M).group(0)
 
 
 def run_python(code: str, cwd: Path) -> str:
@@ -91,6 +94,15 @@ def test_tandem_serve_checkpoint_serves_a_file_or_a_directorys_latest_to_the_tri
                     code = block_using(module).replace("localhost:8000", address).replace("localhost:8001", address)
                     printed = run_python(code, tmp_path)
                     assert len(re.findall(r"[-\d.e]+", printed)) == 10, (module, printed)  # one row of 10 scores
+                # The first page's curl request (a held-out digit as JSON, curl's default content type): the
+                # same 10 scores as tritonclient's, as JSON.
+                answer = json.loads(subprocess.run(CURL.replace("localhost:8000", f"localhost:{port}"), shell=True,
+                                                   capture_output=True, text=True, check=True, timeout=60).stdout)
+                [output] = answer["outputs"]
+                assert (output["name"], output["shape"], len(output["data"])) == ("output", [1, 10], 10), answer
+                shown = json.loads(CURL.split("-d '", 1)[1].rsplit("'", 1)[0])["inputs"][0]["data"]
+                np.testing.assert_allclose(np.array(output["data"], np.float32).reshape(1, 10),
+                                           reference(np.array([shown], np.float32), seed=seed), rtol=1e-5, atol=1e-6)
             process.send_signal(signal.SIGTERM)
         for process in processes:
             assert process.wait(WAIT_S) == 0

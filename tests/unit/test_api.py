@@ -272,7 +272,7 @@ def test_crds_command_writes_one_file_per_crd_with_out(tmp_path, capsys):
 
 
 def test_the_readme_example_manifest_validates():
-    readme = (ROOT / "README.md").read_text()
+    readme = "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     blocks = [b.split("```", 1)[0] for b in readme.split("```yaml\n")[1:]]
     documents = [document for block in blocks for document in yaml.safe_load_all(block)]
     manifests = [d for d in documents if isinstance(d, dict) and str(d.get("apiVersion", "")).startswith("tandem.dev/")]

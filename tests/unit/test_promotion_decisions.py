@@ -222,7 +222,7 @@ def test_pinning_a_named_checkpoint_points_the_servers_at_it_and_a_patch_rolls_t
 def test_the_readmes_rollback_commands_pin_the_example_pool_and_unpin_it():
     """The two `kubectl patch tip digits` lines of the README, applied as kubectl applies them to
     examples/digits-pool.yaml: the first pins step-00000200.pt, the second follows the job again."""
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "operator.md").read_text()  # the README's "Gated promotion", in full
     merge = json.loads(re.search(r"kubectl patch tip digits --type merge -p '([^']+)'", readme).group(1))
     remove = json.loads(re.search(r"kubectl patch tip digits --type json -p '([^']+)'", readme).group(1))
     example = yaml.safe_load((ROOT / "examples" / "digits-pool.yaml").read_text())

@@ -43,8 +43,10 @@ ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 SECTIONS = {part.split("\n", 1)[0]: part for part in README.split("\n## ")[1:]}
 QUICK_START = SECTIONS["Quick start on a cluster"]
-MAPPING = SECTIONS["Coming from DL4J or Kubeflow"]
-TROUBLESHOOTING = SECTIONS["Troubleshooting"]
+# The mapping and the troubleshooting cases are in docs/, linked from the README's sections of those names (the
+# name clash's case stays in the README).
+MAPPING = (ROOT / "docs" / "coming-from.md").read_text()
+TROUBLESHOOTING = SECTIONS["Troubleshooting"] + "\n" + (ROOT / "docs" / "troubleshooting.md").read_text()
 CRDS = {kind: yaml.safe_load((ROOT / "crds" / f"tandem.dev_{plural}.yaml").read_text())
         for kind, plural in (("ParallelTrainingJob", "paralleltrainingjobs"), ("InferencePool", "inferencepools"))}
 

@@ -203,6 +203,17 @@ BUGS = [
         'admitted = holds_quota and true("Admitted") is not None and evicted is None',
         "admitted = holds_quota and evicted is None",
         "tests/unit/test_queueing.py::test_reconcile_under_a_queue"),
+    Bug("keepLast and latest counting another run's checkpoints in the directory", "worker/checkpoint_owner.py",
+        "    if record is None:\n        return step_files(directory)\n",
+        "    return step_files(directory)\n",
+        "tests/unit/test_checkpoint_ownership.py::test_keep_last_and_latest_count_only_the_runs_own_checkpoints"),
+    Bug("a live holder's lease taken over by a second writer", "worker/checkpoint_owner.py",
+        "    return (at - held.renewed).total_seconds() <= LEASE_STALE_SECONDS\n",
+        "    return False\n",
+        "tests/unit/test_checkpoint_ownership.py::test_who_may_take_the_lease"),
+    Bug("a model or data the pre-flight found invalid restarted until backoffLimit", "tandem/restart_policy.py",
+        "    if invalid_report is not None:\n", "    if False:\n",
+        "tests/unit/test_preflight.py::test_an_invalid_model_or_data_fails_at_once_spending_no_restart"),
 ]
 
 

@@ -155,14 +155,19 @@ static unsigned char *put_delimited(unsigned char *into, uint32_t number, const 
     return into + len;
 }
 
-// The sizes of the answer's parts: the packed shape, the output tensor, the raw contents; 0 if they overflow.
-static int answer_sizes(const answer_t *a, size_t *shape_len, size_t *tensor_len, size_t *raw_len) {
+// The sizes of the answer's parts: the packed shape, the output tensor, the raw contents and the whole message (without
+// its 5-byte prefix); 0 if they overflow or the message is over what the prefix can say (4 GiB).
+typedef struct {
+    size_t shape, tensor, raw, message;
+} answer_sizes_t;
+
+static int answer_sizes(const answer_t *a, answer_sizes_t *sizes) {
     if (a->rows < 0) return 0;
     int empty = a->rows == 0;
-    *shape_len = varint_size((uint64_t)a->rows);
+    sizes->shape = varint_size((uint64_t)a->rows);
     for (int i = 0; i < a->dims; i++) {
         if (a->shape[i] < 0) return 0;
-        *shape_len += varint_size((uint64_t)a->shape[i]);
+        sizes->shape += varint_size((uint64_t)a->shape[i]);
         empty |= a->shape[i] == 0;
     }
     uint64_t values = empty ? 0 : (uint64_t)a->rows;
@@ -171,22 +176,25 @@ static int answer_sizes(const answer_t *a, size_t *shape_len, size_t *tensor_len
         values *= (uint64_t)a->shape[i];
     }
     if (values > UINT32_MAX / sizeof(float)) return 0;
-    *raw_len = values * sizeof(float);
-    *tensor_len = delimited_size(a->output_name_len) + delimited_size(4) + delimited_size(*shape_len);
+    sizes->raw = values * sizeof(float);
+    sizes->tensor = delimited_size(a->output_name_len) + delimited_size(4) + delimited_size(sizes->shape);
+    uint64_t message = delimited_size(a->model_name_len) + (a->version_len ? delimited_size(a->version_len) : 0)
+                     + (a->id_len ? delimited_size(a->id_len) : 0) + delimited_size(sizes->tensor)
+                     + delimited_size(sizes->raw);
+    if (message > UINT32_MAX) return 0;
+    sizes->message = message;
     return 1;
 }
 
 size_t infer_response_size(const answer_t *a) {
-    size_t shape_len, tensor_len, raw_len;
-    if (!answer_sizes(a, &shape_len, &tensor_len, &raw_len)) return 0;
-    uint64_t len = delimited_size(a->model_name_len) + (a->version_len ? delimited_size(a->version_len) : 0)
-                 + (a->id_len ? delimited_size(a->id_len) : 0) + delimited_size(tensor_len) + delimited_size(raw_len);
-    return len > UINT32_MAX ? 0 : 5 + len;
+    answer_sizes_t sizes;
+    return answer_sizes(a, &sizes) ? 5 + sizes.message : 0;
 }
 
 void infer_response(const answer_t *a, unsigned char *into) {
-    size_t shape_len, tensor_len, raw_len, len = infer_response_size(a) - 5;
-    answer_sizes(a, &shape_len, &tensor_len, &raw_len);
+    answer_sizes_t sizes;
+    answer_sizes(a, &sizes);
+    size_t len = sizes.message;
     unsigned char *p = into;
     *p++ = 0;
     *p++ = len >> 24;
@@ -197,12 +205,12 @@ void infer_response(const answer_t *a, unsigned char *into) {
     if (a->version_len) p = put_delimited(p, 2, a->version, a->version_len);
     if (a->id_len) p = put_delimited(p, 3, a->id, a->id_len);
     *p++ = 5 << 3 | 2;
-    p = put_varint(p, tensor_len);
+    p = put_varint(p, sizes.tensor);
     p = put_delimited(p, 1, a->output_name, a->output_name_len);
     p = put_delimited(p, 2, "FP32", 4);
     *p++ = 3 << 3 | 2;
-    p = put_varint(p, shape_len);
+    p = put_varint(p, sizes.shape);
     p = put_varint(p, (uint64_t)a->rows);
     for (int i = 0; i < a->dims; i++) p = put_varint(p, (uint64_t)a->shape[i]);
-    put_delimited(p, 6, a->y, raw_len);
+    put_delimited(p, 6, a->y, sizes.raw);
 }

@@ -22,6 +22,7 @@ import fcntl
 import os
 import shutil
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -357,6 +358,32 @@ def prepare(directory: Path, *, fresh: RunRecord, resume: bool, overwrite: bool)
     existing = {p.name for p in directory.iterdir()} if directory.is_dir() else set()
     return plan_directory(directory, read_run(directory), step_files(directory), fresh=fresh, resume=resume,
                           overwrite=overwrite, existing=existing)
+
+
+def claim(directory: Path, fresh: RunRecord, *, resume: bool, overwrite: bool, record: bool = True,
+          wait_seconds: float = 0.0, waiting: Callable[[Lease], None] = lambda held: None,
+          ) -> tuple[LeaseKeeper, DirectoryPlan | None]:
+    """The directory's lease for run `fresh` (take_lease) and how the run begins there (prepare; None without
+    `record`: a custom command's files are its own), the lease released again if the plan is refused. The lease
+    names the run the plan writes as."""
+    keeper = take_lease(directory, this_process(fresh.run, fresh.job, fresh.uid), wait_seconds=wait_seconds,
+                        waiting=waiting)
+    try:
+        plan = prepare(directory, fresh=fresh, resume=resume, overwrite=overwrite) if record else None
+    except BaseException:
+        keeper.release()
+        raise
+    if plan is not None:
+        keeper.name_run(plan.run.run)
+    return keeper, plan
+
+
+def begin(directory: Path, plan: DirectoryPlan, who: str) -> None:
+    """apply_plan, saying (as `who`, on stderr) where it moved another run's checkpoints."""
+    apply_plan(directory, plan)
+    if plan.set_aside:
+        print(f"{who}: moved another run's checkpoints ({names_text(list(plan.set_aside))}) into "
+              f"{directory / plan.aside_into} (spec.checkpoint.overwrite)", file=sys.stderr, flush=True)
 
 
 def record_written(directory: Path, name: str, run: str) -> None:

@@ -96,22 +96,13 @@ def claim_directory(
     the run begins there (refused when it would start afresh among another run's checkpoints). A custom command's
     files are its own: no run is recorded for it."""
     settings = job.spec.checkpoint
-    directory = Path(settings.directory).resolve()
     fresh = checkpoint_owner.RunRecord(run=checkpoint_owner.new_run_id(), job=job.metadata.name,
                                        started=checkpoint_owner.now())
     try:
-        keeper = checkpoint_owner.take_lease(directory, checkpoint_owner.this_process(fresh.run, fresh.job, None))
-        try:
-            plan = None if job.spec.training_mode == "custom" else \
-                checkpoint_owner.prepare(directory, fresh=fresh, resume=settings.resume, overwrite=settings.overwrite)
-        except checkpoint_owner.OwnershipError:
-            keeper.release()
-            raise
+        return checkpoint_owner.claim(Path(settings.directory).resolve(), fresh, resume=settings.resume,
+                                      overwrite=settings.overwrite, record=job.spec.training_mode != "custom")
     except checkpoint_owner.OwnershipError as error:
         raise PreflightError(str(error)) from error
-    if plan is not None:
-        keeper.name_run(plan.run.run)
-    return keeper, plan
 
 
 class Display:
@@ -294,11 +285,7 @@ def run_claimed(job: ParallelTrainingJob, plan: checkpoint_owner.DirectoryPlan |
                 ending: Ending, restart_backoff_seconds: float) -> int:
     """`tandem run` once the checkpoint directory's lease is held and the job has passed its pre-flight check."""
     if plan is not None:
-        directory = Path(job.spec.checkpoint.directory).resolve()
-        checkpoint_owner.apply_plan(directory, plan)
-        if plan.set_aside:
-            print(f"tandem run: moved another run's checkpoints ({checkpoint_owner.names_text(list(plan.set_aside))})"
-                  f" into {directory / plan.aside_into} (spec.checkpoint.overwrite)", file=sys.stderr)
+        checkpoint_owner.begin(Path(job.spec.checkpoint.directory).resolve(), plan, "tandem run")
     run_dir = Path(tempfile.mkdtemp(prefix=f"tandem-{job.metadata.name}-"))
     local_job = LocalJob(job, run_dir=run_dir, resume_from=resume_from, run=plan.run.run if plan else None,
                          backoff_seconds=restart_backoff_seconds)

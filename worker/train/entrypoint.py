@@ -108,22 +108,16 @@ def _claim_directory(env: WorkerContract, job: ParallelTrainingJob, directory: P
     recorded run when it resumes, else a new one named after the job's uid (checkpoint_owner.plan_directory). A
     lease another job holds is waited for until it goes stale."""
     fresh = owner.RunRecord(run=env.job_uid or owner.new_run_id(), job=env.job, uid=env.job_uid, started=owner.now())
-    keeper = owner.take_lease(
-        directory, owner.this_process(fresh.run, env.job, env.job_uid),
-        wait_seconds=owner.LEASE_STALE_SECONDS + owner.LEASE_RENEW_SECONDS,
+    keeper, plan = owner.claim(
+        directory, fresh, resume=env.resume_from is not None or env.resume_latest,
+        overwrite=job.spec.checkpoint.overwrite, wait_seconds=owner.LEASE_STALE_SECONDS + owner.LEASE_RENEW_SECONDS,
         waiting=lambda held: print(f"tandem worker: waiting for {directory}, held by {held.describe(owner.now())}",
                                    file=sys.stderr, flush=True))
     try:
-        plan = owner.prepare(directory, fresh=fresh, resume=env.resume_from is not None or env.resume_latest,
-                             overwrite=job.spec.checkpoint.overwrite)
-        owner.apply_plan(directory, plan)
+        owner.begin(directory, plan, "tandem worker")
     except BaseException:
         keeper.release()
         raise
-    keeper.name_run(plan.run.run)
-    if plan.set_aside:
-        print(f"tandem worker: moved another run's checkpoints ({owner.names_text(list(plan.set_aside))}) into "
-              f"{directory / plan.aside_into} (spec.checkpoint.overwrite)", file=sys.stderr, flush=True)
     return keeper, plan.run.run
 
 

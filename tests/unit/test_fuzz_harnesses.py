@@ -18,8 +18,10 @@ RUNS = 20_000
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make runs the harnesses")
 def test_every_harness_builds_and_runs_clean(tmp_path):
-    done = subprocess.run(["make", "-s", "fuzz", "FUZZ_SECONDS=1"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "FUZZ_COVERAGE": "0", "FUZZ_RUNS": str(RUNS)})
+    # --no-print-directory: under `make -C DIR test` the outer make's flags would add "Entering directory" lines
+    done = subprocess.run(["make", "-s", "--no-print-directory", "fuzz", "FUZZ_SECONDS=1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "FUZZ_COVERAGE": "0", "FUZZ_RUNS": str(RUNS)})
     if done.returncode and "make fuzz: needs" in done.stderr:
         pytest.skip(done.stderr.strip())  # not root here: clang, libFuzzer and llvm-cov cannot be installed
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

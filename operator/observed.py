@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from tandem.contract import INVALID_MODEL_OR_DATA_EXIT_CODE, invalid_model_or_data_report
+from tandem.contract import PERMANENT_FAILURE_EXIT_CODE, PermanentFailureReport, permanent_failure_report
 from tandem.manifest import ManifestError, Resource, parse
 from tandem.operator.training_objects import GROUP_LABEL, POD_INDEX_LABEL, RANK_LABEL
 
@@ -62,9 +62,9 @@ class RankPod:
     exit_code: int | None = None
     termination_message: str = ""
     """The container's terminated reason and message (its last log lines on a failure)."""
-    invalid_report: str | None = None
-    """A rank that found the model or data invalid (its exit code INVALID_MODEL_OR_DATA_EXIT_CODE): its report, the
-    exception's line and the frame that raised it, from the end of its output."""
+    permanent_failure: PermanentFailureReport | None = None
+    """A rank that met a permanent failure (its exit code PERMANENT_FAILURE_EXIT_CODE, its output ending with the
+    report: a model or data that cannot work, a checkpoint directory that is not the run's): the reason and report."""
     failed_rank: tuple[str, str, str] | None = None
     """In a pod of several ranks: the launcher's word on the rank that failed, (rank, local rank, how it ended:
     `exited with code 1`), kept whole apart from the message's tail."""
@@ -122,8 +122,8 @@ def observe_pod(pod: dict[str, Any]) -> RankPod:
         terminating=bool(metadata.get("deletionTimestamp")),
         exit_code=terminated.get("exitCode"),
         termination_message=termination,
-        invalid_report=invalid_model_or_data_report(said)
-        if terminated.get("exitCode") == INVALID_MODEL_OR_DATA_EXIT_CODE else None,
+        permanent_failure=permanent_failure_report(said)
+        if terminated.get("exitCode") == PERMANENT_FAILURE_EXIT_CODE else None,
         failed_rank=launcher.group("rank", "local_rank", "how") if launcher else None,
         pending_reason=reason,
         pending_message=message,

@@ -25,8 +25,10 @@ operator removes once the job is not Running (training_plan.eta_removal). The ru
 6. A rank that fails (in a pod of several, its launcher ends the pod and names it), a rank pod deleted or evicted,
    or rank 0 silent past `heartbeatTimeoutSeconds`, fails the group: every pod is deleted, and once they are gone
    and the backoff has passed a new group starts from `status.checkpoint.latest` (tandem/restart_policy.py), until
-   `backoffLimit` restarts are spent: Failed. A rank that found the model or data invalid (its exit code says so)
-   fails the job at once (InvalidModelOrData), its report leading the message: a restart would fail the same way.
+   `backoffLimit` restarts are spent: Failed. A rank that met a permanent failure (its exit code and report say so:
+   a model or data that cannot work, InvalidModelOrData; a checkpoint directory not the run's to write,
+   CheckpointDirectoryTaken) fails the job at once with that reason, its report leading the message: a restart
+   would fail the same way.
 7. Otherwise the phase follows the pods (workers / ranksPerPod of them): Pending (with the scheduler's or the
    kubelet's reason), Running once every pod runs, Succeeded when every pod exited 0.
 """
@@ -38,7 +40,7 @@ from typing import Any
 
 from tandem.api import ParallelTrainingJob
 from tandem.api.training import TRAINING_PHASES
-from tandem.contract import RESUME_LATEST
+from tandem.contract import RESUME_LATEST, PermanentFailureReport
 from tandem.operator import queueing
 from tandem.operator.observed import (
     ParsedResource,
@@ -252,16 +254,16 @@ class _Reconciler(QueueRules):
         first = min(timestamp(p.finished_at) or self.now for p in failed)
         return any(p.live for p in self.pods) and (self.now - first).total_seconds() < PEER_WAIT_SECONDS
 
-    def _failure(self) -> tuple[str, bool, str | None] | None:
-        """Why the running group has failed, if it has, whether it hangs, and the report of a rank that found the
-        model or data invalid. Of several failed ranks the first to end is the cause: the others lost it (their
+    def _failure(self) -> tuple[str, bool, PermanentFailureReport | None] | None:
+        """Why the running group has failed, if it has, whether it hangs, and the report of a rank that met a
+        permanent failure. Of several failed ranks the first to end is the cause: the others lost it (their
         collectives fail when it goes); of those that ended within the same second (finishedAt's resolution), one
         that lost a peer is not."""
         failed = sorted((p for p in self.pods if p.phase == "Failed"),
                         key=lambda p: (p.finished_at, p.lost_a_peer, p.index))
         if failed:
-            pod = failed[0]  # an invalid model or data: its report says what the log's tail would
-            return self._pod_failure(pod, detail=pod.invalid_report is None), False, pod.invalid_report
+            pod = failed[0]  # a permanent failure: its report says what the log's tail would
+            return self._pod_failure(pod, detail=pod.permanent_failure is None), False, pod.permanent_failure
         for pod in self.pods:
             if pod.terminating:
                 return f"{self._ranks(pod.index)}'s pod {pod.name} was deleted or evicted", False, None
@@ -288,11 +290,11 @@ class _Reconciler(QueueRules):
             return f"{self._ranks(pod.index)} (pod {pod.name}) failed{said}"
         return f"{self._ranks(pod.index)} (pod {pod.name}) exited with code {pod.exit_code}{said}"
 
-    def _group_failed(self, cause: str, hung: bool, invalid_report: str | None) -> None:
+    def _group_failed(self, cause: str, hung: bool, permanent: PermanentFailureReport | None) -> None:
         self.result.kill_at_once = hung
         decision = after_failure(restarts_done=self.restarts, backoff_limit=self.spec.backoff_limit,
                                  base_seconds=self.settings.restart_backoff_seconds, cause=cause,
-                                 invalid_report=invalid_report)
+                                 permanent=permanent)
         if decision.action == "fail":
             self._fail(decision.reason, decision.message)
             return

@@ -23,8 +23,9 @@ and by hand. The names are torchrun's where torchrun has one:
                                 `checkpoint.resume: true` asks), else start afresh; empty or unset: start afresh
     TANDEM_STATUS_FILE          `tandem run` only: where rank 0 publishes its status for the launcher to show
     TANDEM_RUN_ID               `tandem run` only: the run rank 0 writes checkpoints as; the launcher holds the
-                                checkpoint directory's lease and has made it the run's. Unset (on a cluster, by
-                                hand), rank 0 takes the lease and makes the directory its run's itself
+                                checkpoint directory's lease and has made it the run's (for a custom command, whose
+                                files are its own, the run its lease names: no record is kept). Unset (on a
+                                cluster, by hand), rank 0 takes the lease and makes the directory its run's itself
                                 (worker/checkpoint_owner.py): a fresh run is named after TANDEM_JOB_UID
     TANDEM_JOB_UID              the ParallelTrainingJob's uid, on a cluster: rank 0 of the same job, restarted,
                                 takes over the lease its predecessor held
@@ -44,6 +45,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar, NamedTuple
 
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"
@@ -101,17 +103,49 @@ def checkpoint_step(name: str) -> int | None:
 INVALID_MODEL_OR_DATA = "InvalidModelOrData"
 """The reason a job fails with when its model or data cannot work (a reference that does not resolve, data without
 arrays x and y, data the model cannot take) or its custom command cannot start: a restart would fail the same way."""
-INVALID_MODEL_OR_DATA_EXIT_CODE = 78
-"""A rank's exit code for such a failure (sysexits.h's EX_CONFIG). The job fails at once, spending no `backoffLimit`;
-the rank's output ends with the report (`invalid_model_or_data_report`), which the job's message leads with."""
+CHECKPOINT_DIRECTORY_TAKEN = "CheckpointDirectoryTaken"
+"""The reason a job fails with when its checkpoint directory is not its to write (worker/checkpoint_owner.py): another
+run's checkpoints are there and it would start afresh (checkpoint.resume false, no checkpoint.overwrite), or another
+job holds the directory's lease past the wait: a restart would be refused the same way."""
+PERMANENT_FAILURES = (INVALID_MODEL_OR_DATA, CHECKPOINT_DIRECTORY_TAKEN)
+"""The reasons of the failures a restart would repeat identically (PermanentFailure)."""
+PERMANENT_FAILURE_EXIT_CODE = 78
+"""A rank's exit code for a permanent failure (sysexits.h's EX_CONFIG). The job fails at once with its reason,
+spending no `backoffLimit`; the rank's output ends with the report (`permanent_failure_report`), which the job's
+message leads with."""
 
 
-def invalid_model_or_data_report(output: str) -> str | None:
-    """The report that ends the output of a rank that exited with INVALID_MODEL_OR_DATA_EXIT_CODE: from its last line
-    starting `InvalidModelOrData: ` (the exception's line) to the end (the frame that raised it); None without one."""
+class PermanentFailure(ValueError):
+    """A failure a restart would repeat identically. A rank that meets one ends its output with its report, a line
+    `<reason>: <what is wrong and the fix>` (tandem/worker/train/invalid.py), and exits with
+    PERMANENT_FAILURE_EXIT_CODE; `tandem run` fails the job before any rank starts with the same report."""
+
+    reason: ClassVar[str]
+    """One of PERMANENT_FAILURES: the failed job's condition reason and the report's first word."""
+    names_its_frame: ClassVar[bool] = True
+    """Whether the report names the frame that raised it (where a mistake in the job's model or data surfaced); a
+    refusal whose message says everything leaves it out."""
+
+
+class PermanentFailureReport(NamedTuple):
+    """A permanent failure, as the output of the rank that met it reports it."""
+
+    reason: str
+    """One of PERMANENT_FAILURES."""
+    report: str
+    """From the line `<reason>: ` (the exception's line) to the end of the output (the frame that raised it)."""
+
+
+def permanent_failure_report(output: str) -> PermanentFailureReport | None:
+    """The report that ends the output of a rank that exited with PERMANENT_FAILURE_EXIT_CODE: from its last line
+    starting with one of PERMANENT_FAILURES and `: ` to the end; None without one (exit code 78 alone is an ordinary
+    failure: a custom command may use it)."""
     lines = output.rstrip().splitlines()
-    starts = [index for index, line in enumerate(lines) if line.startswith(f"{INVALID_MODEL_OR_DATA}: ")]
-    return "\n".join(lines[starts[-1]:]) if starts else None
+    for index in range(len(lines) - 1, -1, -1):
+        reason = lines[index].partition(": ")[0]
+        if reason in PERMANENT_FAILURES and lines[index].startswith(f"{reason}: "):
+            return PermanentFailureReport(reason, "\n".join(lines[index:]))
+    return None
 
 
 class ContractError(RuntimeError):

@@ -6,9 +6,9 @@ and on one machine.
   again from the latest complete checkpoint, after an exponential backoff (base x 2^restarts so far, at most
   MAX_BACKOFF_SECONDS, as Kubernetes Jobs back off), until `backoffLimit` restarts have been spent; the next
   failure fails the job.
-- A rank that finds the model or data invalid (a reference that does not resolve, data the model cannot take: it
-  exits with INVALID_MODEL_OR_DATA_EXIT_CODE, tandem/contract.py) fails the job at once (InvalidModelOrData),
-  without a restart: a restart would fail the same way.
+- A rank that meets a permanent failure (tandem/contract.py: a model or data that cannot work, InvalidModelOrData; a
+  checkpoint directory that is not the run's, CheckpointDirectoryTaken) exits with PERMANENT_FAILURE_EXIT_CODE and
+  its report: the job fails at once with the report's reason, without a restart: a restart would fail the same way.
 - `activeDeadlineSeconds` counts from the job's start; past it the job fails (DeadlineExceeded).
 - While running, rank 0 reports `progress.lastHeartbeat` at least every few seconds; silence longer than
   `heartbeatTimeoutSeconds` counts as a failure (a hung collective never crashes a rank).
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from tandem.contract import INVALID_MODEL_OR_DATA
+from tandem.contract import PermanentFailureReport
 
 MAX_BACKOFF_SECONDS = 360.0
 
@@ -44,14 +44,14 @@ def backoff_seconds(restarts_done: int, base_seconds: float) -> float:
 
 
 def after_failure(*, restarts_done: int, backoff_limit: int, base_seconds: float, cause: str,
-                  invalid_report: str | None = None) -> FailureDecision:
+                  permanent: PermanentFailureReport | None = None) -> FailureDecision:
     """The group failed (`cause` says how): restart it from the latest checkpoint, or fail the job when the
-    restarts allowed are spent. A rank that found the model or data invalid (`invalid_report`: its report) fails the
-    job at once, spending no restart: a restart would fail the same way."""
-    if invalid_report is not None:
+    restarts allowed are spent. A rank that met a permanent failure (`permanent`: its report) fails the job at once
+    with the report's reason, spending no restart: a restart would fail the same way."""
+    if permanent is not None:
         return FailureDecision(
-            "fail", restarts_done, 0.0, INVALID_MODEL_OR_DATA,
-            f"{invalid_report}\n{cause}; not restarted: a restart would fail the same way (fix the job's spec)")
+            "fail", restarts_done, 0.0, permanent.reason,
+            f"{permanent.report}\n{cause}; not restarted: a restart would fail the same way (fix the job's spec)")
     if restarts_done >= backoff_limit:
         return FailureDecision(
             "fail", restarts_done, 0.0, "BackoffLimitExceeded",

@@ -212,8 +212,8 @@ BUGS = [
         "    return False\n",
         "tests/unit/test_checkpoint_ownership.py::test_who_may_take_the_lease"),
     Bug("a model or data the pre-flight found invalid restarted until backoffLimit", "tandem/restart_policy.py",
-        "    if invalid_report is not None:\n", "    if False:\n",
-        "tests/unit/test_preflight.py::test_an_invalid_model_or_data_fails_at_once_spending_no_restart"),
+        "    if permanent is not None:\n", "    if False:\n",
+        "tests/unit/test_preflight.py::test_a_permanent_failure_fails_at_once_spending_no_restart"),
 ]
 
 

@@ -55,14 +55,16 @@ def build_manifest(**fields: Any) -> dict[str, Any]:
     }
 
 
-def save(directory: Path, state: Mapping[str, Any], *, step: int, keep_last: int, run: str | None = None) -> Path:
+def save(directory: Path, state: Mapping[str, Any], *, step: int, keep_last: int, run: str | None = None,
+         holder: checkpoint_owner.Lease | None = None) -> Path:
     """Write `state` (which must hold `manifest` and `model`) as the checkpoint of `step` of `run`, the directory's
-    recorded run (None: a directory without a record); keep the run's newest `keep_last`. Returns the final path,
-    which exists only once the file is complete."""
+    recorded run (None: a directory without a record), under the lease `holder` (if any: refused once another holds
+    the directory's lease); keep the run's newest `keep_last`. Returns the final path, which exists only once the
+    file is complete."""
     directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, step)
     temporary = directory / f".{final.name}.{os.getpid()}.tmp"
-    _claim_name(directory, final.name, run)
+    _claim_name(directory, final.name, run, holder)
     try:
         with open(temporary, "wb") as file:
             torch.save({"format": FORMAT, **state}, file)
@@ -80,11 +82,12 @@ def save(directory: Path, state: Mapping[str, Any], *, step: int, keep_last: int
     return final
 
 
-def _claim_name(directory: Path, name: str, run: str | None) -> None:
-    """Count `name` as `run`'s before it is written; without a run, only in a directory no run has recorded."""
+def _claim_name(directory: Path, name: str, run: str | None, holder: checkpoint_owner.Lease | None) -> None:
+    """Count `name` as `run`'s before it is written (while `holder`, if any, holds the directory's lease); without a
+    run, only in a directory no run has recorded."""
     try:
         if run is not None:
-            checkpoint_owner.record_written(directory, name, run)
+            checkpoint_owner.record_written(directory, name, run, holder)
         elif (recorded := checkpoint_owner.read_run(directory)) is not None:
             raise checkpoint_owner.OwnershipError(
                 f"{directory} holds the checkpoints of run {recorded.run} (job {recorded.job}): not writing {name} "

@@ -6,11 +6,15 @@ one) and lists the checkpoints it wrote, oldest first, so that `keepLast` and "l
 files. A run starting afresh in a directory holding another run's checkpoints is refused, or with
 `checkpoint.overwrite` moves them aside into a subdirectory named after that run (`plan_directory`).
 
-One writer at a time: the lease, `tandem-lease.json`, names its holder (host, pid, run, job, since, renewed). The
-holder renews it every LEASE_RENEW_SECONDS and removes it when done. Anyone else is refused while it holds it, unless
-the lease is stale: its pid is gone on the same host, or it has not been renewed for LEASE_STALE_SECONDS. A holder
-with the same job uid (rank 0 of the same job, restarted on a cluster) takes it over at once. `tandem run` takes it
-in the launcher, before any rank starts; on a cluster rank 0 takes it.
+One writer at a time: the lease, `tandem-lease.json`, names its holder (host, pid and its start time, run, job,
+since, renewed). The holder renews it every LEASE_RENEW_SECONDS and removes it when done. Anyone else is refused while
+it holds it, unless the lease is stale. On the holder's host (and pid namespace) that is when its process is gone: a
+live holder keeps it however long since it renewed (one stopped with SIGSTOP, say), and a process that has since been
+given its pid is not it (its start time differs). Seen from another host, whose pids mean nothing here, it is when
+the lease has not been renewed for LEASE_STALE_SECONDS. A holder with the same job uid (rank 0 of the same job,
+restarted on a cluster) takes it over at once. `tandem run` and ParallelWrapper take it in the launcher, before any
+rank starts; on a cluster rank 0 takes it. A writer whose lease another has taken over (it stopped renewing it, seen
+from another host) is refused its next checkpoint (`record_written`), even where the new holder resumed its run.
 
 This module imports neither torch nor the trainer: the launcher uses it before any rank starts.
 """
@@ -34,7 +38,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.alias_generators import to_camel
 
-from tandem.contract import checkpoint_step
+from tandem.contract import CHECKPOINT_DIRECTORY_TAKEN, PermanentFailure, checkpoint_step
 
 RUN_FILE = "tandem-run.json"
 LEASE_FILE = "tandem-lease.json"
@@ -46,8 +50,13 @@ ASIDE_PREFIX = "run-"
 NAMES_SHOWN = 4
 
 
-class OwnershipError(ValueError):
-    """The checkpoint directory is not this run's to write: held by another writer, or holding another run."""
+class OwnershipError(PermanentFailure):
+    """The checkpoint directory is not this run's to write: held by another writer, or holding another run. A
+    permanent failure (CheckpointDirectoryTaken): the job fails at once, its message this one, which names the
+    directory, who holds it and the fix."""
+
+    reason = CHECKPOINT_DIRECTORY_TAKEN
+    names_its_frame = False
 
 
 class _Record(BaseModel):
@@ -76,11 +85,20 @@ class Lease(_Record):
     pid: int
     pid_namespace: str = ""
     """The holder's pid namespace (a pod's own): its pid means something only to a process in the same one."""
+    pid_started: int | None = None
+    """When the holder's process started (/proc/PID/stat's starttime, clock ticks after boot; None where there is no
+    /proc): a later process given the same pid is not the holder."""
     run: str
     job: str
     uid: str | None = None
     since: datetime
     renewed: datetime
+
+    @property
+    def holding(self) -> tuple[str, str, int, datetime]:
+        """Which holding of the directory this lease is: the process (host, pid namespace, pid) and since when it
+        holds it. Renewing the lease, or naming another run in it, keeps it; a takeover is another."""
+        return self.host, self.pid_namespace, self.pid, self.since
 
     def describe(self, now: datetime) -> str:
         renewed = max(0, round((now - self.renewed).total_seconds()))
@@ -99,8 +117,8 @@ def now() -> datetime:
 def this_process(run: str, job: str, uid: str | None) -> Lease:
     """A lease naming this process as holder, from now."""
     started = now()
-    return Lease(host=socket.gethostname(), pid=os.getpid(), pid_namespace=_pid_namespace(), run=run, job=job,
-                 uid=uid, since=started, renewed=started)
+    return Lease(host=socket.gethostname(), pid=os.getpid(), pid_namespace=_pid_namespace(),
+                 pid_started=process_started(os.getpid()), run=run, job=job, uid=uid, since=started, renewed=started)
 
 
 def _pid_namespace() -> str:
@@ -120,10 +138,31 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def lease_blocks(held: Lease | None, me: Lease, at: datetime, *, alive: Callable[[int], bool] = pid_alive) -> bool:
-    """Whether `held` keeps `me` from writing the directory: true unless there is none, it is mine, its job's
-    (the same uid: rank 0 of the same job restarted), or stale (its pid gone on this host, or not renewed for
-    LEASE_STALE_SECONDS)."""
+def process_started(pid: int) -> int | None:
+    """When process `pid` started: /proc/PID/stat's field 22 (starttime, clock ticks after boot); None where /proc
+    does not say (no such process, or no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # after the command's name, which may hold spaces and parentheses
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+
+
+def holder_alive(held: Lease) -> bool:
+    """Whether the process holding `held` (one of this process's pid space) still runs: its pid is alive and, where
+    the lease records it, started when the holder's did (not a later process given the same pid)."""
+    if not pid_alive(held.pid):
+        return False
+    started = process_started(held.pid)
+    return held.pid_started is None or started is None or started == held.pid_started
+
+
+def lease_blocks(held: Lease | None, me: Lease, at: datetime, *,
+                 alive: Callable[[Lease], bool] = holder_alive) -> bool:
+    """Whether `held` keeps `me` from writing the directory: true unless there is none, it is mine, its job's (the
+    same uid: rank 0 of the same job restarted), or stale: on this host (and pid namespace) its process gone (`alive`
+    says), however long since it renewed; from another host, not renewed for LEASE_STALE_SECONDS."""
     if held is None:
         return False
     same_process_space = (held.host, held.pid_namespace) == (me.host, me.pid_namespace)
@@ -131,8 +170,8 @@ def lease_blocks(held: Lease | None, me: Lease, at: datetime, *, alive: Callable
         return False
     if held.uid is not None and held.uid == me.uid:
         return False
-    if same_process_space and not alive(held.pid):
-        return False
+    if same_process_space:
+        return alive(held)
     return (at - held.renewed).total_seconds() <= LEASE_STALE_SECONDS
 
 
@@ -166,6 +205,14 @@ def read_lease(directory: Path) -> Lease | None:
     return _read(directory / LEASE_FILE, Lease)
 
 
+def _read_lease_quietly(directory: Path) -> Lease | None:
+    """The directory's lease; None for an unreadable one too."""
+    try:
+        return read_lease(directory)
+    except OwnershipError:
+        return None
+
+
 @contextlib.contextmanager
 def _deciding(directory: Path) -> Iterator[None]:
     """Serialises the decisions about the lease (read, judge, write) of every process taking it. A file opened for
@@ -177,8 +224,8 @@ def _deciding(directory: Path) -> Iterator[None]:
 
 def in_use_message(directory: Path, held: Lease, at: datetime) -> str:
     return (f"spec.checkpoint.directory {directory} is in use by another run: held by {held.describe(at)}. Wait for "
-            f"it to end (or stop it), or give this job another spec.checkpoint.directory. A lease not renewed for "
-            f"{LEASE_STALE_SECONDS:.0f} s, or whose process is gone, is taken over.")
+            f"it to end (or stop it), or give this job another spec.checkpoint.directory. A lease whose process is "
+            f"gone, or one from another host not renewed for {LEASE_STALE_SECONDS:.0f} s, is taken over.")
 
 
 def try_take_lease(directory: Path, me: Lease) -> Lease | None:
@@ -228,10 +275,7 @@ class LeaseKeeper:
                 _write(self.directory / LEASE_FILE, self.lease)
 
     def _mine(self) -> bool:
-        try:
-            held = read_lease(self.directory)
-        except OwnershipError:
-            return False
+        held = _read_lease_quietly(self.directory)
         return held is not None and (held.host, held.pid_namespace, held.pid) == \
             (self.lease.host, self.lease.pid_namespace, self.lease.pid)
 
@@ -386,10 +430,18 @@ def begin(directory: Path, plan: DirectoryPlan, who: str) -> None:
               f"{directory / plan.aside_into} (spec.checkpoint.overwrite)", file=sys.stderr, flush=True)
 
 
-def record_written(directory: Path, name: str, run: str) -> None:
+def record_written(directory: Path, name: str, run: str, holder: Lease | None = None) -> None:
     """Add `name` to the run's record as its latest, before the file appears under that name: a checkpoint is
     never in the directory without being counted as the run's. Refused when the directory has become another run's
-    (`run`: the writer's)."""
+    (`run`: the writer's), or when the lease the writer writes under (`holder`: its own, or its launcher's) is no
+    longer the directory's: its holder stopped renewing it (stopped, or cut off, for longer than
+    LEASE_STALE_SECONDS, seen from another host) and another took it over, perhaps resuming the same run."""
+    if holder is not None:
+        held = _read_lease_quietly(directory)
+        if held is None or held.holding != holder.holding:
+            now_held = f"now held by {held.describe(now())}" if held is not None else "gone"
+            raise OwnershipError(f"{directory}: this run ({run}) lost the directory's lease ({now_held}): not "
+                                 f"writing {name}")
     record = read_run(directory)
     if record is None:
         raise OwnershipError(f"{directory}: its {RUN_FILE} is gone: this run ({run}) no longer owns the directory")

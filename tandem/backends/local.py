@@ -10,14 +10,15 @@ request to checkpoint and stop, and never leaves a process behind. It applies th
   restarts are spent, and then the job fails;
 - a model, data or custom command that cannot work fails the job before any rank starts (the pre-flight check,
   worker/train/preflight.py), or at once when a rank finds it so (its exit code and report): InvalidModelOrData,
-  no restart;
+  no restart; so does a checkpoint directory that is not the run's to write (CheckpointDirectoryTaken, below);
 - past `activeDeadlineSeconds` (counted from the first group's start) the ranks get SIGTERM, write a checkpoint
   and stop, or are killed after the grace period; the job fails (DeadlineExceeded).
 
 Before any rank starts, the launcher makes the checkpoint directory this run's (worker/checkpoint_owner.py): it takes
 the directory's lease, held until it exits (a second `tandem run` of the directory is refused at once, naming the
 holder), and decides the run the ranks write as: the recorded one when resuming, else a new one, refused where
-another run's checkpoints are unless `checkpoint.overwrite` moves them aside.
+another run's checkpoints are unless `checkpoint.overwrite` moves them aside. A refusal fails the job as a cluster
+does (CheckpointDirectoryTaken): `tandem run: Failed: CheckpointDirectoryTaken: ...`, exit code 2.
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ import torch
 from tandem.api import ParallelTrainingJob, ParallelTrainingJobStatus
 from tandem.backends.local_ranks import Launcher
 from tandem.backends.run_summary import Ending
-from tandem.contract import INVALID_MODEL_OR_DATA_EXIT_CODE, invalid_model_or_data_report
+from tandem.contract import (
+    PERMANENT_FAILURE_EXIT_CODE,
+    PermanentFailure,
+    PermanentFailureReport,
+    permanent_failure_report,
+)
 from tandem.manifest import ManifestError, load_one
 from tandem.restart_policy import after_failure, deadline_exceeded
 from tandem.worker import checkpoint, checkpoint_owner
@@ -93,16 +99,13 @@ def claim_directory(
     job: ParallelTrainingJob,
 ) -> tuple[checkpoint_owner.LeaseKeeper, checkpoint_owner.DirectoryPlan | None]:
     """The checkpoint directory's lease, held for this `tandem run` (refused at once while another holds it), and how
-    the run begins there (refused when it would start afresh among another run's checkpoints). A custom command's
-    files are its own: no run is recorded for it."""
+    the run begins there (refused when it would start afresh among another run's checkpoints): an OwnershipError,
+    a permanent failure. A custom command's files are its own: no run is recorded for it."""
     settings = job.spec.checkpoint
     fresh = checkpoint_owner.RunRecord(run=checkpoint_owner.new_run_id(), job=job.metadata.name,
                                        started=checkpoint_owner.now())
-    try:
-        return checkpoint_owner.claim(Path(settings.directory).resolve(), fresh, resume=settings.resume,
-                                      overwrite=settings.overwrite, record=job.spec.training_mode != "custom")
-    except checkpoint_owner.OwnershipError as error:
-        raise PreflightError(str(error)) from error
+    return checkpoint_owner.claim(Path(settings.directory).resolve(), fresh, resume=settings.resume,
+                                  overwrite=settings.overwrite, record=job.spec.training_mode != "custom")
 
 
 class Display:
@@ -176,7 +179,7 @@ class LocalJob:
             self.report_failure(display, group, ended)
             decision = after_failure(restarts_done=self.restarts, backoff_limit=self.spec.backoff_limit,
                                      base_seconds=self.backoff_seconds, cause=ended.cause,
-                                     invalid_report=invalid_report(group, ended))
+                                     permanent=permanent_failure(group, ended))
             if decision.action == "fail":
                 return self.finished("Failed", decision.message), 1
             self.restarts = decision.restarts
@@ -246,11 +249,11 @@ class LocalJob:
         return status, {"Succeeded": 0, "Suspended": INTERRUPTED_EXIT_CODE}.get(status.phase, 1)
 
 
-def invalid_report(group: Launcher, ended: GroupExit) -> str | None:
-    """The report of a rank that found the model or data invalid (the end of its log), or None."""
-    if ended.code != INVALID_MODEL_OR_DATA_EXIT_CODE:
+def permanent_failure(group: Launcher, ended: GroupExit) -> PermanentFailureReport | None:
+    """The report of a rank that met a permanent failure (the end of its log), or None."""
+    if ended.code != PERMANENT_FAILURE_EXIT_CODE:
         return None
-    return invalid_model_or_data_report(group.tail(ended.failed_rank))
+    return permanent_failure_report(group.tail(ended.failed_rank))
 
 
 def run(path: str, *, workers: int | None = None, status_out: str | None = None, output: str = "summary",
@@ -273,21 +276,24 @@ def run(path: str, *, workers: int | None = None, status_out: str | None = None,
     except (ManifestError, PreflightError) as error:
         print(f"tandem run: {error}", file=sys.stderr)
         return 2
-    except InvalidModelOrData as error:
+    except PermanentFailure as error:  # InvalidModelOrData, or the checkpoint directory's OwnershipError
         return failed_before_start(job, error, ending)
     try:
-        return run_claimed(job, plan, resume_from, ending=ending, restart_backoff_seconds=restart_backoff_seconds)
+        return run_claimed(job, plan, keeper.lease.run, resume_from, ending=ending,
+                           restart_backoff_seconds=restart_backoff_seconds)
     finally:
         keeper.release()
 
 
-def run_claimed(job: ParallelTrainingJob, plan: checkpoint_owner.DirectoryPlan | None, resume_from: Path | None, *,
-                ending: Ending, restart_backoff_seconds: float) -> int:
-    """`tandem run` once the checkpoint directory's lease is held and the job has passed its pre-flight check."""
+def run_claimed(job: ParallelTrainingJob, plan: checkpoint_owner.DirectoryPlan | None, run: str,
+                resume_from: Path | None, *, ending: Ending, restart_backoff_seconds: float) -> int:
+    """`tandem run` once the checkpoint directory's lease is held for `run` (the plan's run, or for a custom command
+    the lease's: the ranks are told it, and so that the launcher holds the directory) and the job has passed its
+    pre-flight check."""
     if plan is not None:
         checkpoint_owner.begin(Path(job.spec.checkpoint.directory).resolve(), plan, "tandem run")
     run_dir = Path(tempfile.mkdtemp(prefix=f"tandem-{job.metadata.name}-"))
-    local_job = LocalJob(job, run_dir=run_dir, resume_from=resume_from, run=plan.run.run if plan else None,
+    local_job = LocalJob(job, run_dir=run_dir, resume_from=resume_from, run=run,
                          backoff_seconds=restart_backoff_seconds)
     previous = {sig: signal.signal(sig, local_job.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     display = Display(job.metadata.name)
@@ -308,9 +314,9 @@ def run_claimed(job: ParallelTrainingJob, plan: checkpoint_owner.DirectoryPlan |
     return code
 
 
-def failed_before_start(job: ParallelTrainingJob, error: InvalidModelOrData, ending: Ending) -> int:
-    """The job fails before any rank starts, as it would on a cluster (InvalidModelOrData, no restart): exit code 2,
-    like every mistake found before starting."""
+def failed_before_start(job: ParallelTrainingJob, error: PermanentFailure, ending: Ending) -> int:
+    """The job fails before any rank starts, as it would on a cluster (with the failure's reason, no restart): exit
+    code 2, like every mistake found before starting."""
     status = ParallelTrainingJobStatus(phase="Failed", message=report(error), restarts=0, completion_time=now())
     status.workers.total = job.spec.workers
     print(f"tandem run: Failed: {status.message}", file=sys.stderr)

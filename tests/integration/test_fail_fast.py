@@ -1,17 +1,29 @@
 """Fail fast, and once (issue 36): a model or data that cannot work is named with the fix before anything trains, and
 ends the job Failed (InvalidModelOrData) in one attempt, spending no `backoffLimit`: under `tandem run` (its own
 check, and a rank's), on the emulated cluster (rank 0's check, or a custom command's, read by the operator), and in
-`tandem validate`."""
+`tandem validate`. So does a checkpoint directory rank 0 refuses on the cluster (CheckpointDirectoryTaken)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from jobs import ROOT, final_status, manifest, tandem_run
-from operator_runs import GROUP, JOBS, NS, STARTUP, VERSION, cluster_with_operator, custom_job, events, job_pods
+from operator_runs import (
+    GROUP,
+    JOBS,
+    NS,
+    STARTUP,
+    VERSION,
+    claim,
+    cluster_with_operator,
+    custom_job,
+    events,
+    job_pods,
+)
 
 from devcluster import Cluster
 from tandem.cli import main
+from tandem.worker import checkpoint_owner as owner
 
 FEATURES = "InvalidModelOrData: spec.trainer.data: data has 32 features, the model expects 64 (its first layer, 0: " \
            "Linear): give the model 32 inputs (spec.trainer.modelArgs) or data with 64 features"
@@ -106,6 +118,15 @@ def wait_failed(cluster: Cluster, name: str) -> dict:
     return cluster.wait_for(failed, STARTUP, f"{name} to fail")
 
 
+def assert_failed_in_one_attempt(cluster: Cluster, name: str, status: dict, reason: str) -> None:
+    """`name` failed with `reason` (its Failed condition and last Event) in its first group, never restarted."""
+    assert status["restarts"] == 0
+    assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == reason
+    assert {pod["metadata"]["labels"]["tandem.dev/group"] for pod in job_pods(cluster, name)} == {"0"}
+    cluster.wait_for(lambda: events(cluster, name)[-1:] == [reason], 10, "the Failed Event")
+    assert "Restarting" not in events(cluster, name)
+
+
 def test_a_shape_mismatch_on_the_cluster_fails_the_job_in_one_attempt(cluster):
     cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, JOBS, {
         "apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": "narrow"},
@@ -113,17 +134,12 @@ def test_a_shape_mismatch_on_the_cluster_fails_the_job_in_one_attempt(cluster):
                  "trainer": {"model": "tandem.examples.digits:mlp", "data": "narrow_data:narrow_data"}}})
 
     status = wait_failed(cluster, "narrow")
-    assert status["restarts"] == 0
+    assert_failed_in_one_attempt(cluster, "narrow", status, "InvalidModelOrData")
     lines = status["message"].splitlines()
     assert lines[0] == FEATURES, status["message"]
     assert lines[1].startswith("  raised at tandem/worker/train/preflight.py:")
     assert lines[2] == "rank 0 (pod narrow-worker-0) exited with code 78; not restarted: a restart would fail the " \
                        "same way (fix the job's spec)"
-    failed_condition = next(c for c in status["conditions"] if c["type"] == "Failed")
-    assert failed_condition["reason"] == "InvalidModelOrData"
-    assert {pod["metadata"]["labels"]["tandem.dev/group"] for pod in job_pods(cluster, "narrow")} == {"0"}
-    cluster.wait_for(lambda: events(cluster, "narrow")[-1:] == ["InvalidModelOrData"], 10, "the Failed Event")
-    assert "Restarting" not in events(cluster, "narrow")
 
 
 def test_a_custom_command_that_cannot_start_fails_the_job_on_the_cluster_in_one_attempt(cluster):
@@ -136,3 +152,35 @@ def test_a_custom_command_that_cannot_start_fails_the_job_on_the_cluster_in_one_
                         "'no_such_trainer_module' (`-m no_such_trainer_module`): install it in the image, or put its "
                         "directory on PYTHONPATH")
     assert lines[-1].startswith("rank 0 (pod unimportable-worker-0) exited with code 78; not restarted")
+
+
+def test_a_checkpoint_directory_holding_another_run_fails_the_job_on_the_cluster_in_one_attempt(cluster):
+    """Rank 0 refuses to start afresh among another run's checkpoints (checkpoint.resume false, no overwrite): the job
+    fails at once with CheckpointDirectoryTaken and the refusal's fix, spending no restart (each would be refused the
+    same way), and the other run's files are left as they were."""
+    claim(cluster, "taken-checkpoints")
+    directory = cluster.kubelet.claim_dir(NS, "taken-checkpoints") / "taken"
+    directory.mkdir(parents=True)
+    owner.write_run(directory, owner.RunRecord(run="old", job="long", started=owner.now(),
+                                               checkpoints=["step-00002860.pt"]))
+    (directory / "step-00002860.pt").write_bytes(b"another run's weights")
+    before = {path.name: path.read_bytes() for path in directory.iterdir()}
+    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, JOBS, {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": "taken"},
+        "spec": {"workers": 1, "backoffLimit": 3,
+                 "trainer": {"model": "tandem.examples.digits:mlp", "data": "tandem.examples.digits:train_data"},
+                 "checkpoint": {"directory": "taken", "persistentVolumeClaim": "taken-checkpoints",
+                                "resume": False}}})
+
+    status = wait_failed(cluster, "taken")
+    assert_failed_in_one_attempt(cluster, "taken", status, "CheckpointDirectoryTaken")
+    lines = status["message"].splitlines()
+    assert lines[0].startswith(  # (the emulated kubelet maps the claim's mount path to its directory here)
+        f"CheckpointDirectoryTaken: spec.checkpoint.directory {directory} holds another run's checkpoints (run old of "
+        "job long: step-00002860.pt (1 file)) and spec.checkpoint.resume is false"), lines
+    assert "Give this job another spec.checkpoint.directory, or delete them, or set spec.checkpoint.overwrite: true" \
+        in lines[0]
+    assert lines[-1] == "rank 0 (pod taken-worker-0) exited with code 78; not restarted: a restart would fail the " \
+                        "same way (fix the job's spec)"
+    assert {path.name: path.read_bytes() for path in directory.iterdir() if path.name in before} == before
+    assert owner.LEASE_FILE not in {path.name for path in directory.iterdir()}, "the refused rank released the lease"

@@ -48,9 +48,12 @@ def test_a_fresh_start_among_another_runs_checkpoints_is_refused_before_any_rank
     before = another_runs_checkpoints(directory_of(tmp_path))
     result = tandem_run(tiny_job(tmp_path, max_steps=4, resume=False))
     assert result.returncode == 2, result.stderr
-    assert (f"tandem run: spec.checkpoint.directory {directory_of(tmp_path)} holds another run's checkpoints (run old "
-            "of job long: step-00002700.pt, step-00002780.pt, step-00002860.pt (3 files))") in result.stderr
+    refusal = (f"CheckpointDirectoryTaken: spec.checkpoint.directory {directory_of(tmp_path)} holds another run's "
+               "checkpoints (run old of job long: step-00002700.pt, step-00002780.pt, step-00002860.pt (3 files))")
+    assert f"tandem run: Failed: {refusal}" in result.stderr
     assert "spec.checkpoint.overwrite: true" in result.stderr and "another spec.checkpoint.directory" in result.stderr
+    status = final_status(result)  # as a cluster's job would fail: with the reason, spending no restart
+    assert (status["phase"], status["restarts"]) == ("Failed", 0) and status["message"].startswith(refusal)
     assert {path.name: path.read_bytes() for path in directory_of(tmp_path).iterdir()
             if path.name in before} == before
 
@@ -68,8 +71,8 @@ def test_a_second_writer_is_refused_at_once_naming_the_holder(tmp_path):
         holder.kill()
         holder.wait()
     assert result.returncode == 2, result.stderr
-    assert (f"tandem run: spec.checkpoint.directory {directory} is in use by another run: held by pid {holder.pid} on "
-            "host ") in result.stderr
+    assert (f"tandem run: Failed: CheckpointDirectoryTaken: spec.checkpoint.directory {directory} is in use by "
+            f"another run: held by pid {holder.pid} on host ") in result.stderr
     assert "(run first, job tiny)" in result.stderr
     assert not list(directory.glob("step-*"))
 
@@ -99,3 +102,24 @@ def test_overwrite_keeps_the_other_run_aside_then_a_rerun_resumes_or_says_it_is_
     assert "tandem worker: resuming from step-00000004.pt (step 4 of 6)" in further.stderr
     assert final_status(further)["progress"]["step"] == 6
     assert {path.name: path.read_bytes() for path in (directory / "run-old").iterdir()} == before
+
+
+LEASE_CHECK = """
+import json, os, sys
+from pathlib import Path
+lease = json.loads((Path(os.environ["TANDEM_CHECKPOINT_DIR"]) / "tandem-lease.json").read_text())
+held = (lease["pid"], lease["run"]) == (os.getppid(), os.environ["TANDEM_RUN_ID"])
+print("held by the launcher" if held else f"lease {lease}", file=sys.stderr)
+sys.exit(0 if held else 3)
+"""
+
+
+def test_a_custom_command_runs_while_the_launcher_holds_its_directory(tmp_path):
+    """A custom command's files are its own (no run recorded), but `tandem run` holds the directory's lease while it
+    runs, as for Tandem's trainer: the command finds the lease naming its launcher and the run it was told."""
+    path = manifest(tmp_path, "custom", workers=1, trainingMode="custom",
+                    custom={"command": [sys.executable, "-c", LEASE_CHECK]})
+    result = tandem_run(path)
+    assert result.returncode == 0, result.stderr  # (the command exits 3 where the lease is not the launcher's)
+    directory = tmp_path / "custom" / "checkpoints"
+    assert not (directory / owner.LEASE_FILE).exists() and not (directory / owner.RUN_FILE).exists()

@@ -322,3 +322,27 @@ def test_parallel_wrapper_trains_the_callers_model_and_its_ranks_update_their_ow
         wrapper.fit(train_data())
     for name in trained[0]:
         torch.testing.assert_close(trained[0][name], trained[1][name], rtol=1e-4, atol=1e-5)
+
+
+def test_parallel_wrappers_checkpoints_are_its_runs_and_another_run_is_refused_them(tmp_path):
+    """A wrapper's fits record one run in its checkpoint directory (a second fit continues it) and release the
+    lease; another wrapper, starting a run of its own there, is refused before any rank starts (tandem run's rule:
+    worker/checkpoint_owner.py), the first run's checkpoints left as they were."""
+    from tandem import ParallelWrapper
+    from tandem.examples.digits import mlp, train_data
+    from tandem.worker import checkpoint_owner as owner
+
+    with ParallelWrapper(mlp(hidden=8), workers=1, max_steps=2, checkpoint_dir=tmp_path,
+                         show_progress=False) as first:
+        for _ in range(2):
+            assert first.fit(train_data()).phase == "Succeeded"
+    record = owner.read_run(tmp_path)
+    assert (record.run, record.job, record.checkpoints) == (first.run.run, "ParallelWrapper", ["step-00000002.pt"])
+    assert not (tmp_path / owner.LEASE_FILE).exists()
+    files = {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()}
+    with ParallelWrapper(mlp(hidden=8), workers=1, max_steps=2, checkpoint_dir=tmp_path,
+                         show_progress=False) as second, \
+            pytest.raises(owner.OwnershipError, match=rf"holds another run's checkpoints \(run {first.run.run} of job "
+                                                      r"ParallelWrapper: step-00000002.pt \(1 file\)\)"):
+        second.fit(train_data())
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()} == files

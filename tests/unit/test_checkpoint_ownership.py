@@ -4,6 +4,11 @@ and that `keepLast` and "latest" count only the run's own checkpoints; and what 
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -89,22 +94,89 @@ def lease(*, pid: int = 100, host: str = "vm", uid: str | None = None, renewed_a
 ME = lease(pid=200)
 
 
+STALE = owner.LEASE_STALE_SECONDS
+
+
 @pytest.mark.parametrize(("name", "held", "me", "alive", "blocks"), [
     ("no lease", None, ME, True, False),
     ("my own", lease(pid=200), ME, True, False),
     ("another live process on this host", lease(), ME, True, True),
-    ("its process gone on this host", lease(), ME, False, False),
-    ("not renewed for the stale time", lease(renewed_ago=owner.LEASE_STALE_SECONDS + 1), ME, True, False),
-    ("renewed just within the stale time", lease(renewed_ago=owner.LEASE_STALE_SECONDS), ME, True, True),
+    ("its process gone on this host (or its pid another process's since)", lease(), ME, False, False),
+    ("a live holder on this host not renewed for the stale time (stopped): kept", lease(renewed_ago=STALE + 1), ME,
+     True, True),
+    ("another host, not renewed for the stale time", lease(host="node-2", renewed_ago=STALE + 1), ME, True, False),
+    ("another host, renewed just within the stale time", lease(host="node-2", renewed_ago=STALE), ME, False, True),
     ("another host: its pid means nothing here", lease(host="node-2"), ME, False, True),
     ("another pid namespace (a pod of the same name)", lease(namespace="pid:[2]"), ME, False, True),
+    ("another pid namespace, not renewed for the stale time", lease(namespace="pid:[2]", renewed_ago=STALE + 1), ME,
+     True, False),
     ("rank 0 of the same job, restarted (a new pod of the same name)", lease(host="p-0", uid="u1"),
      lease(host="p-0", uid="u1", namespace="pid:[2]"), True, False),
     ("rank 0 of another job of the same name", lease(host="p-0", uid="u1"),
      lease(host="p-0", uid="u2", namespace="pid:[2]"), True, True),
 ])
 def test_who_may_take_the_lease(name, held, me, alive, blocks):
-    assert owner.lease_blocks(held, me, NOW, alive=lambda pid: alive) is blocks, name
+    assert owner.lease_blocks(held, me, NOW, alive=lambda holder: alive) is blocks, name
+
+
+def this_process_lease(**changes) -> owner.Lease:
+    return owner.this_process("r", "j", None).model_copy(update=changes)
+
+
+@pytest.mark.parametrize(("name", "held", "alive"), [
+    ("this process", this_process_lease(), True),
+    ("this pid, started at another time: a later process given the holder's pid", "started later", False),
+    ("a lease without a start time (written before they were recorded)", this_process_lease(pid_started=None), True),
+    ("a pid no process has", this_process_lease(pid=2 ** 22 + 1), False),
+])
+def test_whether_the_holder_on_this_host_is_alive(name, held, alive):
+    if held == "started later":
+        held = this_process_lease(pid_started=owner.process_started(os.getpid()) + 1)
+    assert owner.holder_alive(held) is alive, name
+
+
+def test_a_process_start_time_is_read_past_a_command_name_with_spaces_and_parentheses(tmp_path):
+    odd = tmp_path / "a) b (c"
+    odd.symlink_to(sys.executable)
+    child = subprocess.Popen([str(odd), "-c", "import time; time.sleep(30)"])
+    try:
+        started = owner.process_started(child.pid)
+        assert isinstance(started, int) and started >= owner.process_started(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    assert owner.process_started(child.pid) is None
+
+
+def holding_process(directory: Path) -> subprocess.Popen:
+    """Another process of this host holding `directory`'s lease (run first, job long) until killed."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from tandem.worker import checkpoint_owner "
+         "as o; o.take_lease(Path(sys.argv[1]), o.this_process('first', 'long', None)); print('held', flush=True); "
+         "time.sleep(120)", str(directory)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def test_a_stopped_holder_on_this_host_keeps_its_lease_past_the_stale_time(tmp_path, monkeypatch):
+    holder = holding_process(tmp_path)
+    try:
+        os.kill(holder.pid, signal.SIGSTOP)
+        later = owner.now() + timedelta(seconds=10 * STALE)
+        monkeypatch.setattr(owner, "now", lambda: later)
+        second = owner.this_process("second", "long", None)
+        with pytest.raises(owner.OwnershipError,
+                           match=rf"held by pid {holder.pid} on host \S+ \(run first, job long\)"):
+            owner.take_lease(tmp_path, second)
+        held = owner.read_lease(tmp_path)
+        assert held.pid_started == owner.process_started(holder.pid)
+        # The same pid with another start time is a later process given the holder's pid: the holder is gone.
+        reused = held.model_copy(update={"pid_started": held.pid_started - 1})
+        (tmp_path / owner.LEASE_FILE).write_text(reused.to_json())
+        owner.take_lease(tmp_path, second).release()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_held_lease_refuses_a_second_writer_naming_the_holder_and_is_released(tmp_path):
@@ -120,11 +192,12 @@ def test_a_held_lease_refuses_a_second_writer_naming_the_holder_and_is_released(
     owner.take_lease(tmp_path, second).release()
 
 
-def save(directory: Path, step: int, *, keep_last: int = 2, run: str | None = None) -> Path:
+def save(directory: Path, step: int, *, keep_last: int = 2, run: str | None = None,
+         holder: owner.Lease | None = None) -> Path:
     manifest = checkpoint.build_manifest(model="tandem.examples.digits:mlp", model_args={"hidden": 8}, step=step,
                                          run=run)
     return checkpoint.save(directory, {"manifest": manifest, "model": mlp(hidden=8).state_dict()}, step=step,
-                           keep_last=keep_last, run=run)
+                           keep_last=keep_last, run=run, holder=holder)
 
 
 def test_keep_last_and_latest_count_only_the_runs_own_checkpoints(tmp_path):
@@ -149,6 +222,40 @@ def test_a_checkpoint_is_refused_once_the_directory_is_another_runs(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="holds the checkpoints of run theirs"):
         save(tmp_path, 10)
     assert not list(tmp_path.glob("step-*"))
+
+
+WRITER = lease(host="node-1", pid=300)
+
+
+@pytest.mark.parametrize(("name", "held_now", "record_now", "refused"), [
+    ("still its lease", WRITER, "mine", None),
+    ("its lease renewed, naming its run", WRITER.model_copy(update={"renewed": NOW, "run": "mine"}), "mine", None),
+    ("taken over from another host, resuming the same run", lease(host="node-2", pid=300), "mine",
+     "lost the directory's lease (now held by pid 300 on host node-2 (run r, job j)"),
+    ("taken over by the same process again later", WRITER.model_copy(update={"since": NOW}), "mine",
+     "lost the directory's lease"),
+    ("taken over, starting another run", lease(host="node-2"), "theirs", "lost the directory's lease"),
+    ("its lease gone", None, "mine", "lost the directory's lease (gone)"),
+])
+def test_a_writer_that_lost_its_lease_finds_out_before_writing(tmp_path, name, held_now, record_now, refused):
+    """A writer stopped (or cut off) for longer than the stale time, seen from another host, loses its lease; one
+    that then carries on finds out at its next checkpoint, even where the new holder resumed the same run."""
+    owner.write_run(tmp_path, run_record("mine"))
+    (tmp_path / owner.LEASE_FILE).write_text(WRITER.to_json())
+    save(tmp_path, 10, run="mine", holder=WRITER)
+    if held_now is None:
+        (tmp_path / owner.LEASE_FILE).unlink()
+    else:
+        (tmp_path / owner.LEASE_FILE).write_text(held_now.to_json())
+    if record_now != "mine":
+        owner.write_run(tmp_path, run_record(record_now))
+    if refused is None:
+        save(tmp_path, 20, run="mine", holder=WRITER)
+        assert owner.read_run(tmp_path).checkpoints[-1] == "step-00000020.pt", name
+        return
+    with pytest.raises(checkpoint.CheckpointError, match=re.escape(refused) + ".*not writing step-00000020.pt"):
+        save(tmp_path, 20, run="mine", holder=WRITER)
+    assert not (tmp_path / "step-00000020.pt").exists(), name
 
 
 def test_a_directory_without_a_record_is_one_run_as_before(tmp_path):
@@ -230,3 +337,98 @@ def test_a_run_refused_before_it_started_leaves_no_directory_behind(tmp_path):
     kept.mkdir()
     owner.take_lease(kept, owner.this_process("mine", "long", None)).release()
     assert kept.is_dir()
+
+
+def second_writer(directory: Path) -> str:
+    """What another process of this host is told when it asks for `directory`'s lease."""
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from tandem.worker import checkpoint_owner as o\n"
+         "try:\n    o.take_lease(Path(sys.argv[1]), o.this_process('second', 'long', None)).release()\n"
+         "    print('taken')\nexcept o.OwnershipError as error:\n    print(error)", str(directory)],
+        capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_a_parallel_wrapper_holds_its_checkpoint_directory_while_its_ranks_train(tmp_path, monkeypatch):
+    """ParallelWrapper.fit takes the lease and records its run before any rank starts, as `tandem run`'s launcher
+    does: refused while another process holds the directory; holding it, another writer is refused; released after."""
+    from tandem import ParallelWrapper
+    from tandem.examples.digits import train_data
+    from tandem.worker.train import wrapper as wrapper_module
+
+    holder = holding_process(tmp_path)
+    try:
+        with ParallelWrapper(mlp(hidden=8), workers=1, checkpoint_dir=tmp_path, show_progress=False) as wrapper, \
+                pytest.raises(owner.OwnershipError, match=rf"held by pid {holder.pid} .*\(run first, job long\)"):
+            wrapper.fit(train_data())
+    finally:
+        holder.kill()
+        holder.wait()
+
+    seen = {}
+
+    def ranks(function, args, nprocs, join, start_method):  # in place of the spawned ranks: what they would find
+        seen.update(lease=owner.read_lease(tmp_path), record=owner.read_run(tmp_path), run=args[-2], holder=args[-1],
+                    second=second_writer(tmp_path))
+        raise RuntimeError("the ranks failed")
+
+    monkeypatch.setattr(wrapper_module.mp, "start_processes", ranks)
+    assert owner.read_lease(tmp_path).pid == holder.pid  # the killed holder's, taken over: its process is gone
+    with ParallelWrapper(mlp(hidden=8), workers=1, checkpoint_dir=tmp_path, show_progress=False) as wrapper, \
+            pytest.raises(RuntimeError, match="the ranks failed"):
+        wrapper.fit(train_data())
+    assert (seen["lease"].pid, seen["lease"].job, seen["lease"].run) == (os.getpid(), "ParallelWrapper", seen["run"])
+    assert seen["holder"].holding == seen["lease"].holding  # what rank 0 writes under
+    assert (seen["record"].run, seen["record"].job) == (wrapper.run.run, "ParallelWrapper") == (seen["run"],
+                                                                                                "ParallelWrapper")
+    assert seen["second"].startswith(f"spec.checkpoint.directory {tmp_path} is in use by another run: held by pid "
+                                     f"{os.getpid()} ")
+    assert not (tmp_path / owner.LEASE_FILE).exists()
+    assert second_writer(tmp_path) == "taken"
+
+
+class Execed(Exception):
+    """In place of exec: the command a rank would have replaced itself with."""
+
+
+@pytest.mark.parametrize(("name", "rank", "run_id", "held", "execs"), [
+    ("rank 0 on a cluster, the directory free: checked, let go, the command runs", 0, None, False, True),
+    ("rank 0 on a cluster, another run holding the directory: refused", 0, None, True, False),
+    ("under tandem run: its launcher holds the directory", 0, "launchers-run", True, True),
+    ("rank 1: rank 0 checks", 1, None, True, True),
+])
+def test_a_custom_commands_rank_0_refuses_a_directory_another_run_holds(tmp_path, monkeypatch, name, rank, run_id,
+                                                                        held, execs):
+    from tandem.api import ParallelTrainingJob
+    from tandem.contract import WorkerContract
+    from tandem.worker.train import entrypoint
+
+    def exec_command(program, argv):
+        raise Execed(argv)
+
+    monkeypatch.setattr(entrypoint.os, "execvp", exec_command)
+    monkeypatch.setattr(owner, "LEASE_STALE_SECONDS", 0.5)  # how long rank 0 waits for a holder: 1 s here
+    monkeypatch.setattr(owner, "LEASE_RENEW_SECONDS", 0.5)
+    directory = tmp_path / "custom"
+    job = ParallelTrainingJob.model_validate({
+        "apiVersion": "tandem.dev/v1alpha1", "kind": "ParallelTrainingJob", "metadata": {"name": "mine"},
+        "spec": {"trainingMode": "custom", "custom": {"command": [sys.executable, "-c", "pass"]},
+                 "trainer": {"model": "tandem.examples.digits:mlp", "data": "tandem.examples.digits:train_data"},
+                 "checkpoint": {"directory": str(directory)}}})
+    env = WorkerContract.local(rank, 2, job="mine", checkpoint_dir=directory, run_id=run_id, job_uid="uid-mine")
+    holder = holding_process(directory) if held else None
+    try:
+        if execs:
+            with pytest.raises(Execed):
+                entrypoint.run_custom(env, job)
+        else:
+            with pytest.raises(owner.OwnershipError, match=rf"{directory} is in use by another run: held by pid "
+                                                           rf"{holder.pid} .*\(run first, job long\)") as refused:
+                entrypoint.run_custom(env, job)
+            assert refused.value.reason == "CheckpointDirectoryTaken"
+        lease = owner.read_lease(directory) if directory.exists() else None
+        assert lease is None if holder is None else lease.pid == holder.pid, name
+        assert directory.exists() is held, "a directory the check created is removed again"
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()

@@ -1,5 +1,6 @@
 """Fail fast, and once (issue 36): the pre-flight check's pure functions (worker/train/preflight.py,
-worker/train/invalid.py), the report a rank ends with and how `tandem run`'s policy and the operator read it
+worker/train/invalid.py), the report a rank ends with on a permanent failure (InvalidModelOrData, or
+CheckpointDirectoryTaken: worker/checkpoint_owner.py) and how `tandem run`'s policy and the operator read it
 (tandem/contract.py, tandem/restart_policy.py, operator/training.py). Table-driven: (name, input, expected)."""
 
 from __future__ import annotations
@@ -15,11 +16,17 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from tandem.api.training import TrainerSpec
-from tandem.contract import INVALID_MODEL_OR_DATA_EXIT_CODE, invalid_model_or_data_report
+from tandem.contract import (
+    PERMANENT_FAILURE_EXIT_CODE,
+    PermanentFailure,
+    PermanentFailureReport,
+    permanent_failure_report,
+)
 from tandem.examples.digits import cnn, mlp
 from tandem.operator.observed import read_resource
 from tandem.operator.training import Settings, reconcile
 from tandem.restart_policy import after_failure
+from tandem.worker.checkpoint_owner import OwnershipError
 from tandem.worker.train.invalid import (
     InvalidModelOrData,
     custom_command_problem,
@@ -229,16 +236,28 @@ def test_custom_command_problem(argv, expected):
     assert problem == expected if expected is None else problem.startswith(expected), problem
 
 
+TAKEN = ("CheckpointDirectoryTaken: spec.checkpoint.directory /ck holds another run's checkpoints (run old of job "
+         "long: step-00002860.pt (1 file)) and spec.checkpoint.resume is false")
+
+
 @pytest.mark.parametrize(("output", "expected"), [
     ("Traceback ...\nValueError: x\nInvalidModelOrData: spec.trainer.data: data has 32 features\n"
      "  raised at a.py:1 in f",
-     "InvalidModelOrData: spec.trainer.data: data has 32 features\n  raised at a.py:1 in f"),
-    ("InvalidModelOrData: first\nInvalidModelOrData: second\n", "InvalidModelOrData: second"),
+     ("InvalidModelOrData", "InvalidModelOrData: spec.trainer.data: data has 32 features\n  raised at a.py:1 in f")),
+    ("InvalidModelOrData: first\nInvalidModelOrData: second\n", ("InvalidModelOrData", "InvalidModelOrData: second")),
+    (f"Traceback ...\ntandem.worker.checkpoint_owner.OwnershipError: ...\n{TAKEN}\n",
+     ("CheckpointDirectoryTaken", TAKEN)),
+    (f"InvalidModelOrData: first\n{TAKEN}", ("CheckpointDirectoryTaken", TAKEN)),
+    (f"{TAKEN}\nInvalidModelOrData: second", ("InvalidModelOrData", "InvalidModelOrData: second")),
+    ("Traceback ...\nOwnershipError: held\nRuntimeError: boom\n", None),
+    ("InvalidModelOrData:no space\n", None),
     ("Traceback ...\nRuntimeError: boom\n", None),
     ("", None),
-], ids=["after-a-traceback", "the-last-one", "none", "empty"])
-def test_invalid_model_or_data_report(output, expected):
-    assert invalid_model_or_data_report(output) == expected
+], ids=["after-a-traceback", "the-last-one", "directory-taken", "the-last-of-two-reasons", "the-last-of-two-reasons-2",
+        "another-exception", "not-a-report-line", "none", "empty"])
+def test_permanent_failure_report(output, expected):
+    found = permanent_failure_report(output)
+    assert found == (PermanentFailureReport(*expected) if expected else None)
 
 
 @pytest.mark.parametrize(("module", "filename", "expected"), [
@@ -284,13 +303,37 @@ def test_the_report_leads_with_the_exception_line_then_the_frame_that_raised_it(
     assert len(lines) == 2
 
 
-@pytest.mark.parametrize(("restarts_done", "backoff_limit"), [(0, 3), (2, 3), (0, 0)])
-def test_an_invalid_model_or_data_fails_at_once_spending_no_restart(restarts_done, backoff_limit):
+@pytest.mark.parametrize(("error", "expected"), [
+    (InvalidModelOrData("spec.trainer.data: data has 32 features"),
+     "InvalidModelOrData: spec.trainer.data: data has 32 features"),
+    (OwnershipError("spec.checkpoint.directory /ck is in use by another run: held by pid 7 on host a"),
+     "CheckpointDirectoryTaken: spec.checkpoint.directory /ck is in use by another run: held by pid 7 on host a"),
+], ids=["invalid-with-its-frame", "taken-its-message-alone"])
+def test_the_report_of_a_permanent_failure_leads_with_its_reason(error, expected):
+    try:
+        raise error
+    except PermanentFailure as raised:
+        lines = report(raised).splitlines()
+    assert lines[0] == expected
+    assert [line.endswith(" in test_the_report_of_a_permanent_failure_leads_with_its_reason: raise error")
+            for line in lines[1:]] == ([True] if error.names_its_frame else [])
+    assert permanent_failure_report("\n".join(["Traceback ...", *lines])) == (error.reason, "\n".join(lines))
+
+
+@pytest.mark.parametrize(("restarts_done", "backoff_limit", "permanent"), [
+    (0, 3, PermanentFailureReport("InvalidModelOrData", "InvalidModelOrData: bad\n  raised at")),
+    (2, 3, PermanentFailureReport("InvalidModelOrData", "InvalidModelOrData: bad\n  raised at")),
+    (0, 0, PermanentFailureReport("InvalidModelOrData", "InvalidModelOrData: bad\n  raised at")),
+    (0, 3, PermanentFailureReport("CheckpointDirectoryTaken", TAKEN)),
+    (1, 3, PermanentFailureReport("CheckpointDirectoryTaken", TAKEN)),
+], ids=["invalid-first-attempt", "invalid-after-restarts", "invalid-no-restarts-allowed", "taken-first-attempt",
+        "taken-after-a-restart"])
+def test_a_permanent_failure_fails_at_once_spending_no_restart(restarts_done, backoff_limit, permanent):
     decision = after_failure(restarts_done=restarts_done, backoff_limit=backoff_limit, base_seconds=10,
-                             cause="rank 0 exited with code 78", invalid_report="InvalidModelOrData: bad\n  raised at")
-    assert (decision.action, decision.restarts, decision.reason) == ("fail", restarts_done, "InvalidModelOrData")
-    assert decision.message.startswith("InvalidModelOrData: bad\n  raised at\nrank 0 exited with code 78; not "
-                                       "restarted: a restart would fail the same way")
+                             cause="rank 0 exited with code 78", permanent=permanent)
+    assert (decision.action, decision.restarts, decision.reason) == ("fail", restarts_done, permanent.reason)
+    assert decision.message.startswith(f"{permanent.report}\nrank 0 exited with code 78; not restarted: a restart "
+                                       "would fail the same way")
 
 
 NOW = datetime(2026, 12, 3, 12, 0, 0, tzinfo=UTC)
@@ -324,26 +367,37 @@ def fit_job(ranks_per_pod: int = 1) -> dict:
                                        "lastTransitionTime": "2026-12-03T11:59:30Z"}]}}
 
 
-@pytest.mark.parametrize(("ranks_per_pod", "message", "cause"), [
-    (1, RANK_OUTPUT, "rank 0 (pod fit-worker-0) exited with code 78; not restarted"),
-    (2, f"rank 0 (local rank 0) exited with code 78\n{RANK_OUTPUT}",
+INVALID_REPORT = ["InvalidModelOrData: spec.trainer.data: data has 32 features, the model expects 64",
+                  "  raised at tandem/worker/train/preflight.py:242 in _forward: outputs = model(inputs)"]
+TAKEN_OUTPUT = ("Traceback (most recent call last):\n  ...\ntandem.worker.checkpoint_owner.OwnershipError: "
+                f"{TAKEN.split(': ', 1)[1]}\n{TAKEN}\n")
+
+
+@pytest.mark.parametrize(("ranks_per_pod", "message", "reason", "report", "cause"), [
+    (1, RANK_OUTPUT, "InvalidModelOrData", INVALID_REPORT,
+     "rank 0 (pod fit-worker-0) exited with code 78; not restarted"),
+    (2, f"rank 0 (local rank 0) exited with code 78\n{RANK_OUTPUT}", "InvalidModelOrData", INVALID_REPORT,
      "rank 0 (pod fit-worker-0, local rank 0) exited with code 78; not restarted"),
-], ids=["a-rank-per-pod", "several-ranks-per-pod"])
-def test_the_operator_fails_the_job_at_once_with_the_ranks_report(ranks_per_pod, message, cause):
-    pods = [rank_pod(0, INVALID_MODEL_OR_DATA_EXIT_CODE, message, ranks_per_pod), rank_pod(1, None, ranks_per_pod=2)]
+    (1, TAKEN_OUTPUT, "CheckpointDirectoryTaken", [TAKEN],
+     "rank 0 (pod fit-worker-0) exited with code 78; not restarted"),
+    (2, f"rank 0 (local rank 0) exited with code 78\n{TAKEN_OUTPUT}", "CheckpointDirectoryTaken", [TAKEN],
+     "rank 0 (pod fit-worker-0, local rank 0) exited with code 78; not restarted"),
+], ids=["invalid-a-rank-per-pod", "invalid-several-ranks-per-pod", "taken-a-rank-per-pod",
+        "taken-several-ranks-per-pod"])
+def test_the_operator_fails_the_job_at_once_with_the_ranks_report(ranks_per_pod, message, reason, report, cause):
+    pods = [rank_pod(0, PERMANENT_FAILURE_EXIT_CODE, message, ranks_per_pod), rank_pod(1, None, ranks_per_pod=2)]
     plan = reconcile(read_resource(fit_job(ranks_per_pod)), pods, None, NOW,
                      Settings(worker_image="tandem-worker:1", restart_backoff_seconds=10))
     assert (plan.status["phase"], plan.status["restarts"]) == ("Failed", 0)
     assert plan.status["message"].splitlines() == [
-        "InvalidModelOrData: spec.trainer.data: data has 32 features, the model expects 64",
-        "  raised at tandem/worker/train/preflight.py:242 in _forward: outputs = model(inputs)",
-        f"{cause}: a restart would fail the same way (fix the job's spec)"]
-    assert plan.events[-1][:2] == ("Warning", "InvalidModelOrData")
+        *report, f"{cause}: a restart would fail the same way (fix the job's spec)"]
+    assert next(c for c in plan.status["conditions"] if c["type"] == "Failed")["reason"] == reason
+    assert plan.events[-1][:2] == ("Warning", reason)
     assert plan.delete_pods == ["fit-worker-1"]
 
 
 def test_the_same_exit_without_a_report_is_an_ordinary_failure():
-    pods = [rank_pod(0, INVALID_MODEL_OR_DATA_EXIT_CODE, "Traceback ...\nSystemExit: 78"), rank_pod(1, None)]
+    pods = [rank_pod(0, PERMANENT_FAILURE_EXIT_CODE, "Traceback ...\nSystemExit: 78"), rank_pod(1, None)]
     plan = reconcile(read_resource(fit_job()), pods, None, NOW,
                      Settings(worker_image="tandem-worker:1", restart_backoff_seconds=10))
     assert (plan.status["phase"], plan.status["restarts"]) == ("Restarting", 1)
@@ -382,7 +436,7 @@ def test_the_readmes_troubleshooting_example_is_the_operators_message():
     shown = [line.strip() for line in troubleshooting.split("then the frame that raised it:\n\n", 1)[1]
              .split("\n\n", 1)[0].splitlines()]
     output = f"Traceback (most recent call last):\n  ...\n{features_report()}\n"
-    pod = rank_pod(0, INVALID_MODEL_OR_DATA_EXIT_CODE, output)
+    pod = rank_pod(0, PERMANENT_FAILURE_EXIT_CODE, output)
     pod["metadata"]["name"] = "digits-train-worker-0"
     body = fit_job()
     body["metadata"]["name"] = "digits-train"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from tandem.api import ParallelTrainingJob
-from tandem.contract import INVALID_MODEL_OR_DATA_EXIT_CODE, WorkerContract
+from tandem.contract import PERMANENT_FAILURE_EXIT_CODE, PermanentFailure, WorkerContract
 from tandem.worker import checkpoint_owner as owner
 from tandem.worker.process_exit import exit_without_teardown
 from tandem.worker.train.invalid import InvalidModelOrData, custom_command_problem, report
@@ -24,16 +24,25 @@ def load_job(env: WorkerContract) -> ParallelTrainingJob:
     return ParallelTrainingJob.model_validate_json(env.spec_path.read_text())
 
 
-def run_custom(job: ParallelTrainingJob) -> int:
+def run_custom(env: WorkerContract, job: ParallelTrainingJob) -> int:
     """trainingMode custom: replace this process with the user's command; the contract env is already set. The
     stop signals, blocked for Tandem's own trainer, are unblocked first: a blocked mask survives exec, and the
-    command would never see the SIGTERM that stops its pod."""
+    command would never see the SIGTERM that stops its pod.
+
+    The command's files are its own: no run is recorded for it. Under `tandem run` the launcher holds the checkpoint
+    directory's lease while the command runs. Without a launcher (on a cluster), rank 0 refuses a directory another
+    run holds, as Tandem's trainer does (an OwnershipError: CheckpointDirectoryTaken), but cannot hold the lease
+    while the command runs: exec leaves no thread of Tandem's to renew or remove it, so it lets it go first, and a
+    Tandem job started in the directory meanwhile is not refused (give each job its own directory)."""
     from tandem.worker.train.signals import STOP_SIGNALS
 
     command = [*job.spec.custom.command, *job.spec.custom.args]
     problem = custom_command_problem(command)
     if problem is not None:
         raise InvalidModelOrData(problem)
+    if env.is_master and env.run_id is None:
+        keeper, _ = _claim_directory(env, job, env.checkpoint_dir or _checkpoint_dir(job), record=False)
+        keeper.release()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:
         os.execvp(command[0], command)
@@ -46,7 +55,7 @@ def main() -> int:
     env = WorkerContract.from_environ()
     job = load_job(env)
     if job.spec.training_mode == "custom":
-        return run_custom(job)
+        return run_custom(env, job)
     return train_rank(env, job)
 
 
@@ -72,6 +81,8 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
     # before joining: the others look for a checkpoint to resume only once it is.
     keeper, run = _claim_directory(env, job, checkpoint_dir) if env.is_master and env.run_id is None \
         else (None, env.run_id)
+    # Rank 0 writes under that lease (its own, or the launcher's it finds): once another holds it, no checkpoint.
+    holder = (keeper.lease if keeper is not None else owner.read_lease(checkpoint_dir)) if env.is_master else None
     device = join_group(env, gpus=spec.gpus_per_worker, require_gpu=trainer.require_gpu)
     sinks = []
     if env.is_master:
@@ -80,7 +91,8 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
             sinks.append(KubernetesStatusSink(env.job, env.namespace))
     context = RankContext(
         rank=env.rank, world_size=env.world_size, device=device, job=env.job, checkpoint_dir=checkpoint_dir,
-        resume_from=env.resume_from or (latest(checkpoint_dir) if env.resume_latest else None), run=run, sinks=sinks,
+        resume_from=env.resume_from or (latest(checkpoint_dir) if env.resume_latest else None), run=run,
+        holder=holder, sinks=sinks,
     )
     stop_signals.attach(context)
     try:
@@ -103,16 +115,22 @@ def _checkpoint_dir(job: ParallelTrainingJob) -> Path:
     return Path(job.spec.checkpoint.directory)
 
 
-def _claim_directory(env: WorkerContract, job: ParallelTrainingJob, directory: Path) -> tuple[owner.LeaseKeeper, str]:
+def _claim_directory(env: WorkerContract, job: ParallelTrainingJob, directory: Path, *, record: bool = True
+                     ) -> tuple[owner.LeaseKeeper, str | None]:
     """Rank 0's hold on the checkpoint directory (its lease, renewed until released) and the run it writes as: the
-    recorded run when it resumes, else a new one named after the job's uid (checkpoint_owner.plan_directory). A
-    lease another job holds is waited for until it goes stale."""
+    recorded run when it resumes, else a new one named after the job's uid (checkpoint_owner.plan_directory); without
+    `record` (a custom command's files), the lease alone. A lease another job holds is waited for until it goes
+    stale; a directory still not the run's to write is an OwnershipError, a permanent failure
+    (CheckpointDirectoryTaken): the job fails at once."""
     fresh = owner.RunRecord(run=env.job_uid or owner.new_run_id(), job=env.job, uid=env.job_uid, started=owner.now())
     keeper, plan = owner.claim(
         directory, fresh, resume=env.resume_from is not None or env.resume_latest,
-        overwrite=job.spec.checkpoint.overwrite, wait_seconds=owner.LEASE_STALE_SECONDS + owner.LEASE_RENEW_SECONDS,
+        overwrite=job.spec.checkpoint.overwrite, record=record,
+        wait_seconds=owner.LEASE_STALE_SECONDS + owner.LEASE_RENEW_SECONDS,
         waiting=lambda held: print(f"tandem worker: waiting for {directory}, held by {held.describe(owner.now())}",
                                    file=sys.stderr, flush=True))
+    if plan is None:
+        return keeper, None
     try:
         owner.begin(directory, plan, "tandem worker")
     except BaseException:
@@ -135,10 +153,10 @@ def _record_failure(env: WorkerContract, error: BaseException) -> None:
 def cli() -> NoReturn:
     try:
         code = main()
-    except InvalidModelOrData as error:
+    except PermanentFailure as error:  # a model or data that cannot work, a checkpoint directory not the run's
         traceback.print_exc()
         print(report(error), file=sys.stderr, flush=True)  # the output's last lines: the job's message
-        code = INVALID_MODEL_OR_DATA_EXIT_CODE
+        code = PERMANENT_FAILURE_EXIT_CODE
     except Exception:
         traceback.print_exc()
         code = 1

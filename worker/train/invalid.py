@@ -1,7 +1,8 @@
-"""Failures a restart would repeat identically: a model or data reference that does not resolve, data the model cannot
-take, a custom command that cannot start. A rank that meets one ends its output with the report (the exception's
-line, then the frame that raised it) and exits with INVALID_MODEL_OR_DATA_EXIT_CODE: the job fails at once, with
-the report as its message (tandem/contract.py).
+"""Failures a restart would repeat identically (tandem/contract.py's PermanentFailure): a model or data reference that
+does not resolve, data the model cannot take, a custom command that cannot start (InvalidModelOrData), a checkpoint
+directory that is not the run's to write (worker/checkpoint_owner.py's OwnershipError: CheckpointDirectoryTaken). A
+rank that meets one ends its output with the report (the exception's line, then the frame that raised it) and exits
+with PERMANENT_FAILURE_EXIT_CODE: the job fails at once with the failure's reason, the report as its message.
 
 Torch-free: a custom command's rank checks its command here before replacing itself with it.
 """
@@ -18,7 +19,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tandem.contract import INVALID_MODEL_OR_DATA
+from tandem.contract import INVALID_MODEL_OR_DATA, PermanentFailure
 
 PYTHON = re.compile(r"python[0-9.]*")
 """The names a Python interpreter goes by (python, python3, python3.11)."""
@@ -26,17 +27,20 @@ PYTHON_OPTIONS_WITH_VALUE = {"-W", "-X", "--check-hash-based-pycs"}
 FIND_MODULE = "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)"
 
 
-class InvalidModelOrData(ValueError):
+class InvalidModelOrData(PermanentFailure):
     """The job's model, data or custom command cannot work: the message names the field and the fix."""
 
+    reason = INVALID_MODEL_OR_DATA
 
-def report(error: BaseException) -> str:
-    """`InvalidModelOrData: <what is wrong and the fix>` and, below it, the frame that raised it."""
-    frame = raising_frame(error)
+
+def report(error: PermanentFailure) -> str:
+    """`<its reason>: <what is wrong and the fix>` and, below it, the frame that raised it (where the failure names
+    it: PermanentFailure.names_its_frame)."""
+    frame = raising_frame(error) if error.names_its_frame else None
     if frame is None:
-        return f"{INVALID_MODEL_OR_DATA}: {error}"
+        return f"{error.reason}: {error}"
     where = f"{short_path(frame.filename)}:{frame.lineno} in {frame.name}" + (f": {frame.line}" if frame.line else "")
-    return f"{INVALID_MODEL_OR_DATA}: {error}\n  raised at {where}"
+    return f"{error.reason}: {error}\n  raised at {where}"
 
 
 def raising_frame(error: BaseException) -> traceback.FrameSummary | None:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.api import ParallelTrainingJobSpec
-from tandem.worker import checkpoint
+from tandem.worker import checkpoint, checkpoint_owner
 from tandem.worker.train.data import resumed_batches_done
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ class Checkpointer:
     """Writes the train state as checkpoints (rank 0 alone writes; every rank takes part) and resumes from one."""
 
     def __init__(self, spec: ParallelTrainingJobSpec, *, rank: int, world_size: int, job: str, directory: Path,
-                 run: str | None = None):
+                 run: str | None = None, holder: checkpoint_owner.Lease | None = None):
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
@@ -146,6 +146,8 @@ class Checkpointer:
         self.directory = directory
         self.run = run
         """The run the checkpoints belong to (the directory's record names it; None: a directory without one)."""
+        self.holder = holder
+        """The directory's lease the checkpoints are written under (None: none is checked)."""
         self.layout = Layout.of(spec, world_size)
         self.seconds: float | None = None
         """On rank 0, the wall time of the latest save, from its start (the mode's preparation, gathering each rank's
@@ -177,7 +179,7 @@ class Checkpointer:
             )
             contents = {"manifest": manifest, **state.state_dict(), "per_rank": per_rank}
             path = checkpoint.save(self.directory, contents, step=position.step,
-                                   keep_last=self.spec.checkpoint.keep_last, run=self.run)
+                                   keep_last=self.spec.checkpoint.keep_last, run=self.run, holder=self.holder)
             self.seconds = time.perf_counter() - started
             return path
 

@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 
 from tandem.api import ParallelTrainingJobSpec, ParallelTrainingJobStatus
 from tandem.api.training import TrainerSpec
+from tandem.worker.checkpoint_owner import Lease
 from tandem.worker.train.data import steps_left, training_loader, training_steps
 from tandem.worker.train.evaluation import evaluate
 from tandem.worker.train.modes import TrainingMode, training_mode
@@ -51,6 +52,9 @@ class RankContext:
     resume_from: Path | None = None
     run: str | None = None
     """The run whose checkpoints rank 0 writes (the checkpoint directory's record names it)."""
+    holder: Lease | None = None
+    """The checkpoint directory's lease rank 0 writes under (its own, or its launcher's): a checkpoint is refused
+    once another holds the directory (worker/checkpoint_owner.py). None: nothing is checked."""
     sinks: list[Sink] = field(default_factory=list)
     listeners: list[Callable[[int, torch.nn.Module, torch.optim.Optimizer, bool], None]] = field(default_factory=list)
     """Called after every optimizer step with (step, model, optimizer, synchronised): DL4J's TrainingListener.
@@ -92,7 +96,7 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
     scaler = torch.amp.GradScaler(context.device.type, enabled=trainer.mixed_precision == "fp16")
     state = TrainState(model, optimizer, scaler, schedule, mode, Position())
     checkpointer = Checkpointer(spec, rank=context.rank, world_size=context.world_size, job=context.job,
-                                directory=context.checkpoint_dir, run=context.run)
+                                directory=context.checkpoint_dir, run=context.run, holder=context.holder)
     seed_rank(trainer.seed, context.rank)  # per-rank dropout noise; a resume restores it
     if context.resume_from is not None:
         checkpointer.resume(state, context.resume_from)

@@ -113,13 +113,18 @@ class Server:
         self.port = port
         self.grpc_port = grpc_port
         environment = {**os.environ, **(variables or {}), **({} if source is None else {"PYTHONPATH": str(source)})}
+        # Its log in a file, not a pipe nobody reads while it runs: a server kept up for a whole benchmark would
+        # block on a full pipe.
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in __exit__, or at once if it never starts)
         self.process = subprocess.Popen(command, cwd=source or ROOT, env=environment, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                        stderr=self.log, text=True, start_new_session=True)
         try:
             asyncio.run(wait_for_port(HOST, port, ready_path, timeout=120))
         except BaseException:
             self.stop()
-            print(self.process.stderr.read()[-3000:], file=sys.stderr)
+            self.log.seek(0)
+            print(self.log.read()[-3000:], file=sys.stderr)
+            self.log.close()
             raise
 
     def stop(self) -> None:
@@ -140,6 +145,7 @@ class Server:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+        self.log.close()
 
 
 def tandem_server(mode: str, workers: int, directory: Path, source: Path | None = None,
@@ -414,19 +420,22 @@ def bench_wrk(seconds: float, workers: int, directory: Path, against: str | None
     variants = _variants(against, directory, processes, workers)
     points: dict[tuple[str, str, int], list[Point]] = {}
     ceilings = []
-    for round_ in range(rounds):
-        for variant in _in_turn(variants, round_):
-            label = variant.label
-            with tandem_server("batched", workers, directory, variant.source, processes=variant.processes) as server:
-                request = tandem_request(server.port)
-                drive(server.port, request, 8, 1.0, check_tandem)  # warm-up, with answers checked
-                for connections in WRK_CONNECTIONS:
-                    for client, run in (("wrk", run_wrk), ("loadgen", run_loadgen)):
-                        point = run(server, body if client == "wrk" else request, connections, seconds, workers)
+    with contextlib.ExitStack() as running:
+        servers = {variant.label: running.enter_context(tandem_server(
+            "batched", workers, directory, variant.source, processes=variant.processes)) for variant in variants}
+        for server in servers.values():
+            drive(server.port, tandem_request(server.port), 8, 1.0, check_tandem)  # warm-up, with answers checked
+        for round_ in range(rounds):
+            for connections in WRK_CONNECTIONS:
+                for client, run in (("wrk", run_wrk), ("loadgen", run_loadgen)):
+                    for variant in _in_turn(variants, round_):
+                        label, server = variant.label, servers[variant.label]
+                        request = body if client == "wrk" else tandem_request(server.port)
+                        point = run(server, request, connections, seconds, workers)
                         points.setdefault((label, client, connections), []).append(point)
                         print(f"{label}: {client:7s} c={connections:<3d} {point.rate:8.0f} req/s  p99 "
                               f"{point.p99_ms:6.1f} ms  failed {point.failed}\n    {point.costs.line()}", flush=True)
-        ceilings.append(bench_ceiling(seconds, workers))
+            ceilings.append(bench_ceiling(seconds, workers))
     ceiling = max(ceilings)
     for size in FORWARD_SIZES:
         _forward_rate(seconds / 2, workers, max(1, cores() // workers), size, shared=True)
@@ -484,7 +493,9 @@ def _variants(against: str | None, directory: Path, processes: int, workers: int
 
 
 def _in_turn(variants: list[Variant], round_: int) -> list[Variant]:
-    """The order of a round: it flips each round, so that neither server always runs first."""
+    """The order of a round's pairs: it flips each round, so that neither server always runs first. Both servers run
+    for the whole benchmark and each point is measured on one then the other at once: the machine's speed drifts by
+    10-30% over a minute on a shared 2-core VM, so only measurements taken seconds apart pair up."""
     return variants if round_ % 2 == 0 else variants[::-1]
 
 
@@ -708,18 +719,22 @@ def bench_grpc(seconds: float, workers: int, directory: Path, against: str | Non
     variants = _variants(against, directory, processes, workers)
     points: dict[tuple[str, int], list[Point]] = {}
     ceilings = []
-    for round_ in range(rounds):
-        for variant in _in_turn(variants, round_):
-            label, grpc_port = variant.label, free_port()
-            with tandem_server("batched", workers, directory, variant.source, grpc_port=grpc_port,
-                               processes=variant.processes) as server:
-                check_grpc(grpc_port, request_file)
-                for concurrency in WRK_CONNECTIONS:
-                    point = run_h2load(server, grpc_port, request_file, concurrency, seconds, workers, directory)
+    with contextlib.ExitStack() as running:
+        servers = {variant.label: running.enter_context(tandem_server(
+            "batched", workers, directory, variant.source, grpc_port=free_port(), processes=variant.processes))
+            for variant in variants}
+        for server in servers.values():
+            check_grpc(server.grpc_port, request_file)
+        for round_ in range(rounds):
+            for concurrency in WRK_CONNECTIONS:
+                for variant in _in_turn(variants, round_):
+                    label, server = variant.label, servers[variant.label]
+                    point = run_h2load(server, server.grpc_port, request_file, concurrency, seconds, workers,
+                                       directory)
                     points.setdefault((label, concurrency), []).append(point)
                     print(f"{label}: h2load  c={concurrency:<3d} {point.rate:8.0f} req/s  p99 {point.p99_ms:6.1f} ms  "
                           f"not answered OK {point.failed}\n    {point.costs.line()}", flush=True)
-        ceilings.append(bench_ceiling(seconds, workers))
+            ceilings.append(bench_ceiling(seconds, workers))
     ceiling = max(ceilings)
     for label in (variant.label for variant in variants):
         best = {concurrency: max(points[label, concurrency], key=lambda p: p.rate) for concurrency in WRK_CONNECTIONS}

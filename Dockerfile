@@ -54,15 +54,12 @@ COPY constraints.txt /opt/tandem/constraints.txt
 LABEL org.opencontainers.image.licenses="Apache-2.0"
 
 # --- operator: `tandem operator` ---------------------------------------------------------------------------------
-# The operator imports tandem.api, tandem.contract, tandem.manifest, tandem.crd and tandem.operator, which need
-# only the packages below (tests/unit/test_chart.py imports the operator with nothing else installed, and fails
-# if this list misses one or torch creeps in). The tandem wheel goes in with --no-deps: its own requirements
-# include torch, which the operator never imports.
+# The tandem wheel with its `operator` extra: what pyproject.toml says the operator needs, and nothing else (no
+# torch, no grpcio, no numpy). tests/unit/test_chart.py checks that this installs the extra and no list of its own,
+# and imports the whole operator where only the extra's distributions can be imported.
 FROM runtime AS operator
 COPY --from=wheel /wheels/ /tmp/wheels/
-RUN pip install -c /opt/tandem/constraints.txt \
-        kopf kubernetes pydantic prometheus-client pyyaml openapi-schema-validator \
-    && pip install --no-deps /tmp/wheels/tandem-*.whl \
+RUN pip install -c /opt/tandem/constraints.txt "tandem[operator] @ file://$(echo /tmp/wheels/tandem-*.whl)" \
     && rm -rf /tmp/wheels
 LABEL org.opencontainers.image.title="tandem-operator" \
       org.opencontainers.image.description="Tandem's Kubernetes operator (ParallelTrainingJob, InferencePool)"
@@ -82,10 +79,10 @@ ARG TORCH_INDEX_URL=
 ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility
 COPY --from=wheel /wheels/ /tmp/wheels/
 # libnghttp2, which the C front links; torch first, from the chosen variant's index (as `make setup` does), then
-# tandem and the rest from PyPI; the C front must import.
+# the tandem wheel with its `worker` extra from PyPI; the C front must import.
 RUN apt-get update && apt-get install -y --no-install-recommends libnghttp2-14 && rm -rf /var/lib/apt/lists/*
 RUN pip install ${TORCH_INDEX_URL:+--index-url "${TORCH_INDEX_URL}"} "torch==${TORCH_VERSION}" \
-    && pip install -c /opt/tandem/constraints.txt /tmp/wheels/tandem-*.whl \
+    && pip install -c /opt/tandem/constraints.txt "tandem[worker] @ file://$(echo /tmp/wheels/tandem-*.whl)" \
     && rm -rf /tmp/wheels \
     && python -c "import torch, torch.distributed; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'nccl', torch.distributed.is_nccl_available())" \

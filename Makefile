@@ -15,6 +15,7 @@ setup: $(STAMP)
 # torch first, pinned: on the project's machines torch==2.13.0 is a CPU build on local disk;
 # any other spec may pull a multi-GB CUDA build.
 # setup.py builds the C extension (worker/serve/_front*.c) in the editable install: a change to it installs again.
+# The test extra brings the operator and worker extras (pyproject.toml): everything the tests import.
 $(STAMP): pyproject.toml setup.py constraints.txt $(wildcard worker/serve/_front*.c worker/serve/_front*.h)
 	$(MAKE) --no-print-directory system-packages
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -236,6 +236,13 @@ class Emulator(kmock.KubernetesEmulator):
         """Switch faults on (or off with None); any thread."""
         self.injector.set(faults)
 
+    def received(self, since: int = 0) -> list[tuple[str, str, str | None, str | None]]:
+        """Every request received from the `since`th on, in order, answered or not (refused, failed, faulted):
+        (client, method, plural, name). Any thread."""
+        return [(self.client_of(request), str(request.method.value).upper(),
+                 request.resource.plural if request.resource else None, request.name)
+                for request in self._requests[since:]]
+
     def client_of(self, request: kmock.Request) -> str:
         """Who sent the request, by its bearer token: `client-NAME` is NAME, a pod's `pod-UID` is `pods`, anything
         else `tests`."""

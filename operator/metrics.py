@@ -31,6 +31,10 @@ API_ERRORS = Counter("tandem_operator_api_errors_total", "Failed attempts of Kub
                      ["verb", "kind", "code"])
 API_RETRIES = Counter("tandem_operator_api_retries_total", "Failed API calls attempted again within the pass",
                       ["verb", "kind", "code"])
+LEADER = Gauge("tandem_operator_leader", "1 on the replica that leads (holds the leader Lease, or runs without "
+               "--leader-elect), 0 on a standby")
+LEADER_TRANSITIONS = Gauge("tandem_operator_leader_transitions", "How many times the leader Lease changed holder "
+                           "(its leaseTransitions, as this replica last read it)")
 PASS_FAILURES = Counter("tandem_operator_pass_failures_total", "Reconciliation passes of a job or pool that an API "
                         "failure ended early, by outcome (unavailable, stale, refused); each is decided again",
                         ["resource", "outcome"])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jobs import ROOT, TESTS
 
-from devcluster import Cluster
+from devcluster import Cluster, Faults
 from devcluster.network import free_port
 
 NS = "default"
@@ -25,6 +25,12 @@ SLEEP = ["python", "-c", "import time; time.sleep(600)"]
 STARTUP = 60  # seconds a group of ranks may take to start and report, on a busy 2-core machine
 READY = 90  # seconds for server pods to start (torch import, load, warm-up) on a busy 2-core machine
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+API_FAULTS = {
+    "api-errors": Faults(write_fraction=0.1, latency=0.01, watch_end_after=5.0, seed=1),
+    "hangs": Faults(hang_fraction=0.03, latency=0.03, seed=2),
+    "watches": Faults(watch_end_after=2.0, watch_end_abruptly=True, gone_on_resume=0.5, seed=3),
+}
+"""The chaos suite's classes of API faults (test_chaos.py), for the operator's and its pods' requests."""
 
 
 def start_operator(cluster: Cluster, *extra: str) -> None:

@@ -36,6 +36,7 @@ import pytest
 import yaml
 from jobs import ROOT, TESTS
 from operator_runs import (
+    API_FAULTS,
     GROUP,
     JOBS,
     NS,
@@ -62,13 +63,7 @@ from tandem.operator.training_plan import ETA_REMOVED
 
 RANK0_FIELDS = {"progress", "metrics", "communication", "checkpoint", "preemptionCost"}
 FINAL = f"{CHECKPOINT_MOUNT}/runs/digits-train/checkpoints/step-00000230.pt"
-FAULTS = {
-    "api-errors": Faults(write_fraction=0.1, latency=0.01, watch_end_after=5.0, seed=1),
-    "hangs": Faults(hang_fraction=0.03, latency=0.03, seed=2),
-    "watches": Faults(watch_end_after=2.0, watch_end_abruptly=True, gone_on_resume=0.5, seed=3),
-    "operator-kills": None,
-    "node-lost": None,
-}
+FAULTS = {**API_FAULTS, "operator-kills": None, "node-lost": None}
 INJECTED = {"api-errors": {"error", "latency", "watch-end"},
             "hangs": {"hang", "latency"}, "watches": {"watch-end", "gone"}}
 """What each class must have injected (a class whose faults never happened would prove nothing)."""

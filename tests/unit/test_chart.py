@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -49,10 +50,15 @@ NAMESPACED = {
     "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
     "priorityClassName": "system-cluster-critical",
 }
+KOPF_PEERING = {"leaderElection": {"enabled": False}}
+"""Replicas coordinated through kopf's peering instead of a Lease (the chart's option)."""
 VALUE_SETS = {
     "defaults": {},
-    "namespaced-peered-monitored": NAMESPACED,
-    "clusterwide-peered": {"replicas": 3, "serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
+    "namespaced-elected-monitored": NAMESPACED,
+    "clusterwide-peered": {"replicas": 3, **KOPF_PEERING, "serviceMonitor": {"enabled": True},
+                           "grafanaDashboard": {"enabled": True}},
+    "namespaced-peered": {**NAMESPACED, **KOPF_PEERING},
+    "one-standalone": {"replicas": 1, **KOPF_PEERING},
     "queues": {"kueue": {"enabled": True}, "gangScheduling": {"enabled": True}},
 }
 NO_OFFICIAL_SCHEMA = {"monitoring.coreos.com/v1"}
@@ -144,7 +150,9 @@ def test_the_deployment_runs_the_operator_with_options_it_accepts():
     args = build_parser().parse_args([*container["command"][1:], *container["args"]])
     assert args.worker_image == "registry.example/tandem-worker:1.2.3"
     assert args.namespace == ["ml-a", "ml-b"]
-    assert args.peering == "tandem" and not args.standalone
+    assert args.leader_elect and not args.peering and not args.standalone
+    assert (args.leader_election_id, args.leader_election_namespace) == ("tandem", NAMESPACE)
+    assert operator_main.election_problem(args) is None
     assert container["image"] == "registry.example/tandem-operator:1.2.3"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"health": args.health_port, "metrics": args.metrics_port}
@@ -152,7 +160,14 @@ def test_the_deployment_runs_the_operator_with_options_it_accepts():
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
 
     default = build_parser().parse_args(["operator", *operator_container({})["args"]])
-    assert default.worker_image == "tandem-worker:0.1.0" and default.namespace == [] and default.standalone
+    assert default.worker_image == "tandem-worker:0.1.0" and default.namespace == [] and default.leader_elect
+    assert (default.leader_elect_lease_duration, default.leader_elect_renew_deadline,
+            default.leader_elect_retry_period) == (15, 10, 2)  # controller-runtime's
+    alone = build_parser().parse_args(["operator", *operator_container({"replicas": 1, **KOPF_PEERING})["args"]])
+    assert alone.standalone and not alone.leader_elect
+    refused = build_parser().parse_args(["operator", *operator_container(
+        {"leaderElection": {"leaseDurationSeconds": 10, "renewDeadlineSeconds": 10}})["args"]])
+    assert operator_main.election_problem(refused).startswith("--leader-elect-renew-deadline (10 s) must be shorter")
     assert not default.kueue and not default.gang_scheduling
     queues = build_parser().parse_args(["operator", *operator_container(QUEUES)["args"]])
     assert queues.kueue and queues.gang_scheduling
@@ -167,12 +182,24 @@ def test_the_operator_runs_as_the_images_non_root_user_with_a_read_only_root_and
                                             "runAsNonRoot": True, "privileged": False,
                                             "capabilities": {"drop": ["ALL"]}}
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
-    assert deployment["spec"]["strategy"]["type"] == "Recreate"  # one standalone replica never overlaps another
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",  # the new replica stands by till handed over
+                                              "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    (alone,) = objects({"replicas": 1, **KOPF_PEERING}, "Deployment")
+    assert alone["spec"]["strategy"]["type"] == "Recreate"  # one standalone replica never overlaps another
+
+
+def test_elected_replicas_keep_one_through_voluntary_disruptions():
+    (budget,) = objects({}, "PodDisruptionBudget")
+    (deployment,) = objects({}, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert budget["spec"] == {"minAvailable": 1, "selector": deployment["spec"]["selector"]}
+    assert objects({"replicas": 1}, "PodDisruptionBudget") == []
+    assert objects({"podDisruptionBudget": {"enabled": False}}, "PodDisruptionBudget") == []
 
 
 @pytest.mark.parametrize(("values", "kind", "namespaces"), [
-    ({"replicas": 2}, "ClusterKopfPeering", [None]),
-    ({"replicas": 2, "watchNamespaces": ["ml-a", "ml-b"]}, "KopfPeering", ["ml-a", "ml-b"]),
+    ({"replicas": 2, **KOPF_PEERING}, "ClusterKopfPeering", [None]),
+    ({"replicas": 2, **KOPF_PEERING, "watchNamespaces": ["ml-a", "ml-b"]}, "KopfPeering", ["ml-a", "ml-b"]),
 ])
 def test_replicas_peer_through_a_peering_object_the_chart_creates(values, kind, namespaces):
     rendered = render(values)
@@ -303,8 +330,10 @@ QUEUE_VERBS = {
 }
 
 
-@pytest.mark.parametrize("values", [{}, NAMESPACED, QUEUES, {**NAMESPACED, **QUEUES}],
-                         ids=["clusterwide", "namespaced", "queues", "namespaced-queues"])
+@pytest.mark.parametrize("values", [{}, NAMESPACED, QUEUES, {**NAMESPACED, **QUEUES}, {**NAMESPACED, **KOPF_PEERING},
+                                    {"replicas": 2, **KOPF_PEERING}],
+                         ids=["clusterwide", "namespaced", "queues", "namespaced-queues", "namespaced-peered",
+                              "clusterwide-peered"])
 def test_the_operator_may_do_exactly_what_it_does(values):
     """Least privilege: list and watch what kopf's indices read, create what the operator builds, update what it
     replaces (a pool's objects, a job's ConfigMap), delete rank pods and a pool's optional objects; its own
@@ -325,7 +354,7 @@ def test_the_operator_may_do_exactly_what_it_does(values):
         needed |= {(g, r, v) for (g, r), verbs in QUEUE_VERBS.items() if r == "podgroups" for v in verbs}
     if values.get("watchNamespaces"):  # kopf's namespace observer runs only when it watches named namespaces
         needed |= {("", "namespaces", "list"), ("", "namespaces", "watch")}
-    if values.get("replicas", 1) > 1:
+    if values.get("replicas", 2) > 1 and values.get("leaderElection") == KOPF_PEERING["leaderElection"]:
         kind = "kopfpeerings" if values.get("watchNamespaces") else "clusterkopfpeerings"
         needed |= {("kopf.dev", kind, verb) for verb in ("get", "list", "watch", "patch")}
     permissions = operator_permissions(values, "ml-a")
@@ -345,9 +374,35 @@ def test_a_namespaced_install_grants_nothing_outside_its_namespaces_but_what_kop
         ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
         ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
         ("", "namespaces", "list"), ("", "namespaces", "watch")}
-    assert ("kopf.dev", "kopfpeerings", "patch") in operator_permissions(NAMESPACED, "ml-b")
-    assert ("kopf.dev", "clusterkopfpeerings", "patch") in operator_permissions({"replicas": 2}, "any")
+    assert ("kopf.dev", "kopfpeerings", "patch") in operator_permissions({**NAMESPACED, **KOPF_PEERING}, "ml-b")
+    assert ("kopf.dev", "clusterkopfpeerings", "patch") in operator_permissions({"replicas": 2, **KOPF_PEERING}, "any")
     assert not any(g == "kopf.dev" for g, _, _ in operator_permissions({}, "any"))
+    assert not any(g == "kopf.dev" for g, _, _ in operator_permissions(NAMESPACED, "ml-b"))
+
+
+@pytest.mark.parametrize("values", [{}, NAMESPACED], ids=["clusterwide", "namespaced"])
+def test_leader_election_may_create_leases_and_read_and_renew_only_its_own_in_its_own_namespace(values):
+    """tandem operator --leader-elect creates its Lease, then reads and replaces (update) it: create on leases (RBAC
+    cannot name an object before it exists), get and update on the Lease of that name; in the operator's namespace
+    only. Without leader election: nothing on leases."""
+    def lease_grants(values: dict[str, Any], namespace: str) -> set[tuple[str, ...]]:
+        grants = set()
+        for role in objects(values, "Role") + objects(values, "ClusterRole"):
+            if role["metadata"].get("namespace") not in (None, namespace):
+                continue
+            for rule in role["rules"]:
+                if "leases" in rule["resources"]:
+                    grants |= {(verb, *rule.get("resourceNames", [])) for verb in rule["verbs"]}
+        return grants
+
+    (container,) = [operator_container(values)]
+    args = build_parser().parse_args(["operator", *container["args"]])
+    assert lease_grants(values, NAMESPACE) == {("create",), ("get", args.leader_election_id),
+                                               ("update", args.leader_election_id)}
+    assert args.leader_election_namespace == NAMESPACE
+    assert lease_grants(values, "ml-a") == set() and lease_grants({**values, **KOPF_PEERING}, NAMESPACE) == set()
+    (binding,) = [b for b in objects(values, "RoleBinding") if b["metadata"]["namespace"] == NAMESPACE]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tandem", "namespace": NAMESPACE}]
 
 
 # --- monitoring ----------------------------------------------------------------------------------------------
@@ -463,11 +518,36 @@ def lineage(stage: str) -> list[str]:
     return chain
 
 
-def operator_requirements() -> list[str]:
-    (install,) = [line for line in dockerfile_stages()["operator"]["lines"] if "constraints.txt" in line]
-    words = install.split("&&")[0].split()
-    return [w for w in words[words.index("constraints.txt") + 1 if "constraints.txt" in words else 0:]
-            if not w.startswith(("-", "/")) and w not in ("RUN", "pip", "install")]
+def pip_installs(stage: str) -> list[list[str]]:
+    """The words of each `pip install` a stage and the stages it is built on run."""
+    return [shlex.split(command) for name in lineage(stage) for line in dockerfile_stages()[name]["lines"]
+            if line.startswith("RUN ") for command in line.removeprefix("RUN ").split("&&")
+            if command.split()[:2] == ["pip", "install"]]
+
+
+WHEEL_WITH_EXTRA = re.compile(r"tandem\[(\w+)\] @ file://\$\(echo /tmp/wheels/tandem-\*\.whl\)")
+"""The tandem wheel the wheel stage built, with one of the extras pyproject.toml declares."""
+
+
+def image_extra(stage: str) -> str:
+    """The extra of the tandem wheel the stage's image installs; the install must name nothing else."""
+    (install,) = [words for words in pip_installs(stage) if any("tandem" in word for word in words)]
+    assert install[:4] == ["pip", "install", "-c", "/opt/tandem/constraints.txt"] and len(install) == 5, install
+    match = WHEEL_WITH_EXTRA.fullmatch(install[4])
+    assert match, install[4]
+    return match[1]
+
+
+def project_requirements(extra: str) -> list[str]:
+    return [*PROJECT["dependencies"], *PROJECT["optional-dependencies"][extra]]
+
+
+def constraint_pins() -> dict[str, str]:
+    from packaging.utils import canonicalize_name
+
+    return {canonicalize_name(name): version for name, version in
+            (line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+             if "==" in line and not line.startswith("#"))}
 
 
 def test_the_operator_image_has_no_torch_and_no_cuda():
@@ -477,55 +557,106 @@ def test_the_operator_image_has_no_torch_and_no_cuda():
     for stage in chain:
         for line in dockerfile_stages()[stage]["lines"]:
             assert not re.search(r"torch|cuda|nvidia", line, re.IGNORECASE), line
-    assert any("--no-deps" in line and "tandem-" in line for line in dockerfile_stages()["operator"]["lines"])
+
+
+def test_the_images_install_the_packages_extras_and_nothing_kept_by_hand():
+    """Each image installs what pyproject.toml says its part needs: the tandem wheel with the part's extra, pinned by
+    constraints.txt, and no list of its own (the operator image nothing else at all; the worker image torch first,
+    from the chosen variant's index), so a dependency added to the operator cannot be left out of its image."""
+    assert image_extra("operator") == "operator" and image_extra("worker") == "worker"
+    assert len(pip_installs("operator")) == 1
+    (torch,) = [words for words in pip_installs("worker") if not any("tandem" in word for word in words)]
+    assert [word for word in torch if not word.startswith(("-", "${"))] == ["pip", "install", "torch==${TORCH_VERSION}"]
+    for stage in ("operator", "worker"):
+        assert not any("--no-deps" in word for words in pip_installs(stage) for word in words)
+
+
+def test_the_operator_extra_has_no_torch_and_no_grpc():
+    closure = installed_closure([f"tandem[{image_extra('operator')}]"])
+    assert {"kopf", "kubernetes", "prometheus-client", "pydantic"} <= closure
+    assert not closure & {"torch", "grpcio", "tritonclient", "numpy", "protobuf"}, closure
+
+
+@pytest.mark.parametrize("stage", ["operator", "worker"])
+def test_what_each_image_installs_is_pinned_by_constraints(stage: str):
+    """Every requirement of the image's extra is pinned, at a version that meets it; the operator image's whole
+    closure too (the worker's brings what torch's index brings)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = constraint_pins()
+    for line in project_requirements(image_extra(stage)):
+        requirement = Requirement(line)
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} ({stage} image) is not pinned in constraints.txt"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (line, pins[name])
+    if stage == "operator":
+        assert installed_closure(["tandem[operator]"]) - {"tandem"} <= set(pins)
 
 
 PROBE = """
-import json, sys, importlib.abc
+import json, re, sys, importlib.abc, importlib.machinery
 from importlib.metadata import packages_distributions
-from packaging.utils import canonicalize_name
 allowed = set(json.loads(sys.argv[1]))
 owners = packages_distributions()
+refused = set()
+
+def lacking(name):
+    dists = owners.get(name.partition('.')[0])
+    return bool(dists) and not any(re.sub(r'[-_.]+', '-', d).lower() in allowed for d in dists)
 
 class NotInTheImage(importlib.abc.MetaPathFinder):
+    # sys.path's finder, blind to the distributions the image lacks: importing one fails as it would there, and
+    # importlib.util.find_spec answers None, as optional dependencies' probes expect.
     def find_spec(self, name, path=None, target=None):
-        dists = owners.get(name.partition('.')[0])
-        if dists and not any(canonicalize_name(d) in allowed for d in dists):
-            raise ModuleNotFoundError(f"No module named {name!r} (not in the image)", name=name)
-        return None
+        if lacking(name):
+            refused.add(name)
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, path, target)
 
-sys.meta_path.insert(0, NotInTheImage())
-for module in sys.argv[2:]:
-    __import__(module)
-from tandem.cli import build_parser
-build_parser().parse_args(["operator"])
+    def invalidate_caches(self):
+        importlib.machinery.PathFinder.invalidate_caches()
+
+startup = {'_distutils_hack'}  # setuptools' .pth shim, loaded by site before any import
+assert not [m for m in sys.modules if lacking(m) and m not in startup], 'imported before the check'
+assert importlib.machinery.PathFinder in sys.meta_path
+sys.meta_path[:] = [NotInTheImage() if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+try:
+    for module in sys.argv[2:]:
+        __import__(module)
+    from tandem.cli import build_parser
+    build_parser().parse_args(["operator"])
+except ImportError as error:
+    sys.exit(f"{error} (refused as not in the image: {sorted(refused)})")
 print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'sklearn'))))
 """
 
 
 def installed_closure(requirements: list[str]) -> set[str]:
-    """The distributions pip installs for `requirements`: them and their requirements, recursively (markers
-    evaluated for this interpreter, extras not taken)."""
+    """The distributions pip installs for `requirements` (`tandem[operator]`): them and their requirements,
+    recursively, with the extras they ask for (markers evaluated for this interpreter)."""
     from importlib.metadata import PackageNotFoundError, requires
 
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
-    seen, todo = set(), [canonicalize_name(r) for r in requirements]
+    seen, todo = set(), [Requirement(r) for r in requirements]
     while todo:
-        name = todo.pop()
-        if name in seen:
+        wanted = todo.pop()
+        name, extras = canonicalize_name(wanted.name), frozenset(wanted.extras)
+        if (name, extras) in seen:
             continue
-        seen.add(name)
+        seen.add((name, extras))
         try:  # tandem's own from pyproject.toml: an editable install's metadata may be older
-            listed = PROJECT["dependencies"] if name == "tandem" else requires(name) or []
+            listed = ([*PROJECT["dependencies"], *(r for e in extras for r in PROJECT["optional-dependencies"][e])]
+                      if name == "tandem" else requires(name) or [])
         except PackageNotFoundError:
             continue
         for line in listed:
             requirement = Requirement(line)
-            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-                todo.append(canonicalize_name(requirement.name))
-    return seen
+            if requirement.marker is None or any(requirement.marker.evaluate({"extra": e}) for e in {"", *extras}):
+                todo.append(requirement)
+    return {name for name, _ in seen}
 
 
 def import_with_only(allowed: set[str], modules: list[str]) -> subprocess.CompletedProcess:
@@ -535,10 +666,8 @@ def import_with_only(allowed: set[str], modules: list[str]) -> subprocess.Comple
 
 def test_the_operator_imports_with_only_what_its_image_installs():
     """The operator's whole import closure, in an interpreter that can import only the distributions the operator
-    stage installs (and tandem itself): every module in operator/, and the CLI that runs it."""
-    requirements = operator_requirements()
-    assert "kopf" in requirements and not any("torch" in r for r in requirements)
-    allowed = installed_closure([*requirements, "tandem"]) - {"torch"}
+    stage installs (tandem with its extra): every module in operator/, and the CLI that runs it."""
+    allowed = installed_closure([f"tandem[{image_extra('operator')}]"])
     modules = ["kopf", "prometheus_client", "tandem.operator.main",
                *(f"tandem.operator.{p.stem}" for p in sorted((ROOT / "operator").glob("*.py")))]
     result = import_with_only(allowed, modules)
@@ -546,16 +675,19 @@ def test_the_operator_imports_with_only_what_its_image_installs():
     assert json.loads(result.stdout) == []
 
 
-def test_the_image_check_fails_on_a_module_that_needs_torch():
-    allowed = installed_closure([*operator_requirements(), "tandem"]) - {"torch"}
-    result = import_with_only(allowed, ["tandem.worker.train.trainer"])
-    assert result.returncode != 0 and "No module named 'torch' (not in the image)" in result.stderr
+@pytest.mark.parametrize(("module", "missing"), [("tandem.worker.train.preflight", "torch"),
+                                               ("tandem.worker.train.trainer", "numpy"),
+                                               ("tandem.worker.serve.grpc_service", "grpc")])
+def test_the_image_check_fails_on_a_module_the_operator_extra_lacks(module: str, missing: str):
+    allowed = installed_closure([f"tandem[{image_extra('operator')}]"])
+    result = import_with_only(allowed, [module])
+    assert result.returncode != 0 and f"No module named {missing!r} (refused as not in the image" in result.stderr
 
 
-def test_the_worker_imports_with_only_tandems_own_requirements():
-    """The worker image installs the tandem wheel with its declared requirements: the trainer, the server and the
-    CLI must import with nothing else (a dependency only the test extra brings would pass every other test)."""
-    allowed = installed_closure(["tandem"])
+def test_the_worker_imports_with_only_what_its_image_installs():
+    """The worker image installs the tandem wheel with its worker extra: the trainer, the server and the CLI must
+    import with nothing else (a dependency only the test extra brings would pass every other test)."""
+    allowed = installed_closure([f"tandem[{image_extra('worker')}]"])
     modules = ["tandem.worker.train.entrypoint", "tandem.worker.serve.app", "tandem.examples.digits",
                "tandem.backends.local"]
     result = import_with_only(allowed, modules)
@@ -563,8 +695,7 @@ def test_the_worker_imports_with_only_tandems_own_requirements():
 
 
 def test_the_worker_image_pins_torch_as_constraints_do_and_both_run_as_the_pods_user():
-    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
-                if "==" in line and not line.startswith("#"))
+    pins = constraint_pins()
     args = dockerfile_args()
     assert args["TORCH_VERSION"] == pins["torch"]
     worker = dockerfile_stages()["worker"]["lines"]

@@ -36,8 +36,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- printf "%s:%s" .Values.workerImage.repository (default .Chart.AppVersion .Values.workerImage.tag) -}}
 {{- end -}}
 
-{{/* The kopf peering object's name, when replicas > 1. */}}
+{{/* The kopf peering object's name, when replicas > 1 peer through kopf (leader election off). */}}
 {{- define "tandem.peering" -}}
+{{- include "tandem.fullname" . -}}
+{{- end -}}
+
+{{/* Whether replicas coordinate through kopf's peering: more than one, and no leader election. */}}
+{{- define "tandem.peered" -}}
+{{- if and (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) }}true{{ end -}}
+{{- end -}}
+
+{{/* The leader election's Lease: named after the release, in its namespace. */}}
+{{- define "tandem.lease" -}}
 {{- include "tandem.fullname" . -}}
 {{- end -}}
 
@@ -119,7 +129,7 @@ namespace) or by a Role in each watched namespace. Exact verbs, from what the op
   resources: [podgroups]
   verbs: [create, patch]
 {{- end }}
-{{- if and (gt (int .Values.replicas) 1) .Values.watchNamespaces }}
+{{- if and (include "tandem.peered" .) .Values.watchNamespaces }}
 # kopf's peering: each replica's keep-alive in the KopfPeering of every namespace it watches.
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
@@ -147,7 +157,7 @@ when it watches named namespaces, the namespaces themselves; with Kueue, the clu
 - apiGroups: [""]
   resources: [namespaces]
   verbs: [list, watch]
-{{- else if gt (int .Values.replicas) 1 }}
+{{- else if include "tandem.peered" . }}
 # kopf's peering: each replica's keep-alive in the ClusterKopfPeering.
 - apiGroups: [kopf.dev]
   resources: [clusterkopfpeerings]

@@ -1,0 +1,70 @@
+"""Whether this operator replica may write to the API now: the one check every write passes (the operator's own
+calls in api_policy.call, kopf's through the session election.py gives it), so that a replica that may no longer
+lead never writes.
+
+Without --leader-elect a replica always may. With it, a replica may write only while it leads and less than the
+renew deadline has passed since it sent its last successful renewal of the Lease: another replica can take the
+lease over only a lease duration after it saw that renewal, later still, so a leader that stops renewing (an API
+outage, a network partition, a pause under SIGSTOP) stops writing at least lease duration − renew deadline (5 s
+by default) before anyone else may start. The clock is monotonic: it runs on while the process is paused, so a
+leader resumed after its lease ran out refuses its next write before it has even learned that it lost.
+
+Torch-free and kopf-free: api_policy imports it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+
+READ_VERBS = frozenset({"get", "list", "watch", "head", "options"})
+
+
+class NotLeading(RuntimeError):
+    """A write refused because this replica may not write now (it does not lead, or its lease may have run out)."""
+
+
+class Leadership:
+    """This replica's right to write: `may_write()` until `valid_until` on the monotonic clock."""
+
+    def __init__(self, *, always: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._valid_until = math.inf if always else -math.inf
+        self.leading = always
+
+    def renewed(self, sent_at: float, renew_deadline: float) -> None:
+        """The Lease was renewed (or acquired) by a request sent at `sent_at` (this clock): writes are allowed until
+        `renew_deadline` seconds after it."""
+        with self._lock:
+            self.leading = True
+            self._valid_until = max(self._valid_until, sent_at + renew_deadline)
+
+    def lose(self) -> None:
+        """Leadership lost (or given up): no write from now on."""
+        with self._lock:
+            self.leading = False
+            self._valid_until = -math.inf
+
+    def may_write(self) -> bool:
+        return self._clock() < self._valid_until
+
+    def seconds_left(self) -> float:
+        """How long this replica may still write without a renewal (negative: it may not)."""
+        return self._valid_until - self._clock()
+
+    def check(self, verb: str, what: str) -> None:
+        """Raise NotLeading for a write (`verb` not a read) this replica may not make now."""
+        if verb.lower() not in READ_VERBS and not self.may_write():
+            raise NotLeading(f"not writing ({verb} {what}): this operator replica does not hold the leader lease now")
+
+
+current = Leadership(always=True)
+"""The process's leadership: always may write, unless `tandem operator --leader-elect` installs an elected one."""
+
+
+def install(leadership: Leadership) -> None:
+    global current
+    current = leadership

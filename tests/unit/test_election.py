@@ -1,0 +1,194 @@
+"""Leader election's decisions (operator/election.py) and the write check every write passes (operator/leadership.py,
+api_policy.call), without a cluster. tests/integration/test_leader_election.py runs real operator replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from datetime import UTC, datetime
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from tandem.operator import api_policy, leadership
+from tandem.operator.election import LeaseRecord, Timing, decide, lease_manifest, released_manifest
+from tandem.operator.leadership import Leadership, NotLeading
+
+TIMING = Timing()  # 15 s lease, 10 s renew deadline, 2 s retry period
+ME, OTHER = "operator-a_1", "operator-b_2"
+NOW = datetime(2026, 12, 3, 12, 0, 0, 123456, tzinfo=UTC)
+
+
+def record(holder: str = OTHER, duration: float | None = 15, transitions: int = 3, version: str = "41") -> LeaseRecord:
+    return LeaseRecord(holder, duration, NOW, NOW, transitions, version)
+
+
+@pytest.mark.parametrize("name, lease, seen_at, now, expected", [
+    ("no lease: create it", None, 0.0, 100.0, "create"),
+    ("mine: renew it", record(ME), 0.0, 100.0, "renew"),
+    ("released (no holder): take it at once", record(""), 99.9, 100.0, "take"),
+    ("another's, seen renewed 14.9 s ago: wait", record(), 85.1, 100.0, "wait"),
+    ("another's, seen renewed 15 s ago: take it", record(), 85.0, 100.0, "take"),
+    ("the holder's own duration counts, not ours", record(duration=30), 80.0, 100.0, "wait"),
+    ("a lease without a duration runs ours", record(duration=None), 85.0, 100.0, "take"),
+])
+def test_what_a_replica_does_with_the_lease_it_read(name, lease, seen_at, now, expected):
+    assert decide(lease, ME, seen_at, now, TIMING) == expected, name
+
+
+@pytest.mark.parametrize("name, lease, action, holder, transitions, acquired, version", [
+    ("create: no version, no transition", None, "create", ME, 0, NOW, None),
+    ("renew: the version read, the acquire time kept", record(ME), "renew", ME, 3, record().acquire_time, "41"),
+    ("take over: one more transition, acquired now", record(), "take", ME, 4, NOW, "41"),
+    ("take a released lease: one more transition", record(""), "take", ME, 4, NOW, "41"),
+])
+def test_the_lease_a_replica_writes(name, lease, action, holder, transitions, acquired, version):
+    later = NOW.replace(second=5)
+    manifest = lease_manifest("tandem-operator", "tandem-system", ME, lease, action,
+                              later if action == "renew" else NOW, TIMING)
+    spec = manifest["spec"]
+    assert (spec["holderIdentity"], spec["leaseTransitions"], spec["leaseDurationSeconds"]) == (holder, transitions,
+                                                                                                15), name
+    assert spec["acquireTime"] == acquired.strftime("%Y-%m-%dT%H:%M:%S.%fZ"), name
+    assert spec["renewTime"].endswith("Z") and spec["renewTime"] >= spec["acquireTime"], name
+    assert manifest["metadata"].get("resourceVersion") == version, name
+
+
+def test_a_released_lease_names_no_holder_and_runs_out_in_a_second():
+    spec = released_manifest("tandem-operator", "tandem-system", record(ME), NOW)["spec"]
+    assert (spec["holderIdentity"], spec["leaseDurationSeconds"], spec["leaseTransitions"]) == ("", 1, 3)
+    assert decide(LeaseRecord("", 1, NOW, NOW, 3, "42"), OTHER, 100.0, 100.0, TIMING) == "take"
+
+
+@pytest.mark.parametrize("name, timing, fix", [
+    ("defaults", Timing(), None),
+    ("renew deadline not under the lease", Timing(10, 10, 2), "--leader-elect-renew-deadline (10 s) must be shorter"),
+    ("retry not under the renew deadline", Timing(15, 2, 2), "--leader-elect-retry-period (2 s) must be above 0"),
+    ("no retry period", Timing(15, 10, 0), "--leader-elect-retry-period (0 s) must be above 0"),
+])
+def test_election_durations_that_cannot_elect_safely_are_refused_naming_the_flag(name, timing, fix):
+    problem = timing.problem()
+    assert (problem is None) if fix is None else problem.startswith(fix), (name, problem)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_leader_may_write_until_the_renew_deadline_of_the_renewal_it_last_sent():
+    clock = Clock()
+    held = Leadership(clock=clock)
+    assert not held.may_write()  # a standby
+    held.renewed(sent_at=1000.0, renew_deadline=10.0)
+    clock.now = 1009.9
+    assert held.may_write()
+    clock.now = 1010.0  # paused past the deadline (SIGSTOP): the monotonic clock ran on
+    assert not held.may_write()
+    with pytest.raises(NotLeading, match="does not hold the leader lease"):
+        held.check("patch", "paralleltrainingjobs/status x")
+    held.check("get", "pods")  # reads stay allowed
+    held.check("WATCH", "pods")
+    held.renewed(sent_at=1010.0, renew_deadline=10.0)
+    assert held.may_write()
+    held.lose()
+    assert not held.may_write() and not held.leading
+
+
+def test_a_replica_without_election_always_may_write():
+    assert Leadership(always=True, clock=lambda: 1e12).may_write()
+    assert leadership.current.may_write()
+
+
+@pytest.fixture
+def standby():
+    """The process's leadership replaced by a standby's for the test (api_policy reads `leadership.current`)."""
+    saved = leadership.current
+    held = Leadership()
+    leadership.install(held)
+    yield held
+    leadership.install(saved)
+
+
+def test_the_operators_writes_are_refused_before_they_are_sent_while_it_may_not_write(standby):
+    sent = []
+
+    def create(*args, **kwargs):
+        sent.append(args)
+        return "created"
+
+    with pytest.raises(NotLeading):
+        asyncio.run(api_policy.call("create", "Pod", "default/x-0", create, "default", {}))
+    assert sent == [], "nothing reaches the API"
+    assert asyncio.run(api_policy.call("get", "Pod", "default/x-0", create, "default")) == "created"
+    assert asyncio.run(api_policy.call("create", "leases", "x", create, "ns", {}, as_leader=False)) == "created"
+    standby.renewed(sent_at=time.monotonic(), renew_deadline=60)
+    assert asyncio.run(api_policy.call("create", "Pod", "default/x-0", create, "default", {})) == "created"
+
+
+def test_not_leading_is_not_an_api_error_the_policy_retries(standby):
+    calls = []
+
+    def create(*args, **kwargs):
+        calls.append(1)
+        raise ApiException(status=500)
+
+    with pytest.raises(NotLeading):
+        asyncio.run(api_policy.call("patch", "paralleltrainingjobs/status", "default/x", create))
+    assert calls == []
+
+
+def test_kopfs_own_writes_go_through_a_session_that_refuses_them_while_the_replica_may_not_write(standby, tmp_path,
+                                                                                                  monkeypatch):
+    """kopf's requests (finalizers, progress annotations, status from return values, Events) through the session
+    `guarded_login` gives kopf, against a local HTTP server standing in for the API server: reads pass, writes are
+    refused before they are sent, and pass once the replica leads."""
+    import aiohttp.web
+    import kopf
+    from kubernetes.config import kube_config
+
+    from tandem.operator.election import guarded_login
+
+    async def scenario() -> list[str]:
+        received: list[str] = []
+
+        async def answer(request: aiohttp.web.Request) -> aiohttp.web.Response:
+            received.append(request.method)
+            return aiohttp.web.json_response({})
+
+        app = aiohttp.web.Application()
+        app.router.add_route("*", "/{path:.*}", answer)
+        runner = aiohttp.web.AppRunner(app)
+        await runner.setup()
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        config = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
+                  "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                  "users": [{"name": "u", "user": {"token": "t"}}],
+                  "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}
+        (tmp_path / "kubeconfig").write_text(json.dumps(config))
+        monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "kubeconfig"))  # read at import
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        login = await guarded_login(logger=logging.getLogger("test"), settings=kopf.OperatorSettings())
+        session = login.aiohttp_session
+        try:
+            url = f"{login.server}/api/v1/namespaces/default/pods"
+            async with session.get(url) as response:
+                assert response.status == 200
+            with pytest.raises(NotLeading):
+                await session.patch(url + "/x", json={})
+            standby.renewed(sent_at=time.monotonic(), renew_deadline=60)
+            async with session.post(url, json={}) as response:
+                assert response.status == 200
+        finally:
+            await session.close()
+            await runner.cleanup()
+        return received
+
+    assert asyncio.run(scenario()) == ["GET", "POST"], "the PATCH never reached the server"

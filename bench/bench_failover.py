@@ -76,11 +76,11 @@ def one(cluster: Cluster, coordination: str, how: str) -> float:
     cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, JOBS, custom_job(second))
     cluster.wait_for(lambda: pods_of(cluster, second) == 2, WAIT, "the other replica to start the new job")
     took = time.monotonic() - began
-    for name in names:
-        cluster.stop_process(name)
-    for job in (first, second):
+    for job in (first, second):  # while a replica leads: kopf's finalizer goes with it
         cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, JOBS, job)
     cluster.wait_for(lambda: not pods_of(cluster, first) and not pods_of(cluster, second), WAIT, "the jobs to go")
+    for name in names:
+        cluster.stop_process(name)
     return took
 
 

@@ -154,6 +154,9 @@ def test_a_stopped_leader_releases_its_lease_after_its_last_write_and_the_standb
     replicas.start("term-a")
     replicas.wait_leader("term-a")
     replicas.start("term-b")
+    replicas.start("term-c")
+    assert cluster.stop_process("term-c", grace=20) == 0, "a standby stops cleanly"
+    assert replicas.leader() == "term-a" and "released" not in cluster.process_log("term-c")
     assert cluster.stop_process("term-a", grace=20) == 0
     assert "released Lease" in cluster.process_log("term-a")
     replicas.wait_leader("term-b", timeout=10)  # a retry period, not a lease duration (6 s), after the release

@@ -192,3 +192,26 @@ def test_kopfs_own_writes_go_through_a_session_that_refuses_them_while_the_repli
         return received
 
     assert asyncio.run(scenario()) == ["GET", "POST"], "the PATCH never reached the server"
+
+
+def test_a_standby_answers_liveness_on_the_health_port_until_it_leads():
+    """kopf's liveness endpoint exists only once kopf runs (on the leader): a standby answers /healthz itself, on the
+    same port, and frees the port for kopf when it leads."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from tandem.operator.main import standby_health
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with standby_health(port):
+        with opener.open(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+            assert response.status == 200
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    with socket.socket() as kopf_listens:
+        kopf_listens.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp's site binds
+        kopf_listens.bind(("0.0.0.0", port))  # free again

@@ -5,8 +5,9 @@ renew deadline, 2 s retry period) side by side with kopf's peering (`--peering`,
 One emulated cluster (devcluster/: the API emulator and the test kubelet running pods as local processes; kopf's
 peering CRDs from the chart). Each round, for each coordination (the order flips each round) and each way the
 leader goes (SIGKILL: a crash; SIGTERM: a rolling update's stop), two fresh replicas are started, the first to lead
-is found (the Lease's holder; under peering the replica that created the first job's pods), a job is applied and its
-pods created, the second replica has stood by for a few seconds, then the leader is killed or stopped and at once a
+is started first, a job is applied and its pods created, the second replica stands by for a few seconds, the one
+that works is found (the Lease's holder; under peering the peer of highest priority, which may be the second: kopf
+pauses the others), then it is killed or stopped and at once a
 new job (2 ranks, custom mode: no torch) is applied. Measured: from the signal to both of the new job's rank pods
 existing in the API. The replicas are then stopped and the jobs deleted.
 
@@ -40,19 +41,23 @@ WAIT = 240.0
 
 def start(cluster: Cluster, name: str, coordination: list[str]) -> None:
     cluster.spawn([sys.executable, "-m", "tandem.cli", "operator", "--namespace", NS, "--restart-backoff-seconds",
-                   "0", "--worker-image", "tandem-worker:bench", *coordination], name=name, cwd=ROOT, client=name)
+                   "0", "--worker-image", "tandem-worker:bench", *coordination], name=name, cwd=ROOT, client=name,
+                  env=cluster.environ(POD_ID=name))  # kopf's name for it in the peering object
+
+
+def leader_of(cluster: Cluster, coordination: str, tag: str, names: list[str]) -> str:
+    """The replica that works now: the Lease's holder (each logs its identity), or under kopf's peering the peer of
+    highest priority in the KopfPeering's status (the others pause)."""
+    if coordination == "lease":
+        holder = ((cluster.get("leases", NS, f"bench-{tag}") or {}).get("spec") or {}).get("holderIdentity") or "?"
+        return next(name for name in names if holder in cluster.process_log(name))
+    peers = (cluster.get("kopfpeerings", NS, f"bench-{tag}") or {}).get("status") or {}
+    assert set(peers) == set(names), f"both replicas peer: {peers}"
+    return max(peers, key=lambda peer: peers[peer]["priority"])
 
 
 def pods_of(cluster: Cluster, job: str) -> int:
     return len(job_pods(cluster, job))
-
-
-def creator_of_pods(cluster: Cluster, job: str, names: list[str]) -> str:
-    """The replica that created `job`'s pods, from the API server's record of requests."""
-    for client, method, plural, _ in cluster.emulator.received():
-        if method == "POST" and plural == "pods" and client in names:
-            return client
-    raise RuntimeError(f"no replica created the pods of {job}")
 
 
 def one(cluster: Cluster, coordination: str, how: str) -> float:
@@ -69,7 +74,7 @@ def one(cluster: Cluster, coordination: str, how: str) -> float:
     cluster.wait_for(lambda: pods_of(cluster, first) == 2, WAIT, "the first replica to lead")
     start(cluster, names[1], flags)
     time.sleep(STANDBY_SECONDS)
-    leader = creator_of_pods(cluster, first, names)
+    leader = leader_of(cluster, coordination, tag, names)
     process = cluster._processes[leader][0]
     began = time.monotonic()
     process.send_signal(signal.SIGKILL if how == "SIGKILL" else signal.SIGTERM)

@@ -192,8 +192,7 @@ class Elector:
             if await self._acquire():
                 await self._keep()
         finally:
-            self.held.lose()
-            metrics.LEADER.set(0)
+            self._step_down()
             self._released.set()
 
     # -- standing by ---------------------------------------------------------------------------------------------
@@ -232,8 +231,7 @@ class Elector:
                 await self._release()
                 return
             if not await self._renew():
-                self.held.lose()
-                metrics.LEADER.set(0)
+                self._step_down()
                 log.error("leader election: leadership of Lease %s/%s lost (%s); exiting, to stand by again",
                           self.namespace, self.name, self._lost_why())
                 self.lost(1)
@@ -252,6 +250,11 @@ class Elector:
             await self._pause(min(wait, max(0.0, deadline - self.clock())))
         return self._stopping.is_set()
 
+    def _step_down(self) -> None:
+        """No write from now on, and the metric says so."""
+        self.held.lose()
+        metrics.LEADER.set(0)
+
     def _lost_why(self) -> str:
         if self.record is not None and self.record.holder != self.me:
             return f"held by {self.record.holder or 'nobody'}"
@@ -259,8 +262,7 @@ class Elector:
 
     async def _release(self) -> None:
         """Release the lease if this replica still holds it: no holder, a one-second duration."""
-        self.held.lose()
-        metrics.LEADER.set(0)
+        self._step_down()
         if self.record is None or self.record.holder != self.me:
             return
         body = released_manifest(self.name, self.namespace, self.record, datetime.now(UTC))

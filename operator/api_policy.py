@@ -31,7 +31,7 @@ from kubernetes.client.exceptions import ApiException
 
 from tandem.api_errors import TRANSIENT_CODES, Backoff, api_message
 from tandem.api_errors import retry_after as server_wait
-from tandem.operator import leadership, metrics
+from tandem.operator import metrics
 
 log = logging.getLogger("tandem.operator")
 
@@ -111,17 +111,15 @@ def classify(verb: str, code: int | str) -> str:
 
 
 async def call(verb: str, kind: str, target: str, method: Callable[..., Any], *args: Any,
-               backoff: Backoff = BACKOFF, timeout: tuple[float, float] = REQUEST_TIMEOUT, as_leader: bool = True,
+               backoff: Backoff = BACKOFF, timeout: tuple[float, float] = REQUEST_TIMEOUT,
                **kwargs: Any) -> Any:
     """`method(*args, **kwargs)` (a `kubernetes` client call, run in a worker thread) under the policy. Returns its
     result; raises `ApiException` for 'exists' and 'gone' answers (the caller says what they mean), `Stale`,
-    `Refused`, or `Unavailable` once the attempts are spent. A write this replica may not make now (leadership.py)
-    raises NotLeading, checked in the worker thread just before the request goes out; `as_leader` False only for
-    the election's own calls."""
+    `Refused`, or `Unavailable` once the attempts are spent. A write this replica may not make now raises NotLeading
+    (from the operator's client: leadership.guard)."""
     for attempt in range(backoff.attempts):
         try:
-            return await asyncio.to_thread(_checked if as_leader else _unchecked, verb, f"{kind} {target}", method,
-                                           *args, _request_timeout=timeout, **kwargs)
+            return await asyncio.to_thread(method, *args, _request_timeout=timeout, **kwargs)
         except ApiException as error:
             code, reason, message, retry_after = error.status, error.reason or "", api_message(error), \
                 server_wait(error)
@@ -146,15 +144,6 @@ async def call(verb: str, kind: str, target: str, method: Callable[..., Any], *a
         metrics.API_RETRIES.labels(verb, kind, str(code)).inc()
         await asyncio.sleep(backoff.delay(attempt, retry_after))
     raise AssertionError("unreachable")
-
-
-def _checked(verb: str, what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    leadership.current.check(verb, what)
-    return method(*args, **kwargs)
-
-
-def _unchecked(verb: str, what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return method(*args, **kwargs)
 
 
 _KOPF_REQUEST = re.compile(r"Request attempt \S+ failed; (will retry|escalating): (\w+) (\S+) -> (.*)$", re.S)

@@ -16,22 +16,25 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from tandem.api import GROUP, VERSION
+from tandem.operator import leadership
 from tandem.operator.api_policy import Refused, call
 
 log = logging.getLogger("tandem.operator")
 CONFLICT, NOT_FOUND = 409, 404
 
 
-def login() -> client.ApiClient:
+def login(*, guarded: bool = True) -> client.ApiClient:
     """In-cluster credentials, else KUBECONFIG (as kopf logs in). urllib3 retries nothing by itself: the policy
-    (api_policy.py) owns every retry."""
+    (api_policy.py) owns every retry. Guarded (all but the leader election's own client): every write is checked
+    against the replica's leadership as it is sent (leadership.guard)."""
     configuration = client.Configuration()
     try:
         config.load_incluster_config(client_configuration=configuration)
     except config.ConfigException:
         config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration)
     configuration.retries = False
-    return client.ApiClient(configuration)
+    api = client.ApiClient(configuration)
+    return leadership.guard(api) if guarded else api
 
 
 class Cluster:

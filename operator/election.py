@@ -268,8 +268,7 @@ class Elector:
         body = released_manifest(self.name, self.namespace, self.record, datetime.now(UTC))
         try:
             await call("release", "leases", self.name, self.leases.replace_namespaced_lease, self.name,
-                       self.namespace, body, backoff=Backoff(attempts=3, cap=0.5), timeout=self._timeout(),
-                       as_leader=False)
+                       self.namespace, body, backoff=Backoff(attempts=3, cap=0.5), timeout=self._timeout())
             log.info("leader election: %s released Lease %s/%s", self.me, self.namespace, self.name)
         except (ApiFailure, ApiException) as error:
             log.warning("leader election: could not release Lease %s/%s (%s): a standby takes over once it runs "
@@ -280,7 +279,7 @@ class Elector:
     async def _read(self) -> None:
         try:
             lease = await call("get", "leases", self.name, self.leases.read_namespaced_lease, self.name,
-                               self.namespace, backoff=ONE_TRY, timeout=self._timeout(), as_leader=False)
+                               self.namespace, backoff=ONE_TRY, timeout=self._timeout())
         except ApiException as error:  # 404: there is none
             if error.status == 404:
                 self._saw(None)
@@ -299,10 +298,10 @@ class Elector:
         try:
             if action == "create":
                 lease = await call("create", "leases", self.name, self.leases.create_namespaced_lease,
-                                   self.namespace, body, backoff=ONE_TRY, timeout=self._timeout(), as_leader=False)
+                                   self.namespace, body, backoff=ONE_TRY, timeout=self._timeout())
             else:
                 lease = await call("replace", "leases", self.name, self.leases.replace_namespaced_lease, self.name,
-                                   self.namespace, body, backoff=ONE_TRY, timeout=self._timeout(), as_leader=False)
+                                   self.namespace, body, backoff=ONE_TRY, timeout=self._timeout())
         except Stale:  # another replica wrote it since it was read
             await self._read()
             return False

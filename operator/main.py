@@ -144,7 +144,7 @@ def stand_by(args: argparse.Namespace):
     leadership.install(held)
     kopf.on.login()(election.guarded_login)
     namespace = args.leader_election_namespace or election.default_namespace(args.namespace)
-    elector = election.Elector(login(), args.leader_election_id, namespace, election.identity(),
+    elector = election.Elector(login(guarded=False), args.leader_election_id, namespace, election.identity(),
                                election_timing(args), held)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -1,18 +1,24 @@
 """Leader election's decisions (operator/election.py) and the write check every write passes (operator/leadership.py,
-api_policy.call), without a cluster. tests/integration/test_leader_election.py runs real operator replicas."""
+in the operator's client and kopf's session), without a cluster. tests/integration/test_leader_election.py runs real
+operator replicas."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import threading
 import time
 from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from kubernetes.client.exceptions import ApiException
+from kubernetes import client
+from kubernetes.config import kube_config
+from urllib3.connection import HTTPConnection
 
 from tandem.operator import api_policy, leadership
+from tandem.operator.cluster import login
 from tandem.operator.election import LeaseRecord, Timing, decide, lease_manifest, released_manifest
 from tandem.operator.leadership import Leadership, NotLeading
 
@@ -107,7 +113,7 @@ def test_a_replica_without_election_always_may_write():
 
 @pytest.fixture
 def standby():
-    """The process's leadership replaced by a standby's for the test (api_policy reads `leadership.current`)."""
+    """The process's leadership replaced by a standby's for the test (the checks read `leadership.current`)."""
     saved = leadership.current
     held = Leadership()
     leadership.install(held)
@@ -115,66 +121,90 @@ def standby():
     leadership.install(saved)
 
 
-def test_the_operators_writes_are_refused_before_they_are_sent_while_it_may_not_write(standby):
-    sent = []
+@pytest.fixture
+def api_server(tmp_path, monkeypatch):
+    """A local HTTP server standing in for the API server (it answers every request `{}` and records its method),
+    and the kubeconfig both clients log in with."""
+    received: list[str] = []
 
-    def create(*args, **kwargs):
-        sent.append(args)
-        return "created"
+    class Answer(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
 
-    with pytest.raises(NotLeading):
-        asyncio.run(api_policy.call("create", "Pod", "default/x-0", create, "default", {}))
-    assert sent == [], "nothing reaches the API"
-    assert asyncio.run(api_policy.call("get", "Pod", "default/x-0", create, "default")) == "created"
-    assert asyncio.run(api_policy.call("create", "leases", "x", create, "ns", {}, as_leader=False)) == "created"
+        def answer(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            received.append(self.command)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = answer
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    config = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
+              "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
+              "users": [{"name": "u", "user": {"token": "t"}}],
+              "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}
+    (tmp_path / "kubeconfig").write_text(json.dumps(config))
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "kubeconfig"))  # read at import
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    yield received
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_operators_writes_are_refused_before_they_are_sent_while_it_may_not_write(standby, api_server):
+    """The operator's own client (cluster.login) against a local server: a write while the replica may not write
+    raises NotLeading, once (the policy does not retry it), and nothing reaches the server; reads pass; the
+    election's own client (unguarded) writes; once the replica leads, the operator's writes pass."""
+    core = client.CoreV1Api(login())
+    with pytest.raises(NotLeading, match="does not hold the leader lease"):
+        asyncio.run(api_policy.call("create", "Pod", "default/x-0", core.create_namespaced_pod, "default", {}))
+    assert api_server == [], "nothing reaches the API"
+    asyncio.run(api_policy.call("get", "Pod", "default/x-0", core.read_namespaced_pod, "x-0", "default"))
+    leases = client.CoordinationV1Api(login(guarded=False))
+    asyncio.run(api_policy.call("create", "leases", "x", leases.create_namespaced_lease, "default", {}))
     standby.renewed(sent_at=time.monotonic(), renew_deadline=60)
-    assert asyncio.run(api_policy.call("create", "Pod", "default/x-0", create, "default", {})) == "created"
+    asyncio.run(api_policy.call("create", "Pod", "default/x-0", core.create_namespaced_pod, "default", {}))
+    assert api_server == ["GET", "POST", "POST"]
 
 
-def test_not_leading_is_not_an_api_error_the_policy_retries(standby):
-    calls = []
+def test_a_pause_before_the_request_is_sent_is_caught_by_the_check_made_once_connected(api_server, monkeypatch):
+    """The check is made once the connection is made, right before the request's bytes: a replica paused (SIGSTOP)
+    while it connected, past its deadline, refuses the write it had begun. The pause is the clock moved on while
+    the connection is made."""
+    clock = Clock()
+    held = Leadership(clock=clock)
+    held.renewed(sent_at=clock.now, renew_deadline=10)
+    monkeypatch.setattr(leadership, "current", held)
+    connect = HTTPConnection.connect
 
-    def create(*args, **kwargs):
-        calls.append(1)
-        raise ApiException(status=500)
+    def paused_while_connecting(self) -> None:
+        connect(self)
+        clock.now += 11
 
+    monkeypatch.setattr(HTTPConnection, "connect", paused_while_connecting)
+    core = client.CoreV1Api(login())
     with pytest.raises(NotLeading):
-        asyncio.run(api_policy.call("patch", "paralleltrainingjobs/status", "default/x", create))
-    assert calls == []
+        asyncio.run(api_policy.call("patch", "Pod", "default/x-0", core.patch_namespaced_pod, "x-0", "default", {}))
+    assert api_server == []
 
 
-def test_kopfs_own_writes_go_through_a_session_that_refuses_them_while_the_replica_may_not_write(standby, tmp_path,
-                                                                                                  monkeypatch):
+def test_kopfs_own_writes_go_through_a_session_that_refuses_them_while_the_replica_may_not_write(standby, api_server):
     """kopf's requests (finalizers, progress annotations, status from return values, Events) through the session
-    `guarded_login` gives kopf, against a local HTTP server standing in for the API server: reads pass, writes are
-    refused before they are sent, and pass once the replica leads."""
-    import aiohttp.web
+    `guarded_login` gives kopf, against a local server: reads pass, writes are refused before they are sent, and
+    pass once the replica leads."""
     import kopf
-    from kubernetes.config import kube_config
 
     from tandem.operator.election import guarded_login
 
-    async def scenario() -> list[str]:
-        received: list[str] = []
-
-        async def answer(request: aiohttp.web.Request) -> aiohttp.web.Response:
-            received.append(request.method)
-            return aiohttp.web.json_response({})
-
-        app = aiohttp.web.Application()
-        app.router.add_route("*", "/{path:.*}", answer)
-        runner = aiohttp.web.AppRunner(app)
-        await runner.setup()
-        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        config = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
-                  "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
-                  "users": [{"name": "u", "user": {"token": "t"}}],
-                  "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}
-        (tmp_path / "kubeconfig").write_text(json.dumps(config))
-        monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "kubeconfig"))  # read at import
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    async def scenario() -> None:
         login = await guarded_login(logger=logging.getLogger("test"), settings=kopf.OperatorSettings())
         session = login.aiohttp_session
         try:
@@ -188,10 +218,9 @@ def test_kopfs_own_writes_go_through_a_session_that_refuses_them_while_the_repli
                 assert response.status == 200
         finally:
             await session.close()
-            await runner.cleanup()
-        return received
 
-    assert asyncio.run(scenario()) == ["GET", "POST"], "the PATCH never reached the server"
+    asyncio.run(scenario())
+    assert api_server == ["GET", "POST"], "the PATCH never reached the server"
 
 
 def test_a_standby_answers_liveness_on_the_health_port_until_it_leads():

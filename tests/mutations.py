@@ -214,6 +214,13 @@ BUGS = [
     Bug("a model or data the pre-flight found invalid restarted until backoffLimit", "tandem/restart_policy.py",
         "    if permanent is not None:\n", "    if False:\n",
         "tests/unit/test_preflight.py::test_a_permanent_failure_fails_at_once_spending_no_restart"),
+    Bug("the leader's write check made before its connection is (a pause while connecting lets a write through)",
+        "operator/leadership.py",
+        "        if self.sock is None:  # type: ignore[attr-defined]\n"
+        "            self.connect()  # type: ignore[attr-defined]\n        current.check(*self._request)\n",
+        "        current.check(*self._request)\n        if self.sock is None:  # type: ignore[attr-defined]\n"
+        "            self.connect()  # type: ignore[attr-defined]\n",
+        "tests/unit/test_election.py::test_a_pause_while_connecting_is_caught_by_the_check_made_once_connected"),
 ]
 
 

@@ -175,7 +175,7 @@ def test_the_operators_writes_are_refused_before_they_are_sent_while_it_may_not_
     assert api_server == ["GET", "POST", "POST"]
 
 
-def test_a_pause_before_the_request_is_sent_is_caught_by_the_check_made_once_connected(api_server, monkeypatch):
+def test_a_pause_while_connecting_is_caught_by_the_check_made_once_connected(api_server, monkeypatch):
     """The check is made once the connection is made, right before the request's bytes: a replica paused (SIGSTOP)
     while it connected, past its deadline, refuses the write it had begun. The pause is the clock moved on while
     the connection is made."""

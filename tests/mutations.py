@@ -88,7 +88,7 @@ BUGS = [
         "tests/integration/test_equivalences.py::test_clipping_changes_an_update_exactly_when_the_norm_exceeds_the_limit"),
     Bug("a resume at another world size keeps the data position in the old size's micro-batches",
         "worker/train/data.py",
-        "    return consumed // (world_size * batch_size)", "    return batches_done",
+        "    return batches_done * world_size * batch_size", "    return batches_done",
         "tests/integration/test_local_restarts.py::test_a_checkpoint_written_at_another_world_size_resumes_by_examples_seen"),
     Bug("the operator's status patch carries the whole status it observed", "operator/daemon.py",
         "changed = {key: value for key, value in status.items() if current.get(key) != value}",

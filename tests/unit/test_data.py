@@ -1,5 +1,5 @@
-"""Data loading pieces of the trainer: shards, resume position (also at another world size), the steps left,
-prefetching, accumulation groups."""
+"""Data loading pieces of the trainer: shards (DistributedSampler's, bit for bit), resume position (exact at another
+world size), the steps left, prefetching, accumulation groups."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import time
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import DistributedSampler, TensorDataset
 
 from tandem.worker.train.data import (
+    EpochShard,
     accumulation_groups,
     epoch_batches,
     evaluation_shard,
-    resumed_batches_done,
+    examples_consumed,
     steps_left,
     training_loader,
     training_steps,
@@ -89,48 +90,55 @@ def test_evaluation_shards_cover_every_example_once():
     assert sorted(i for shard in shards for i in shard) == list(range(11))
 
 
-# (batches done, saved ranks, saved batch, ranks, batch) -> micro-batches the resumed run skips.
-RESUMED = [
-    ((7, 2, 4, 2, 4), 7),      # same layout: the position as saved
-    ((15, 2, 16, 1, 16), 30),  # 2 -> 1 rank: 480 examples, exactly 30 of 16
-    ((21, 1, 16, 2, 16), 10),  # 1 -> 2: 336 examples; 10 x 32 = 320 fit, 16 are seen again
-    ((5, 3, 4, 2, 4), 7),      # 3 -> 2: 60 examples; 7 x 8 = 56
-    ((5, 2, 4, 4, 4), 2),      # 2 -> 4: 40 examples; 2 x 16 = 32
-    ((3, 4, 4, 3, 4), 4),      # 4 -> 3: 48 examples; exactly 4 x 12
-    ((9, 2, 8, 2, 4), 18),     # the batch halved at the same world size: 144 examples, 18 of 8
-    ((0, 2, 16, 5, 16), 0),    # an epoch's start stays one
-    ((1, 1, 4, 2, 4), 0),      # fewer examples than one new micro-batch: the epoch starts again
+@pytest.mark.parametrize("size", [1, 7, 100, 101])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_an_epochs_shards_are_distributed_samplers_bit_for_bit(size, world_size):
+    """From an epoch's start EpochShard deals exactly DistributedSampler's indices (shuffle, padding, order), so
+    runs that never change size train on what they did before it."""
+    for rank in range(world_size):
+        reference = DistributedSampler(_dataset(size), num_replicas=world_size, rank=rank, shuffle=True, seed=11)
+        ours = EpochShard(size, rank=rank, world_size=world_size, seed=11)
+        for epoch in (0, 3):
+            reference.set_epoch(epoch)
+            ours.set_epoch(epoch)
+            assert list(ours) == list(reference) and len(ours) == len(reference)
+
+
+# (micro-batches done, saved ranks, saved batch, ranks, batch): the epoch goes on from examples done x ranks x batch.
+RESIZED = [
+    (15, 2, 16, 1, 16),  # 2 -> 1 rank
+    (21, 1, 16, 2, 16),  # 1 -> 2: 336 examples, not a multiple of the new 32
+    (5, 3, 4, 2, 4),     # 3 -> 2
+    (5, 2, 4, 4, 4),     # 2 -> 4
+    (3, 4, 4, 3, 4),     # 4 -> 3
+    (9, 2, 8, 2, 4),     # the batch halved at the same world size
+    (1, 1, 4, 3, 7),     # fewer examples than one new micro-batch
 ]
 
 
-@pytest.mark.parametrize(("saved", "expected"), RESUMED, ids=[str(case) for case, _ in RESUMED])
-def test_a_data_position_maps_to_another_world_size_by_examples_seen_rounding_down(saved, expected):
-    batches_done, saved_world_size, saved_batch_size, world_size, batch_size = saved
-    assert resumed_batches_done(batches_done, saved_world_size=saved_world_size, saved_batch_size=saved_batch_size,
-                                world_size=world_size, batch_size=batch_size) == expected
-
-
-@pytest.mark.parametrize(("saved", "expected"), RESUMED[1:7], ids=[str(case) for case, _ in RESUMED[1:7]])
-def test_the_resumed_run_sees_every_example_of_the_epoch_and_repeats_fewer_than_one_micro_batch(saved, expected):
-    """The examples the old ranks consumed and those the new ranks go on with cover the epoch, with fewer than one new
-    micro-batch (W x B examples) seen twice: every world size walks one shuffled order of the epoch."""
+@pytest.mark.parametrize("saved", RESIZED, ids=[str(case) for case in RESIZED])
+def test_an_epoch_resumed_at_another_world_size_sees_every_example_exactly_once(saved):
+    """The examples the old ranks consumed and those the new ranks go on with are the epoch, each once, but for the
+    padding the sampler adds at every epoch's end (to a multiple of the ranks): every world size walks one shuffled
+    order of the epoch, and the new run deals it from the first example the old one had not taken."""
     batches_done, saved_world_size, saved_batch_size, world_size, batch_size = saved
     dataset = _dataset(1000)
 
-    def labels(ranks: int, batch: int, skip: int, take: int | None) -> list[int]:
+    def labels(ranks: int, batch: int, start: int, take: int | None) -> list[int]:
         seen = []
         for rank in range(ranks):
             loader = training_loader(dataset, rank=rank, world_size=ranks, batch_size=batch, seed=5)
-            seen += _labels(list(epoch_batches(loader, epoch=3, skip=skip))[:take])
+            seen += _labels(list(epoch_batches(loader, epoch=3, start=start))[:take])
         return seen
 
     before = labels(saved_world_size, saved_batch_size, 0, batches_done)
-    after = labels(world_size, batch_size, expected, None)
+    start = examples_consumed(batches_done, world_size=saved_world_size, batch_size=saved_batch_size)
+    after = labels(world_size, batch_size, start, None)
+    assert len(before) == start
+    padding = (-(1000 - start)) % world_size
+    assert len(before) + len(after) == 1000 + padding
     assert set(before) | set(after) == set(range(1000))
-    repeated = len(before) + len(after) - len(set(before + after))
-    assert len(before) == batches_done * saved_world_size * saved_batch_size
-    padding = (-1000) % world_size  # the sampler pads the epoch's end to a multiple of the ranks
-    assert repeated - padding < world_size * batch_size
+    assert len(set(before)) == len(before) and set(before).isdisjoint(after), "an example seen twice"
 
 
 @pytest.mark.parametrize(("epoch", "batches_done", "epochs", "per_epoch", "accumulation", "expected"), [
@@ -146,5 +154,17 @@ def test_steps_left_counts_what_training_steps_hands_out(epoch, batches_done, ep
     loader = training_loader(_dataset(per_epoch * 4), rank=0, world_size=2, batch_size=2, seed=0)
     assert len(loader) == per_epoch
     position = Position(epoch=epoch, batches_done=batches_done)
-    assert steps_left(position, epochs=epochs, batches_per_epoch=per_epoch, accumulation=accumulation) == expected
+    assert steps_left(position, epochs=epochs, loader=loader, accumulation=accumulation) == expected
     assert len(list(training_steps(loader, position, epochs=epochs, accumulation=accumulation))) == expected
+
+
+def test_an_epoch_resumed_part_way_at_another_size_is_counted_from_where_it_goes_on():
+    """180 examples at 2 ranks x 2: 45 micro-batches an epoch. Resumed after 21 examples consumed elsewhere, epoch 2
+    has 159 left: 80 per rank (one of padding), 40 micro-batches; then epoch 3 whole. The position turns to the
+    next epoch at the usual start."""
+    loader = training_loader(_dataset(180), rank=0, world_size=2, batch_size=2, seed=0)
+    position = Position(epoch=1, epoch_start=21)
+    assert steps_left(position, epochs=3, loader=loader, accumulation=1) == 40 + 45
+    steps = list(training_steps(loader, position, epochs=3, accumulation=1))
+    assert len(steps) == 40 + 45
+    assert (position.epoch, position.batches_done, position.epoch_start) == (3, 0, 0)

@@ -1,4 +1,5 @@
-"""Data loading: each rank's shard (DistributedSampler), resumable mid-epoch, prefetched on a thread."""
+"""Data loading: each rank's shard (`EpochShard`, DistributedSampler's order), resumable mid-epoch at any world size
+and batch, prefetched on a thread."""
 
 from __future__ import annotations
 
@@ -11,7 +12,37 @@ from itertools import islice
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+
+
+class EpochShard(Sampler[int]):
+    """This rank's examples of an epoch, as DistributedSampler deals them (shuffle, no drop_last): the dataset
+    shuffled with seed + epoch, position p of the order to rank p % world_size, the order padded with its own first
+    examples to a multiple of world_size. `set_epoch(epoch, start)` deals only the order's positions from `start`
+    on: the rest of an epoch whose first `start` examples were consumed at another world size or batch. At start 0
+    the indices are DistributedSampler's, bit for bit."""
+
+    def __init__(self, size: int, *, rank: int, world_size: int, seed: int) -> None:
+        self.size, self.rank, self.world_size, self.seed = size, rank, world_size, seed
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def examples(self, start: int) -> int:
+        """This rank's examples of an epoch dealt from `start` on."""
+        return math.ceil(max(0, self.size - start) / self.world_size)
+
+    def __len__(self) -> int:
+        return self.examples(self.start)
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        rest = order[self.start:]
+        total = len(self) * self.world_size
+        if rest and total > len(rest):
+            rest += (rest * math.ceil((total - len(rest)) / len(rest)))[:total - len(rest)]
+        return iter(rest[self.rank:total:self.world_size])
 
 
 def training_loader(dataset: Dataset, *, rank: int, world_size: int, batch_size: int, seed: int) -> DataLoader:
@@ -20,7 +51,7 @@ def training_loader(dataset: Dataset, *, rank: int, world_size: int, batch_size:
     With 2 ranks x batch b, step k covers exactly the examples 1 rank x batch 2b would, so both give the
     same gradient mean.
     """
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    sampler = EpochShard(len(dataset), rank=rank, world_size=world_size, seed=seed)
     # Every iter() of a DataLoader draws a number from its generator. From torch's global one, that draw would
     # shift every random number the model takes after it (dropout), and a resumed run starts its epoch's
     # iterator again: the run would no longer continue the random sequence the checkpoint saved.
@@ -33,56 +64,58 @@ def evaluation_shard(dataset: Dataset, *, rank: int, world_size: int) -> Subset:
     return Subset(dataset, range(rank, len(dataset), world_size))
 
 
-def epoch_batches(loader: DataLoader, epoch: int, *, skip: int = 0, prefetch: int = 0) -> Generator[Any]:
-    """The epoch's batches after the first `skip` (a resumed run's data position), loaded `prefetch` ahead.
-    Close it (contextlib.closing) when leaving an epoch early, so its loader thread ends."""
-    loader.sampler.set_epoch(epoch)
+def epoch_length(loader: DataLoader, start: int = 0) -> int:
+    """The micro-batches of an epoch dealt from example `start` of its order on."""
+    return math.ceil(loader.sampler.examples(start) / loader.batch_size)
+
+
+def epoch_batches(loader: DataLoader, epoch: int, *, start: int = 0, skip: int = 0,
+                  prefetch: int = 0) -> Generator[Any]:
+    """The epoch's batches from example `start` of its order, after the first `skip` (a resumed run's data
+    position), loaded `prefetch` ahead. Close it (contextlib.closing) when leaving an epoch early, so its loader
+    thread ends."""
+    loader.sampler.set_epoch(epoch, start)
     batches = islice(iter(loader), skip, None)
     yield from _prefetched(batches, prefetch) if prefetch > 0 else batches
 
 
 def training_steps(loader: DataLoader, position: Any, *, epochs: int, accumulation: int,
                    prefetch: int = 0) -> Generator[list[Any]]:
-    """The groups of micro-batches (one optimizer step each) from where `position` stands (its epoch and the
-    micro-batches of it done) to the end of the last epoch. `position` moves as each group is handed out; its
-    epoch turns with an epoch's last group. Close it (contextlib.closing) when leaving early."""
-    batches_per_epoch = len(loader)
+    """The groups of micro-batches (one optimizer step each) from where `position` stands (its epoch, the example
+    of the epoch's order its run began at, and the micro-batches of it done) to the end of the last epoch.
+    `position` moves as each group is handed out; its epoch turns with an epoch's last group. Close it
+    (contextlib.closing) when leaving early."""
     while position.epoch < epochs:
-        batches = epoch_batches(loader, position.epoch, skip=position.batches_done, prefetch=prefetch)
+        batches_in_epoch = epoch_length(loader, position.epoch_start)
+        batches = epoch_batches(loader, position.epoch, start=position.epoch_start, skip=position.batches_done,
+                                prefetch=prefetch)
         with closing(batches):
             for group in accumulation_groups(batches, accumulation):
                 position.batches_done += len(group)
-                if position.batches_done >= batches_per_epoch:
-                    position.epoch, position.batches_done = position.epoch + 1, 0
+                if position.batches_done >= batches_in_epoch:
+                    position.next_epoch()
                 yield group
-        if position.batches_done >= batches_per_epoch:  # resumed at an epoch's very end
-            position.epoch, position.batches_done = position.epoch + 1, 0
+        if position.batches_done >= batches_in_epoch:  # resumed at an epoch's very end
+            position.next_epoch()
 
 
-def resumed_batches_done(batches_done: int, *, saved_world_size: int, saved_batch_size: int, world_size: int,
-                         batch_size: int) -> int:
-    """The micro-batches of the current epoch a run of `world_size` ranks x `batch_size` skips to resume a data
-    position saved as `batches_done` micro-batches of `saved_world_size` x `saved_batch_size`.
+def examples_consumed(batches_done: int, *, world_size: int, batch_size: int) -> int:
+    """The examples of an epoch's order that `batches_done` micro-batches of `world_size` ranks x `batch_size` took.
 
-    Every world size walks the epoch in the same order: the sampler shuffles the whole dataset with seed + epoch
-    and deals position p to rank p % W, so micro-batch k of W ranks x B covers positions k*W*B to (k+1)*W*B - 1
-    (`training_loader`). The saved position is therefore a count of examples, `batches_done` x saved W x saved
-    B (mid-epoch it is below the dataset's size: the sampler's padding comes only at the epoch's end), and the
-    new run skips the whole micro-batches of W x B that fit in it. It rounds down: no example of the epoch is
-    skipped unseen, and fewer than W x B examples (one new micro-batch across the ranks) are trained on twice.
-    With the same world size and batch size the position is kept as it is.
-    """
-    consumed = batches_done * saved_world_size * saved_batch_size
-    return consumed // (world_size * batch_size)
+    Every world size walks the epoch in the same order: micro-batch k of W ranks x B covers positions k*W*B to
+    (k+1)*W*B - 1 of it (`EpochShard`), and mid-epoch no padding has come yet (only at the epoch's end), so a run
+    at another world size or batch goes on from exactly this position: no example of the epoch is skipped, none
+    seen twice."""
+    return batches_done * world_size * batch_size
 
 
-def steps_left(position: Any, *, epochs: int, batches_per_epoch: int, accumulation: int) -> int:
+def steps_left(position: Any, *, epochs: int, loader: DataLoader, accumulation: int) -> int:
     """The optimizer steps `training_steps` hands out from `position` to the end of the last epoch: the rest of the
     position's epoch in groups of `accumulation` micro-batches (the last may be shorter), then whole epochs."""
     if position.epoch >= epochs:
         return 0
-    rest = math.ceil(max(0, batches_per_epoch - position.batches_done) / accumulation)
-    return rest + (epochs - position.epoch - 1) * math.ceil(batches_per_epoch / accumulation)
+    rest = math.ceil(max(0, epoch_length(loader, position.epoch_start) - position.batches_done) / accumulation)
+    return rest + (epochs - position.epoch - 1) * math.ceil(epoch_length(loader) / accumulation)
 
 
 def accumulation_groups(batches: Iterator[Any], size: int) -> Iterator[list[Any]]:

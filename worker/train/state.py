@@ -7,8 +7,8 @@ residuals and threshold), and in averaging mode between averagings its own repli
 exactly the state it would have had (tests/integration/test_resume.py).
 
 A checkpoint written at another world size (`spec.workers` changed: `--workers`, `kubectl scale`) resumes too,
-not exactly: the shared state carries over, the data position is mapped by the examples seen, and what each old
-rank held alone is reset (`Checkpointer.resume`; rank 0 logs one line saying so).
+not bit for bit: the shared state carries over, the epoch goes on from exactly the example its order stopped at,
+and what each old rank held alone is reset (`Checkpointer.resume`; rank 0 logs one line saying so).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from tandem.api import ParallelTrainingJobSpec
 from tandem.worker import checkpoint, checkpoint_owner
-from tandem.worker.train.data import resumed_batches_done
+from tandem.worker.train.data import examples_consumed
 
 if TYPE_CHECKING:
     from tandem.worker.train.modes import TrainingMode
@@ -43,13 +43,24 @@ class Position:
     step: int = 0
     epoch: int = 0
     batches_done: int = 0
-    """Micro-batches of `epoch` already consumed, at the world size and batch of the run that saved it (a resume at
-    another maps it by examples: `resumed_batches_done`)."""
+    """Micro-batches of `epoch` consumed from `epoch_start` on, at the world size and batch of the run that saved
+    it."""
     bad_steps: int = 0
     consecutive_bad_steps: int = 0
     samples: int = 0
     """Examples trained on since the job began, over all ranks and every world size it ran at (the sampler's padding
     at an epoch's end included)."""
+    epoch_start: int = 0
+    """The examples of `epoch`'s order consumed at another world size or batch before `batches_done` began counting
+    (a resume at another maps what it consumed here: `examples_consumed`); 0 from an epoch's start."""
+
+    def next_epoch(self) -> None:
+        self.epoch, self.batches_done, self.epoch_start = self.epoch + 1, 0, 0
+
+    @property
+    def epoch_begun(self) -> bool:
+        """Whether any example of `epoch` has been consumed."""
+        return bool(self.batches_done or self.epoch_start)
 
 
 @dataclass
@@ -189,8 +200,8 @@ class Checkpointer:
 
         - the shared state carries over: model, optimizer, gradient scaler, step (so the learning rate, a function
           of the step) and the count of examples seen;
-        - the data position is mapped by examples seen: the new run skips the examples of the current epoch
-          already consumed, rounded down to whole micro-batches of the new W x B (`resumed_batches_done`);
+        - the data position is mapped by examples: the new run deals the current epoch's order from the first
+          example the saved run had not consumed (`examples_consumed`): none skipped, none seen twice;
         - at another world size, what each old rank held alone is reset (`TrainState.reset_rank_state`).
         """
         contents = checkpoint.load(source, map_location="cpu")
@@ -208,10 +219,10 @@ class Checkpointer:
             return
         position, consumed = state.position, None
         if (saved.world_size, saved.batch_size) != (self.world_size, self.layout.batch_size):
-            consumed = position.batches_done * saved.world_size * saved.batch_size
-            position.batches_done = resumed_batches_done(
-                position.batches_done, saved_world_size=saved.world_size, saved_batch_size=saved.batch_size,
-                world_size=self.world_size, batch_size=self.layout.batch_size)
+            position.epoch_start += examples_consumed(position.batches_done, world_size=saved.world_size,
+                                                      batch_size=saved.batch_size)
+            position.batches_done = 0
+            consumed = position.epoch_start
         if self.rank == 0:
             print(resize_line(source, saved, self.layout, position, reset, consumed=consumed), file=sys.stderr,
                   flush=True)
@@ -223,9 +234,8 @@ def resize_line(source: Path, saved: Layout, layout: Layout, position: Position,
     line = (f"tandem worker: world size and global batch changed (from {saved} to {layout}): resuming "
             f"{source.name} at step {position.step} ({position.samples} examples seen)")
     if consumed is not None:
-        resumed_at = position.batches_done * layout.world_size * layout.batch_size
-        line += (f"; epoch {position.epoch + 1} resumes after {resumed_at} of its examples ({consumed} consumed, "
-                 f"rounded down to whole micro-batches of {layout.world_size} x {layout.batch_size})")
+        line += (f"; epoch {position.epoch + 1} goes on after its first {consumed} examples, from the next one its "
+                 "order holds")
     return f"{line}; reset: {', '.join(reset) if reset else 'nothing'}"
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from tandem.api import ParallelTrainingJobSpec, ParallelTrainingJobStatus
 from tandem.api.training import TrainerSpec
@@ -101,7 +101,7 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
     if context.resume_from is not None:
         checkpointer.resume(state, context.resume_from)
     position = state.position
-    schedule.total_steps = total_steps = planned_steps(trainer, batches_per_epoch=len(loader), position=position)
+    schedule.total_steps = total_steps = planned_steps(trainer, loader=loader, position=position)
     reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps,
                         compression=mode.compression_report) if context.is_master else None
     if context.resume_from is not None:
@@ -186,7 +186,7 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
 def epoch_shown(position: Position) -> int:
     """The epoch under way, counted from 1; at an epoch's last step, that epoch (the position has turned to the
     next, which has not begun)."""
-    return max(1, position.epoch + (1 if position.batches_done else 0))
+    return max(1, position.epoch + (1 if position.epoch_begun else 0))
 
 
 def resuming_line(source: Path, position: Position, total_steps: int) -> str:
@@ -200,7 +200,7 @@ def nothing_left(source: Path, position: Position, trainer: TrainerSpec, total_s
         return None
     afresh = ("to train afresh, give the job another checkpoint.directory, or set checkpoint.resume: false and "
               "checkpoint.overwrite: true")
-    past_epochs = (position.epoch, position.batches_done) > (trainer.epochs, 0)
+    past_epochs = position.epoch > trainer.epochs or (position.epoch == trainer.epochs and position.epoch_begun)
     past_steps = trainer.max_steps is not None and position.step > trainer.max_steps
     if past_epochs or past_steps:
         limit, value = ("trainer.epochs", trainer.epochs) if past_epochs else ("trainer.maxSteps", trainer.max_steps)
@@ -212,11 +212,11 @@ def nothing_left(source: Path, position: Position, trainer: TrainerSpec, total_s
             f"further; {afresh}")
 
 
-def planned_steps(trainer: TrainerSpec, *, batches_per_epoch: int, position: Position) -> int:
+def planned_steps(trainer: TrainerSpec, *, loader: DataLoader, position: Position) -> int:
     """The step training ends at: the steps done plus those left in `epochs` from `position`, or `maxSteps` if
     fewer. From a position of this run's own making that is `epochs` worth of steps; after a resume at another
     world size, the steps done (counted at the old size) plus the rest at the new one."""
-    total = position.step + steps_left(position, epochs=trainer.epochs, batches_per_epoch=batches_per_epoch,
+    total = position.step + steps_left(position, epochs=trainer.epochs, loader=loader,
                                        accumulation=trainer.gradient_accumulation_steps)
     return total if trainer.max_steps is None else min(total, trainer.max_steps)
 

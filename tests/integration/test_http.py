@@ -256,7 +256,9 @@ def test_a_client_that_pipelines_and_never_reads_is_not_read_and_others_are_serv
     server = EchoServer(Limits(unsent_bytes=unsent))
     try:
         greedy = connect(server.port)
-        greedy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        # A receive buffer of a few loopback segments (64 KiB each), not less: below one segment both kernels fall
+        # into zero-window probing with exponential backoff, and the flood stalls for tens of seconds at a time.
+        greedy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 18)
         flood = b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n" * 1000
         sender = threading.Thread(target=lambda: _send_until_refused(greedy, flood, 400), daemon=True)
         sender.start()

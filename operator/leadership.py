@@ -1,6 +1,6 @@
 """Whether this operator replica may write to the API now: the one check every write passes (the operator's own
-calls in api_policy.call, kopf's through the session election.py gives it), so that a replica that may no longer
-lead never writes.
+through the client `guard` gives cluster.login, kopf's through the session election.py gives it), so that a
+replica that may no longer lead never writes.
 
 The check is made as late as each client allows, so that a pause between the check and the request cannot let a
 write through: kopf's session (election.guarded_login) checks once its request has a connection, with no wait before

@@ -293,6 +293,8 @@ SOURCE = Path("/ck/step-00000230.pt")
      "its checkpoints left as they are. Raise trainer.epochs to train on from it"),
     ("epochs lowered into it", Position(step=2850, epoch=10, batches_done=3), TRAINER, 2850,
      "past this job's end (trainer.epochs: 10)"),
+    ("epochs lowered into it, resumed there at another size", Position(step=2850, epoch=10, epoch_start=40),
+     TRAINER, 2850, "is at step 2850 (epoch 11), past this job's end (trainer.epochs: 10)"),
     ("maxSteps lowered below it", Position(step=80, epoch=3, batches_done=11),
      TRAINER.model_copy(update={"max_steps": 50}), 50, "past this job's end (trainer.maxSteps: 50)"),
 ])

@@ -102,6 +102,11 @@ class TrainerSpec(ApiModel):
         )
 
 
+ELASTIC_SHARED_GRADIENTS = ("elastic does not take trainingMode sharedGradients yet (its threshold encoding is "
+                            "exchanged through DDP, which cannot abandon a step): use allReduce or averaging, or "
+                            "remove elastic")
+
+
 class Averaging(ApiModel):
     """trainingMode averaging: independent steps, parameters averaged every `frequency` steps."""
 
@@ -236,6 +241,44 @@ class Gang(ApiModel):
     """volcano: the Volcano Queue the PodGroup goes to (Volcano's default: `default`)."""
 
 
+class Elastic(ApiModel):
+    """Elastic training (issue 38): the job trains on while ranks are lost or lent, between minWorkers and maxWorkers
+    ranks, instead of restarting the whole group."""
+
+    model_config = {"json_schema_extra": {"x-kubernetes-validations": [
+        {"rule": "!has(self.minWorkers) || !has(self.maxWorkers) || self.minWorkers <= self.maxWorkers",
+         "message": "elastic.minWorkers must not exceed elastic.maxWorkers: lower minWorkers or raise maxWorkers"},
+    ]}}
+
+    min_workers: Annotated[int, Field(ge=1)] = 1
+    """The fewest ranks the job trains on while ranks are lost or lent; below it the job falls back to a whole-group
+    restart."""
+    max_workers: Annotated[int, Field(ge=1)] | None = None
+    """The most ranks `kubectl scale` may ask for. Unset: `workers` (the job never grows past its declared size)."""
+    recovery: Literal["regroup", "restart"] = "regroup"
+    """How the job comes back from a lost rank. regroup: the loss costs the step in flight; the survivors keep their
+    processes and go on at the smaller size, and a replacement joins at a step boundary, receiving the state from a
+    live peer. restart: the whole group restarts from the latest checkpoint (as without elastic)."""
+    batch: Literal["global", "perRank"] = "global"
+    """global: the global batch (workers x batchSizePerWorker x gradientAccumulationSteps, at spec.workers) is the
+    same at every size, the ranks alive sharing each step's examples, so that no hyperparameter depends on how many
+    ranks are alive. perRank: each rank keeps batchSizePerWorker x gradientAccumulationSteps, the global batch
+    follows the size, and the learning rate follows lrScaling."""
+    lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
+    """With batch perRank, the learning rate at W ranks: optimizer.lr x W / workers (linear), x sqrt(W / workers)
+    (sqrt), or optimizer.lr (none). Ignored with batch global."""
+    regroup_deadline_seconds: Annotated[int, Field(ge=1)] = 60
+    """A regroup not complete within this falls back to a whole-group restart from the latest checkpoint (and the
+    status says so)."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Elastic:
+        if self.max_workers is not None and self.min_workers > self.max_workers:
+            raise ValueError(f"elastic.minWorkers ({self.min_workers}) must not exceed elastic.maxWorkers "
+                             f"({self.max_workers}): lower minWorkers or raise maxWorkers")
+        return self
+
+
 class ParallelTrainingJobSpec(PodSettings):
     """Desired state of a ParallelTrainingJob."""
 
@@ -256,6 +299,22 @@ class ParallelTrainingJobSpec(PodSettings):
         {"rule": "!has(self.ranksPerPod) || self.workers % self.ranksPerPod == 0",
          "message": "workers must be a multiple of ranksPerPod (every pod hosts ranksPerPod ranks): change workers "
                     "(or the replicas of kubectl scale, which counts ranks) or ranksPerPod"},
+        {"rule": "!has(self.elastic) || !has(self.elastic.minWorkers) || self.elastic.minWorkers <= self.workers",
+         "message": "workers must be at least elastic.minWorkers: kubectl scale may ask for any size in "
+                    "[minWorkers, maxWorkers]; raise workers (or the replicas of kubectl scale) or lower "
+                    "elastic.minWorkers"},
+        {"rule": "!has(self.elastic) || !has(self.elastic.maxWorkers) || self.workers <= self.elastic.maxWorkers",
+         "message": "workers must not exceed elastic.maxWorkers: kubectl scale may ask for any size in "
+                    "[minWorkers, maxWorkers]; lower workers (or the replicas of kubectl scale) or raise "
+                    "elastic.maxWorkers"},
+        {"rule": "!has(self.elastic) || !has(self.trainingMode) || self.trainingMode != 'custom'",
+         "message": "elastic needs Tandem's trainer, which regroups the ranks; a trainingMode custom command "
+                    "cannot: remove elastic or choose another trainingMode"},
+        {"rule": "!has(self.elastic) || !has(self.trainingMode) || self.trainingMode != 'sharedGradients'",
+         "message": ELASTIC_SHARED_GRADIENTS},
+        {"rule": "!has(self.elastic) || !has(self.ranksPerPod) || self.ranksPerPod == 1",
+         "message": "elastic needs ranksPerPod 1 for now (every rank its own pod, so that a lost rank is replaced "
+                    "alone): remove elastic or set ranksPerPod 1"},
     ]}}
 
     workers: Annotated[int, Field(ge=1)] = 1
@@ -290,6 +349,10 @@ class ParallelTrainingJobSpec(PodSettings):
     gang: Gang | None = None
     """Schedule the rank pods as one gang through a PodGroup (scheduler-plugins' coscheduling or Volcano). Not
     needed under Kueue (label the job `kueue.x-k8s.io/queue-name`), which admits the job's pods together."""
+    elastic: Elastic | None = None
+    """Train on while ranks are lost or lent, and let `kubectl scale` resize the job in [minWorkers, maxWorkers],
+    rather than restart the whole group. Unset: every lost rank restarts the whole group from the latest
+    checkpoint."""
 
     @model_validator(mode="after")
     def _mode_settings(self) -> ParallelTrainingJobSpec:
@@ -314,12 +377,41 @@ class ParallelTrainingJobSpec(PodSettings):
                 f"workers ({self.workers}) must be a multiple of ranksPerPod ({self.ranks_per_pod}): every pod hosts "
                 f"ranksPerPod ranks; change workers (or the replicas of kubectl scale, which counts ranks) or "
                 f"ranksPerPod")
+        if self.elastic is not None:
+            self._elastic_settings(self.elastic)
         return self
+
+    def _elastic_settings(self, elastic: Elastic) -> None:
+        if elastic.min_workers > self.workers:
+            raise ValueError(
+                f"workers ({self.workers}) must be at least elastic.minWorkers ({elastic.min_workers}): kubectl scale "
+                f"may ask for any size in [minWorkers, maxWorkers]; raise workers (or the replicas of kubectl scale) "
+                f"or lower elastic.minWorkers")
+        if elastic.max_workers is not None and self.workers > elastic.max_workers:
+            raise ValueError(
+                f"workers ({self.workers}) must not exceed elastic.maxWorkers ({elastic.max_workers}): kubectl scale "
+                f"may ask for any size in [minWorkers, maxWorkers]; lower workers (or the replicas of kubectl scale) "
+                f"or raise elastic.maxWorkers")
+        if self.training_mode == "custom":
+            raise ValueError("elastic needs Tandem's trainer, which regroups the ranks; a trainingMode custom command "
+                             "cannot: remove elastic or choose another trainingMode")
+        if self.ranks_per_pod != 1:
+            raise ValueError(f"elastic needs ranksPerPod 1 for now, not {self.ranks_per_pod} (every rank its own pod, "
+                             f"so that a lost rank is replaced alone): remove elastic or set ranksPerPod 1")
+        if self.training_mode == "sharedGradients":
+            raise ValueError(ELASTIC_SHARED_GRADIENTS)
 
     @property
     def pods(self) -> int:
         """How many rank pods the job has."""
         return self.workers // self.ranks_per_pod
+
+    @property
+    def elastic_range(self) -> tuple[int, int]:
+        """The fewest and the most ranks the job may train on: (workers, workers) without elastic."""
+        if self.elastic is None:
+            return self.workers, self.workers
+        return self.elastic.min_workers, self.elastic.max_workers or self.workers
 
 
 class WorkersStatus(ApiModel):
@@ -453,6 +545,39 @@ class PreemptionCost(ApiModel):
     disk)."""
 
 
+class Recoveries(ApiModel):
+    """How the job came back from lost ranks (spec.elastic)."""
+
+    regroups: Annotated[int, Field(ge=0)] = 0
+    """Recoveries in which the survivors went on without restarting (ranks lost, or replacements joined)."""
+    restarts: Annotated[int, Field(ge=0)] = 0
+    """Whole-group restarts from the latest checkpoint after a lost rank or a failed regroup."""
+
+
+class Recovery(ApiModel):
+    """One recovery from lost ranks (spec.elastic)."""
+
+    kind: Literal["regroup", "restart"]
+    """regroup: the survivors went on without restarting; restart: the whole group restarted from the latest
+    checkpoint."""
+    lost: list[int] = Field(default_factory=list)
+    """The ranks lost."""
+    added: list[int] = Field(default_factory=list)
+    """The ranks that joined."""
+    workers: Annotated[int, Field(ge=1)]
+    """Ranks after it."""
+    stopped_at_step: Annotated[int, Field(ge=0)]
+    """The last step complete when the loss was noticed."""
+    resumed_at_step: Annotated[int, Field(ge=0)]
+    """The step training went on from (a restart's: the latest checkpoint's); the steps in between were lost."""
+    seconds: Annotated[float, Field(ge=0)]
+    """From the loss noticed to training advancing again."""
+    time: datetime | None = None
+    """When training advanced again."""
+    message: str = ""
+    """What happened, e.g. why a regroup fell back to a restart."""
+
+
 class ParallelTrainingJobStatus(ApiModel):
     """Observed state of a ParallelTrainingJob, written by the operator and rank 0."""
 
@@ -468,6 +593,10 @@ class ParallelTrainingJobStatus(ApiModel):
     preemption_cost: PreemptionCost | None = None
     queue: QueueStatus | None = None
     restarts: Annotated[int, Field(ge=0)] = 0
+    """Whole-group restarts from the latest checkpoint, whatever their cause; a regroup is not one."""
+    recoveries: Recoveries = Field(default_factory=Recoveries)
+    last_recovery: Recovery | None = None
+    """The latest recovery from lost ranks: which, and what it cost."""
     start_time: datetime | None = None
     completion_time: datetime | None = None
     message: str = ""

@@ -113,6 +113,32 @@ CREATES = [
      'targetSparsity.max'),
     ("paralleltrainingjobs", ptj("sparsity-band", **SPARSITY, sharedGradients={"targetSparsity": {
         "min": 0.001, "max": 1}}), None),
+    # spec.elastic (issue 38): the rules read minWorkers and maxWorkers through has(), so that an elastic with
+    # neither (its defaults filled in or not) passes
+    ("paralleltrainingjobs", ptj("elastic-defaults", elastic={}), None),
+    ("paralleltrainingjobs", ptj("elastic-range", workers=4, elastic={
+        "minWorkers": 2, "maxWorkers": 8, "batch": "perRank", "lrScaling": "sqrt"}), None),
+    ("paralleltrainingjobs", ptj("elastic-fixed-size", workers=4, elastic={"minWorkers": 4, "maxWorkers": 4}), None),
+    ("paralleltrainingjobs", ptj("elastic-min-above-workers", elastic={"minWorkers": 3}),
+     'spec: Invalid value: "object": workers must be at least elastic.minWorkers: kubectl scale may ask for any '
+     'size in [minWorkers, maxWorkers]; raise workers (or the replicas of kubectl scale) or lower '
+     'elastic.minWorkers'),
+    ("paralleltrainingjobs", ptj("elastic-above-max", workers=4, elastic={"maxWorkers": 3}),
+     'spec: Invalid value: "object": workers must not exceed elastic.maxWorkers: kubectl scale may ask for any '
+     'size in [minWorkers, maxWorkers]; lower workers (or the replicas of kubectl scale) or raise '
+     'elastic.maxWorkers'),
+    ("paralleltrainingjobs", ptj("elastic-min-above-max", workers=4, elastic={"minWorkers": 5, "maxWorkers": 3}),
+     'spec.elastic: Invalid value: "object": elastic.minWorkers must not exceed elastic.maxWorkers: lower '
+     'minWorkers or raise maxWorkers'),
+    ("paralleltrainingjobs", ptj("elastic-custom", trainingMode="custom", custom={"command": ["true"]}, elastic={}),
+     'spec: Invalid value: "object": elastic needs Tandem\'s trainer, which regroups the ranks; a trainingMode '
+     'custom command cannot: remove elastic or choose another trainingMode'),
+    ("paralleltrainingjobs", ptj("elastic-ranks-per-pod", workers=4, ranksPerPod=2, elastic={}),
+     'spec: Invalid value: "object": elastic needs ranksPerPod 1 for now (every rank its own pod, so that a lost '
+     'rank is replaced alone): remove elastic or set ranksPerPod 1'),
+    ("paralleltrainingjobs", ptj("elastic-shared-gradients", trainingMode="sharedGradients", elastic={}),
+     'spec: Invalid value: "object": elastic does not take trainingMode sharedGradients yet'),
+    ("paralleltrainingjobs", ptj("rigid-ranks-per-pod", workers=4, ranksPerPod=2), None),
     ("inferencepools", pool("autoscaling-inverted", autoscaling={"minReplicas": 4, "maxReplicas": 2}),
      'spec.autoscaling: Invalid value: "object": minReplicas must not exceed maxReplicas'),
     ("inferencepools", pool("autoscaling-band", autoscaling={"minReplicas": 1, "maxReplicas": 2}), None),
@@ -214,6 +240,51 @@ def test_an_update_that_keeps_the_rules_passes(cluster, case, suffix, content_ty
         assert stored["status"] == body["status"]
     else:
         assert {k: stored["spec"][k] for k in body["spec"]} == body["spec"]
+
+
+# (replicas asked of a job of 4 ranks with elastic minWorkers 2, maxWorkers 6; the 422's problem or None)
+ELASTIC_SCALES = [
+    (2, None),
+    (6, None),
+    (1, 'spec: Invalid value: "object": workers must be at least elastic.minWorkers: kubectl scale may ask for any '
+        'size in [minWorkers, maxWorkers]; raise workers (or the replicas of kubectl scale) or lower '
+        'elastic.minWorkers'),
+    (7, 'spec: Invalid value: "object": workers must not exceed elastic.maxWorkers: kubectl scale may ask for any '
+        'size in [minWorkers, maxWorkers]; lower workers (or the replicas of kubectl scale) or raise '
+        'elastic.maxWorkers'),
+]
+
+
+@pytest.mark.parametrize(("replicas", "problem"), ELASTIC_SCALES, ids=[f"to-{s[0]}" for s in ELASTIC_SCALES])
+def test_kubectl_scale_of_an_elastic_job_stays_in_its_range(cluster, replicas, problem):
+    """The scale subresource writes spec.workers, so the spec's rules hold it in [minWorkers, maxWorkers]."""
+    name = f"elastic-scale-to-{replicas}"
+    document = ptj(name, workers=4, elastic={"minWorkers": 2, "maxWorkers": 6})
+    assert cluster.request("POST", f"{TANDEM}/paralleltrainingjobs", document)[0] == 201
+    status, answer = cluster.request("PATCH", f"{TANDEM}/paralleltrainingjobs/{name}/scale",
+                                     {"spec": {"replicas": replicas}}, MERGE)
+    workers = cluster.get("paralleltrainingjobs", NS, name)["spec"]["workers"]
+    if problem is None:
+        assert status == 200 and workers == replicas, answer
+        return
+    assert status == 422 and answer["message"] == PTJ_422.format(name) + problem, answer
+    assert workers == 4
+
+
+def _elastic_lines(lines: list[str]) -> list[str]:
+    return [line for line in lines if "elastic" in line]
+
+
+@pytest.mark.parametrize("elastic", [{}, {"minWorkers": 2}, {"minWorkers": 3}, {"maxWorkers": 1},
+                                     {"minWorkers": 3, "maxWorkers": 1}])
+def test_the_elastic_rules_hold_whether_or_not_the_defaults_are_filled_in(elastic):
+    """A server fills in the defaults before it evaluates the rules; the elastic rules give the same answer on the
+    object as written, where minWorkers (default 1) may be absent."""
+    crd = yaml.safe_load((ROOT / "crds" / "tandem.dev_paralleltrainingjobs.yaml").read_text())
+    root = dict(kinds_of_crd(crd)[0].schema)
+    written = ptj("elastic", elastic=elastic)
+    defaulted = schema.prune_and_default(written, root, root=True)
+    assert _elastic_lines(cel.violations(written, root)) == _elastic_lines(cel.violations(defaulted, root))
 
 
 def test_an_object_stored_before_a_rule_is_ratcheted_until_its_value_changes(cluster):

@@ -91,6 +91,9 @@ def _sample_job() -> dict:
             "progress": {"epoch": 3, "step": 120, "totalSteps": 450, "loss": 0.3108642, "samplesPerSecond": 1840.7,
                          "etaSeconds": 755.2},
             "restarts": 1,
+            "recoveries": {"regroups": 2, "restarts": 1},
+            "lastRecovery": {"kind": "regroup", "lost": [1], "added": [], "workers": 1, "stoppedAtStep": 118,
+                             "resumedAtStep": 118, "seconds": 3.5, "time": "2026-11-29T10:06:00Z"},
             "checkpoint": {"latest": "/ckpt/step-00000100.pt", "step": 100, "time": "2026-11-29T10:05:00Z"},
             "queue": {"name": "team-a", "workload": "digits-train", "admitted": True, "reason": "Admitted"},
         },
@@ -231,6 +234,66 @@ def test_invalid_manifests_are_rejected_naming_the_field(case, document, field, 
     matching = [p for p in caught.value.problems if p.startswith(field + ":")]
     assert matching, f"no problem names {field}: {caught.value.problems}"
     assert any(hint in p for p in matching), matching
+
+
+# (case, spec.elastic and the spec fields beside it, a substring of the refusal or None when the spec is valid)
+ELASTIC = [
+    ("empty: every default", {"elastic": {}}, None),
+    ("shrinks to 2 of 4", {"workers": 4, "elastic": {"minWorkers": 2}}, None),
+    ("grows to 8", {"workers": 4, "elastic": {"minWorkers": 2, "maxWorkers": 8}}, None),
+    ("a fixed size", {"workers": 4, "elastic": {"minWorkers": 4, "maxWorkers": 4}}, None),
+    ("perRank, sqrt", {"elastic": {"batch": "perRank", "lrScaling": "sqrt"}}, None),
+    ("restart recovery", {"elastic": {"recovery": "restart", "regroupDeadlineSeconds": 5}}, None),
+    ("averaging", {"trainingMode": "averaging", "elastic": {}}, None),
+    ("sharedGradients, not yet", {"trainingMode": "sharedGradients", "elastic": {}},
+     "elastic does not take trainingMode sharedGradients yet"),
+    ("minWorkers above workers", {"workers": 2, "elastic": {"minWorkers": 3}},
+     "workers (2) must be at least elastic.minWorkers (3): kubectl scale may ask for any size in "
+     "[minWorkers, maxWorkers]; raise workers"),
+    ("workers above maxWorkers", {"workers": 4, "elastic": {"maxWorkers": 3}},
+     "workers (4) must not exceed elastic.maxWorkers (3): kubectl scale may ask for any size in "
+     "[minWorkers, maxWorkers]; lower workers"),
+    ("minWorkers above maxWorkers", {"workers": 4, "elastic": {"minWorkers": 5, "maxWorkers": 3}},
+     "elastic.minWorkers (5) must not exceed elastic.maxWorkers (3): lower minWorkers or raise maxWorkers"),
+    ("custom", {"trainingMode": "custom", "custom": {"command": ["true"]}, "elastic": {}},
+     "elastic needs Tandem's trainer, which regroups the ranks; a trainingMode custom command cannot"),
+    ("ranksPerPod 2", {"workers": 4, "ranksPerPod": 2, "elastic": {}},
+     "elastic needs ranksPerPod 1 for now, not 2 (every rank its own pod, so that a lost rank is replaced alone)"),
+    ("minWorkers 0", {"elastic": {"minWorkers": 0}}, "greater than or equal to 1"),
+    ("maxWorkers 0", {"elastic": {"maxWorkers": 0}}, "greater than or equal to 1"),
+    ("regroupDeadlineSeconds 0", {"elastic": {"regroupDeadlineSeconds": 0}}, "greater than or equal to 1"),
+    ("unknown recovery", {"elastic": {"recovery": "resume"}}, "'regroup'"),
+    ("unknown batch", {"elastic": {"batch": "local"}}, "'perRank'"),
+    ("unknown lrScaling", {"elastic": {"lrScaling": "cubic"}}, "'sqrt'"),
+    ("unknown field", {"elastic": {"minimumWorkers": 1}}, "spec.elastic.minimumWorkers: unknown field; did you mean"),
+]
+
+
+@pytest.mark.parametrize(("case", "spec", "problem"), ELASTIC, ids=[c[0] for c in ELASTIC])
+def test_elastic_specs_are_validated(case, spec, problem):
+    document = _train(**spec)
+    if problem is None:
+        assert parse(document).spec.elastic is not None
+        return
+    with pytest.raises(ManifestError) as caught:
+        parse(document)
+    assert any(problem in p for p in caught.value.problems), caught.value.problems
+
+
+def test_elastic_defaults_and_the_range_of_sizes():
+    rigid = parse(_train(workers=4)).spec
+    assert rigid.elastic is None and rigid.elastic_range == (4, 4)
+    spec = parse(_train(workers=4, elastic={})).spec
+    assert spec.elastic.to_dict() == {"minWorkers": 1, "recovery": "regroup", "batch": "global",
+                                      "lrScaling": "linear", "regroupDeadlineSeconds": 60}
+    assert spec.elastic_range == (1, 4)  # maxWorkers unset: never past workers
+    assert parse(_train(workers=4, elastic={"minWorkers": 2, "maxWorkers": 8})).spec.elastic_range == (2, 8)
+
+
+def test_a_status_counts_no_recovery_until_one_happens():
+    status = ParallelTrainingJob.model_validate({**_train(), "status": {}}).status
+    assert status.to_dict()["recoveries"] == {"regroups": 0, "restarts": 0}
+    assert "lastRecovery" not in status.to_dict()
 
 
 def test_validate_cli_reports_every_problem_and_fails(tmp_path, capsys):

@@ -93,6 +93,8 @@ class _Reconciler(QueueRules):
         self.phase = self.status.get("phase") or "Pending"
         self.conditions = list(self.status.get("conditions") or [])
         self.restarts = int(self.status.get("restarts") or 0)
+        self.recovery_read = self.status.get("lastRecovery")
+        """rank 0 writes a regroup's: the operator sends lastRecovery only when it changed it (a restart)."""
         self.pods = sorted((observe_pod(p) for p in pods), key=lambda p: p.index)
         self.live = [p for p in self.pods if p.live]
         self.config_map = config_map
@@ -123,6 +125,8 @@ class _Reconciler(QueueRules):
             self._start_group(self.job, "Created", f"starting {self.spec.workers} ranks")
         elif (resize := self._resize()) is not None:
             self._tear_down("Resizing", resize)
+        elif self.spec.regroups and self._replace_lost_ranks():
+            pass
         elif self._cause_on_its_way():
             self.result.requeue_after = WAIT_SECONDS
         elif (failure := self._failure()) is not None:
@@ -245,6 +249,35 @@ class _Reconciler(QueueRules):
                     f"{self.spec.ranks_per_pod} per pod from the latest checkpoint")
         return None
 
+    def _replace_lost_ranks(self) -> bool:
+        """An elastic job's (recovery regroup) rank pods but rank 0's that failed, were deleted or are gone: each is
+        replaced alone (deleted if it failed, created again once gone), while the other ranks regroup without it and
+        train on; the phase stays as it was. False when there is none, or rank 0's pod is not running (rank 0 hosts
+        the group's store: its loss is a whole-group restart)."""
+        first = next((p for p in self.pods if p.index == 0), None)
+        if first is None or not first.live:
+            return False
+        failed = [p for p in self.pods if p.index != 0 and p.phase == "Failed" and not p.terminating]
+        leaving = [p for p in self.pods if p.index != 0 and p.terminating]
+        indices = {p.index for p in self.pods}
+        missing = [index for index in range(1, self.spec.pods) if index not in indices]
+        if not (failed or leaving or missing):
+            return False
+        for pod in failed:
+            cause = self._pod_failure(pod, detail=True)
+            self.result.events.append(("Warning", "ReplacingRank", f"{cause}: replacing it alone; the other ranks "
+                                                                   "regroup without it meanwhile (spec.elastic)"))
+        self._delete(failed)
+        if missing:
+            running = self._next_group()
+            self.result.create += [self._pod(running, index) for index in missing]
+        replaced = sorted({p.index for p in failed + leaving} | set(missing))
+        self.status["message"] = (f"{self._ranks(replaced[0])}"
+                                  f"{' and others' if len(replaced) > 1 else ''} being replaced; the other ranks "
+                                  "train on (spec.elastic)")
+        self.result.requeue_after = WAIT_SECONDS
+        return True
+
     def _cause_on_its_way(self) -> bool:
         """Whether every failed pod only lost a peer, a pod still runs, and the first failure is recent: the cause
         (the peer) is about to report, and naming the effect would mislead."""
@@ -299,6 +332,13 @@ class _Reconciler(QueueRules):
             self._fail(decision.reason, decision.message)
             return
         self.restarts = decision.restarts
+        if self.spec.elastic is not None:
+            checkpoint = self.status.get("checkpoint") or {}
+            self.status["lastRecovery"] = {
+                "kind": "restart", "workers": self.spec.workers, "time": isoformat(self.now),
+                "stoppedAtStep": (self.status.get("progress") or {}).get("step") or 0,
+                "resumedAtStep": checkpoint.get("step") or 0 if self._resume_from(self.job) else 0,
+                "message": decision.message}
         self._tear_down("Restarting", decision.message, warning=True)
 
     def _tear_down(self, reason: str, message: str, warning: bool = False) -> None:
@@ -315,7 +355,13 @@ class _Reconciler(QueueRules):
         if len(self.pods) == self.spec.pods and all(p.phase == "Succeeded" for p in self.pods):
             self._set_phase("Succeeded", "Succeeded", "every rank exited 0: training complete")
             self.status["completionTime"] = isoformat(self.now)
+        elif self.spec.regroups and any(p.index == 0 and p.phase == "Succeeded" for p in self.pods):
+            # Rank 0 ends an elastic job's training, after the last collective and the final checkpoint: the
+            # others are done, or replacements that have nothing to join (deleted, as for any finished job).
+            self._set_phase("Succeeded", "Succeeded", "rank 0 exited 0: training complete")
+            self.status["completionTime"] = isoformat(self.now)
         elif self.pods and not missing and all(p.phase in ("Running", "Succeeded") for p in self.pods):
+            self._restart_measured()
             self._set_phase("Running", "Running", f"{self.spec.workers} ranks running" + (
                 f" in {self.spec.pods} pods" if self.spec.ranks_per_pod > 1 else ""))
             self.result.requeue_after = WATCH_SECONDS
@@ -350,7 +396,8 @@ class _Reconciler(QueueRules):
 
     def _pod(self, job: ParallelTrainingJob, index: int) -> dict[str, Any]:
         pod = worker_pod(self.body, job, index, group=self.restarts, resume_from=self._resume_from(job),
-                         default_image=self.settings.worker_image)
+                         default_image=self.settings.worker_image,
+                         regroups_before=int((self.status.get("recoveries") or {}).get("regroups") or 0))
         return queueing.placed(pod, self.queued.placement) if self.queue is not None else pod
 
     def _ranks(self, index: int) -> str:
@@ -367,6 +414,13 @@ class _Reconciler(QueueRules):
             return None
         recorded = (self.status.get("checkpoint") or {}).get("latest")
         return recorded or (RESUME_LATEST if job.spec.checkpoint.resume else None)
+
+    def _restart_measured(self) -> None:
+        """An elastic job's restart is over once its new group runs: how long it took."""
+        last = self.status.get("lastRecovery") or {}
+        if last.get("kind") == "restart" and last.get("seconds") is None and self.phase != "Running":
+            since = timestamp(last.get("time")) or self.now
+            self.status["lastRecovery"] = {**last, "seconds": round((self.now - since).total_seconds(), 3)}
 
     def _fail(self, reason: str, message: str) -> None:
         self._delete(p for p in self.live)
@@ -403,6 +457,9 @@ class _Reconciler(QueueRules):
                         "readyPods": ready_pods, "pods": self.spec.pods},
             "master": {"pod": pod_name(name, 0), "address": master_address(name), "port": MASTER_PORT},
             "restarts": self.restarts,
+            "recoveries": {"restarts": self.restarts},
+            **({"lastRecovery": self.status["lastRecovery"]}
+               if self.status.get("lastRecovery") != self.recovery_read else {}),
             "message": self.status.get("message", ""),
             "observedGeneration": self.body.get("metadata", {}).get("generation"),
             "selector": selector_string(name),

@@ -90,7 +90,7 @@ def checkpoint_directory(job: ParallelTrainingJob) -> str:
 
 
 def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, index: int, *, group: int, resume_from: str | None,
-               default_image: str) -> dict[str, Any]:
+               default_image: str, regroups_before: int = 0) -> dict[str, Any]:
     """Rank pod `index`, hosting ranks index x ranksPerPod on: one rank runs `tandem worker train` with the worker
     contract's environment; several run under `tandem worker launch`, given the pod's contract (GROUP_RANK in place
     of RANK and LOCAL_RANK), which starts each and writes a failed one's cause at the termination message path.
@@ -106,6 +106,7 @@ def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, index: int, *, g
         checkpoint_dir=PurePosixPath(checkpoint_directory(job)),
         resume_from=PurePosixPath(resume_from) if resume_from and resume_from != RESUME_LATEST else None,
         resume_latest=resume_from == RESUME_LATEST, job_uid=owner["metadata"].get("uid"),
+        regroups_before=regroups_before,
     )
     several = spec.ranks_per_pod > 1
     environ = contract.pod_environ() if several else contract.to_environ()

@@ -29,6 +29,11 @@ and by hand. The names are torchrun's where torchrun has one:
                                 (worker/checkpoint_owner.py): a fresh run is named after TANDEM_JOB_UID
     TANDEM_JOB_UID              the ParallelTrainingJob's uid, on a cluster: rank 0 of the same job, restarted,
                                 takes over the lease its predecessor held
+    TANDEM_REGROUPS_BEFORE      an elastic job's regroups before this group started (status.recoveries.regroups):
+                                rank 0 counts on from it; unset: 0
+    TANDEM_EXAMPLES_LOG         an elastic job's ranks append a line `<rank> <step> <example index>...` to this
+                                file for each step they complete (what each rank trained on, across regroups:
+                                for checking that each example of an epoch is taken once); unset: nothing
 
 Ranks other than 0 wait for the master's TCP port (not just its name) with a bounded timeout before joining;
 gloo on CPU, NCCL for CUDA tensors when CUDA devices are present, and `trainer.requireGPU: true` makes a CPU
@@ -64,6 +69,8 @@ RESUME_LATEST = "latest"
 STATUS_FILE = "TANDEM_STATUS_FILE"
 RUN_ID = "TANDEM_RUN_ID"
 JOB_UID = "TANDEM_JOB_UID"
+EXAMPLES_LOG = "TANDEM_EXAMPLES_LOG"
+REGROUPS_BEFORE = "TANDEM_REGROUPS_BEFORE"
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500  # torchrun's
@@ -173,6 +180,8 @@ class WorkerContract:
     status_file: Path | None = None
     run_id: str | None = None
     job_uid: str | None = None
+    examples_log: Path | None = None
+    regroups_before: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -210,6 +219,8 @@ class WorkerContract:
             status_file=_path(env, STATUS_FILE),
             run_id=env.get(RUN_ID) or None,
             job_uid=env.get(JOB_UID) or None,
+            examples_log=_path(env, EXAMPLES_LOG),
+            regroups_before=_integer(env, REGROUPS_BEFORE, 0),
         )
 
     @classmethod
@@ -238,7 +249,8 @@ class WorkerContract:
             JOB: self.job, RESUME_FROM: str(self.resume_from or (RESUME_LATEST if self.resume_latest else "")),
         }
         optional = {NAMESPACE: self.namespace, SPEC: self.spec_path, CHECKPOINT_DIR: self.checkpoint_dir,
-                    STATUS_FILE: self.status_file, RUN_ID: self.run_id, JOB_UID: self.job_uid}
+                    STATUS_FILE: self.status_file, RUN_ID: self.run_id, JOB_UID: self.job_uid,
+                    EXAMPLES_LOG: self.examples_log, REGROUPS_BEFORE: self.regroups_before or None}
         environ.update({name: str(value) for name, value in optional.items() if value is not None})
         return environ
 

@@ -93,6 +93,24 @@ def dropout_mlp_paused_until_resumed(hidden: int = 32, p: float = 0.3, step_seco
     return DropoutMLP(hidden, p, 0.0 if os.environ.get("TANDEM_RESUME_FROM") else step_seconds)
 
 
+class PacedUntil(DropoutMLP):
+    """DropoutMLP pausing in each training forward until a file exists: a run slow enough for a test to act on
+    (kill a rank, wait for its replacement) that then finishes at full speed."""
+
+    def __init__(self, hidden: int, p: float, step_seconds: float, until: str):
+        super().__init__(hidden, p, step_seconds)
+        self.until = Path(until)
+
+    def forward(self, x):
+        if self.step_seconds and self.until.exists():
+            self.step_seconds = 0.0
+        return super().forward(x)
+
+
+def paced_until(until: str, hidden: int = 32, p: float = 0.0, step_seconds: float = 0.05) -> nn.Module:
+    return PacedUntil(hidden, p, step_seconds, until)
+
+
 def regression_data(size: int = 512) -> TensorDataset:
     """64 features in [0, 1); a float target, their mean: a regression that a linear layer fits exactly."""
     x = torch.rand(size, 64, generator=torch.Generator().manual_seed(0))

@@ -75,7 +75,8 @@ class LocalGroup:
 
     def __init__(self, command: list[str], contracts: list[WorkerContract], *, environ: Mapping[str, str],
                  log_dir: Path, echo: bool = False, own_sessions: bool = True,
-                 parent_death_signal: int = signal.SIGTERM, grace_seconds: float | None = 30.0):
+                 parent_death_signal: int = signal.SIGTERM, grace_seconds: float | None = 30.0,
+                 replaces_lost: bool = False):
         self.command = command
         self.contracts = contracts
         self.environ = dict(environ)
@@ -91,6 +92,14 @@ class LocalGroup:
         self.exits: list[tuple[int, int]] = []
         """(index in `contracts`, exit code) in the order the ranks exited: the first to fail is the cause, not the
         ranks that failed because it did (a rank whose peer is gone fails too, often within the same poll)."""
+        self.replaces_lost = replaces_lost
+        """An elastic job's (spec.elastic, recovery regroup): a rank other than 0 that fails is replaced by a new
+        process in its place, which joins the survivors' group; rank 0's failure stops the group as ever (it hosts
+        the group's store)."""
+        self.replaced: list[tuple[int, int]] = []
+        """(index in `contracts`, exit code) of each rank replaced, in order."""
+        self._replaceable: list[tuple[int, int]] = []
+        self._ending = False
         self._echo_lock = threading.Lock()
         self._exited = threading.Event()
         """Set when a rank exits: `wait` reacts at once, before the failed rank's peers fail in their turn."""
@@ -98,21 +107,25 @@ class LocalGroup:
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for index, contract in enumerate(self.contracts):
-            log = self.log_dir / f"rank-{contract.rank}.log"
-            self.logs.append(log)
-            with open(log, "wb") as output:
-                process = subprocess.Popen(
-                    self.command, env={**self.environ, **contract.to_environ()},
-                    stdout=subprocess.PIPE if self.echo else output, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=self.own_sessions,
-                    preexec_fn=_on_parent_death(self.parent_death_signal),
-                )
-            self.processes.append(process)
-            if self.echo:
-                threading.Thread(target=self._copy_output, args=(contract.rank, process, log),
-                                 name=f"tandem-rank-{contract.rank}-output", daemon=True).start()
-            threading.Thread(target=self._watch, args=(index, process), name=f"tandem-rank-{contract.rank}",
-                             daemon=True).start()
+            self.logs.append(self.log_dir / f"rank-{contract.rank}.log")
+            self.processes.append(self._launch(index, mode="wb"))
+
+    def _launch(self, index: int, *, mode: str) -> subprocess.Popen:
+        """Start the rank of `contracts[index]`, its log opened with `mode` (a replacement appends)."""
+        contract, log = self.contracts[index], self.logs[index]
+        with open(log, mode) as output:
+            process = subprocess.Popen(
+                self.command, env={**self.environ, **contract.to_environ()},
+                stdout=subprocess.PIPE if self.echo else output, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=self.own_sessions,
+                preexec_fn=_on_parent_death(self.parent_death_signal),
+            )
+        if self.echo:
+            threading.Thread(target=self._copy_output, args=(contract.rank, process, log),
+                             name=f"tandem-rank-{contract.rank}-output", daemon=True).start()
+        threading.Thread(target=self._watch, args=(index, process), name=f"tandem-rank-{contract.rank}",
+                         daemon=True).start()
+        return process
 
     def _copy_output(self, rank: int, process: subprocess.Popen, log: Path) -> None:
         """A rank's lines to its log and, prefixed with the rank where there are several, to stdout."""
@@ -126,8 +139,22 @@ class LocalGroup:
                     sys.stdout.buffer.flush()
 
     def _watch(self, index: int, process: subprocess.Popen) -> None:
-        self.exits.append((index, process.wait()))
+        code = process.wait()
+        replaceable = self.replaces_lost and code != 0 and self.contracts[index].rank != 0
+        (self._replaceable if replaceable else self.exits).append((index, code))
         self._exited.set()
+
+    def _replace_lost(self) -> None:
+        """Replace the ranks lost since the last look (`replaces_lost`), unless the group is ending (then they are
+        exits). From the supervisor's own thread, `wait`'s: a child's parent-death signal fires when the thread that
+        started it ends."""
+        while self._replaceable:
+            index, code = self._replaceable.pop(0)
+            if self.stopping_since is None and not self._ending and not self.exits:
+                self.replaced.append((index, code))
+                self.processes[index] = self._launch(index, mode="ab")
+            else:
+                self.exits.append((index, code))
 
     def stop(self) -> None:
         """Ask every rank to stop (SIGTERM: they agree on a step and write a final checkpoint); `wait` kills them
@@ -140,6 +167,7 @@ class LocalGroup:
 
     def kill_all(self) -> None:
         """SIGKILL to each rank (to its whole session, where it has one), then reap the ranks."""
+        self._ending = True
         for process in self.processes:
             with contextlib.suppress(ProcessLookupError, PermissionError):  # the rank and all it started are gone
                 if self.own_sessions:
@@ -155,8 +183,18 @@ class LocalGroup:
         whole). Calls `on_poll` between looks; past the deadline, stops the group."""
         while True:
             on_poll()
+            self._replace_lost()
             exits = list(self.exits)
             failed = [(index, code) for index, code in exits if code != 0]
+            if self.replaces_lost and self._first_rank_succeeded(exits):
+                # Rank 0 ends an elastic job's training, after the last collective: the others are done, or are
+                # replacements that have nothing to join (stopped).
+                failed = []
+                if not self._ending:
+                    self._ending = True
+                    for process in self.processes:
+                        if process.poll() is None:
+                            process.send_signal(signal.SIGTERM)
             if failed and self.stopping_since is None:
                 self.kill_all()
                 on_poll()
@@ -173,6 +211,9 @@ class LocalGroup:
                 return GroupExit()
             self._exited.wait(POLL_SECONDS)
             self._exited.clear()
+
+    def _first_rank_succeeded(self, exits: list[tuple[int, int]]) -> bool:
+        return any(self.contracts[index].rank == 0 and code == 0 for index, code in exits)
 
     def _exit(self, index: int, code: int) -> GroupExit:
         contract = self.contracts[index]

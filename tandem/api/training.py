@@ -402,6 +402,11 @@ class ParallelTrainingJobSpec(PodSettings):
             raise ValueError(ELASTIC_SHARED_GRADIENTS)
 
     @property
+    def regroups(self) -> bool:
+        """Whether a lost rank is recovered in process (spec.elastic with recovery regroup)."""
+        return self.elastic is not None and self.elastic.recovery == "regroup"
+
+    @property
     def pods(self) -> int:
         """How many rank pods the job has."""
         return self.workers // self.ranks_per_pod
@@ -570,10 +575,11 @@ class Recovery(ApiModel):
     """The last step complete when the loss was noticed."""
     resumed_at_step: Annotated[int, Field(ge=0)]
     """The step training went on from (a restart's: the latest checkpoint's); the steps in between were lost."""
-    seconds: Annotated[float, Field(ge=0)]
-    """From the loss noticed to training advancing again."""
+    seconds: Annotated[float, Field(ge=0)] | None = None
+    """From the loss noticed to training going on again (a regroup: the new group formed and its state shared; a
+    restart: the new group's pods running); unset while the recovery is under way."""
     time: datetime | None = None
-    """When training advanced again."""
+    """When the loss was noticed."""
     message: str = ""
     """What happened, e.g. why a regroup fell back to a restart."""
 

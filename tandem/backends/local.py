@@ -161,7 +161,8 @@ class LocalJob:
         resume_from = self.resume_from
         while True:
             group = Launcher(self.job, run_dir=self.run_dir / f"group-{len(self.groups)}", resume_from=resume_from,
-                             run=self.run_id, grace_seconds=self.grace_seconds)
+                             run=self.run_id, grace_seconds=self.grace_seconds,
+                             regroups_before=self.status().recoveries.regroups if self.groups else 0)
             self.groups.append(group)
             group.start()
             self.group = group
@@ -208,6 +209,7 @@ class LocalJob:
     def show(self, display: Display, status: ParallelTrainingJobStatus) -> None:
         status = status.model_copy(deep=True)
         status.restarts, status.start_time = self.restarts, self.start_time.replace(microsecond=0)
+        status.recoveries.restarts = self.restarts
         display.show(status)
 
     def status(self) -> ParallelTrainingJobStatus:
@@ -216,6 +218,7 @@ class LocalJob:
         status = ParallelTrainingJobStatus.model_validate(published.model_dump()) if published is not None \
             else ParallelTrainingJobStatus()
         status.restarts, status.start_time = self.restarts, self.start_time.replace(microsecond=0)
+        status.recoveries.restarts = self.restarts
         status.workers.total, status.workers.ready = self.spec.workers, 0
         if self.groups:
             status.master.address, status.master.port = "127.0.0.1", self.groups[-1].master_port

@@ -28,7 +28,7 @@ class Launcher(LocalGroup):
     """The ranks of one group, their logs and rank 0's status file, all in `run_dir`."""
 
     def __init__(self, job: ParallelTrainingJob, *, run_dir: Path, resume_from: Path | None, run: str | None,
-                 grace_seconds: float = 30.0):
+                 grace_seconds: float = 30.0, regroups_before: int = 0):
         spec = job.spec
         self.job = job
         self.run_dir = run_dir
@@ -38,14 +38,15 @@ class Launcher(LocalGroup):
         contracts = [WorkerContract.local(
             rank, spec.workers, master_port=self.master_port, job=job.metadata.name, spec_path=spec_path,
             checkpoint_dir=Path(spec.checkpoint.directory).resolve(), resume_from=resume_from,
-            status_file=self.status_file, run_id=run,
+            status_file=self.status_file, run_id=run, regroups_before=regroups_before,
         ) for rank in range(spec.workers)]
         super().__init__(rank_command(spec), contracts,
                          environ={**os.environ, **{e.name: e.value or "" for e in spec.env}}, log_dir=run_dir,
-                         grace_seconds=grace_seconds)
+                         grace_seconds=grace_seconds, replaces_lost=spec.regroups)
         self.status: ParallelTrainingJobStatus | None = None
         """Rank 0's latest."""
         self._shown_up_to = 0
+        self._replacements_shown = 0
 
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -65,6 +66,10 @@ class Launcher(LocalGroup):
         for line in self._new_lines():
             if line.startswith(SHOWN_PREFIX):
                 say(line)
+        for index, code in self.replaced[self._replacements_shown:]:
+            self._replacements_shown += 1
+            say(f"{GroupExit(self.contracts[index].rank, code).cause}: started a replacement, which joins the others "
+                "(elastic: they regroup without it meanwhile)")
 
     def _new_lines(self) -> list[str]:
         """Rank 0's complete log lines written since the last call."""

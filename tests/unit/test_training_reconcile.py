@@ -262,6 +262,28 @@ CASES = [
      [pod(index) for index in range(4)], {"ranksPerPod": 1},
      {"phase": "Restarting", "restarts": 0, "delete": [f"digits-worker-{index}" for index in range(4)],
       "message": "regrouping the 4 ranks from 1 to 2 per pod"}),
+    ("elastic: rank 1 killed: its pod alone is deleted, still Running, no restart", job(running(), elastic={}),
+     [pod(0), pod(1, "Failed", exit_code=137, reason="Error")], {},
+     {"phase": "Running", "restarts": 0, "delete": ["digits-worker-1"], "create": [], "event": "ReplacingRank",
+      "message": "rank 1 being replaced; the other ranks train on", "requeue": 1.0}),
+    ("elastic: the lost rank's pod gone: its replacement created with the same slot", job(running(), elastic={}),
+     [pod(0)], {}, {"phase": "Running", "restarts": 0, "delete": [], "create": ["Pod/digits-worker-1"]}),
+    ("elastic: a rank pod evicted (terminating): waited for, then replaced", job(running(), elastic={}),
+     [pod(0), pod(1, terminating=True)], {}, {"phase": "Running", "restarts": 0, "delete": [], "create": []}),
+    ("elastic: rank 1 on a lost node: replaced alone", job(running(), elastic={}), [pod(0), node_lost(1)], {},
+     {"phase": "Running", "restarts": 0, "delete": ["digits-worker-1"], "event": "ReplacingRank"}),
+    ("elastic: rank 0 lost (the store's host): a whole-group restart", job(running(), elastic={}),
+     [pod(0, "Failed", exit_code=137), pod(1)], {},
+     {"phase": "Restarting", "restarts": 1, "delete": ["digits-worker-0", "digits-worker-1"], "recovery": "restart"}),
+    ("elastic, recovery restart: a lost rank restarts the group as without elastic",
+     job(running(), elastic={"recovery": "restart"}), [pod(0), pod(1, "Failed", exit_code=1)], {},
+     {"phase": "Restarting", "restarts": 1, "delete": ["digits-worker-0", "digits-worker-1"], "recovery": "restart"}),
+    ("elastic: rank 0 done, a replacement still waiting to join: Succeeded", job(running(), elastic={}),
+     [pod(0, "Succeeded", exit_code=0), pod(1)], {}, {"phase": "Succeeded", "completed": True}),
+    ("elastic: the restarted group running: the restart's seconds measured", job(
+        {**running(), "phase": "Pending", "lastRecovery": {"kind": "restart", "workers": 2, "stoppedAtStep": 130,
+                                                           "resumedAtStep": 100, "time": ago(12)}}, elastic={}),
+     BOTH_RUNNING, {}, {"phase": "Running", "recovery_seconds": 12.0}),
     ("workers not a multiple of ranksPerPod: a condition with the fix, nothing else", job(running(), workers=3,
                                                                                           ranksPerPod=2),
      BOTH_RUNNING, None, {"create": [], "delete": [], "condition": ("InvalidSpec", "True"),
@@ -299,6 +321,13 @@ def test_reconcile(name, body, pods, changes, expected):
         assert plan.delete_job is expected["delete_job"]
     if "requeue" in expected:
         assert plan.requeue_after == pytest.approx(expected["requeue"])
+    if "recovery" in expected:  # the operator's lastRecovery, sent beside its recoveries.restarts
+        assert (status["lastRecovery"]["kind"], status["recoveries"]) == (expected["recovery"],
+                                                                          {"restarts": status["restarts"]})
+    elif "recovery_seconds" in expected:
+        assert status["lastRecovery"]["seconds"] == expected["recovery_seconds"]
+    else:
+        assert "lastRecovery" not in status, "rank 0's regroups are its own to report"
     if "condition" in expected:
         kind, value = expected["condition"]
         [found] = [c for c in status["conditions"] if c["type"] == kind]

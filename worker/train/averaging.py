@@ -3,6 +3,8 @@ and, when asked, optimizer state (torch's model averagers do parameters only).""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -23,16 +25,18 @@ def replica_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
 
 
 def average_replicas(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, world_size: int
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, world_size: int, *,
+    wait: Callable[[dist.Work], None] = dist.Work.wait,
 ) -> int:
-    """Replace each replica's state with the mean over ranks; returns the bytes this rank sent."""
+    """Replace each replica's state with the mean over ranks; returns the bytes this rank sent. `wait`: how each
+    collective is waited for."""
     sent = 0
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in replica_tensors(model, optimizer):
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
     for tensors in by_dtype.values():
         flat = _flatten_dense_tensors(tensors)
-        dist.all_reduce(flat)
+        wait(dist.all_reduce(flat, async_op=True))
         flat /= world_size
         for tensor, averaged in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
             tensor.copy_(averaged)

@@ -12,7 +12,7 @@ from itertools import islice
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, default_collate
 
 
 class EpochShard(Sampler[int]):
@@ -37,12 +37,54 @@ class EpochShard(Sampler[int]):
         return self.examples(self.start)
 
     def __iter__(self) -> Iterator[int]:
-        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        rest = order[self.start:]
+        rest = epoch_order(self.size, seed=self.seed, epoch=self.epoch)[self.start:]
         total = len(self) * self.world_size
         if rest and total > len(rest):
             rest += (rest * math.ceil((total - len(rest)) / len(rest)))[:total - len(rest)]
         return iter(rest[self.rank:total:self.world_size])
+
+
+def epoch_order(size: int, *, seed: int, epoch: int) -> list[int]:
+    """The order an epoch takes the dataset's examples in, the same at every world size (DistributedSampler's)."""
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def step_share(order: list[int], *, start: int, examples: int, rank: int, world_size: int) -> list[int]:
+    """An elastic job's step takes the `examples` of the epoch's order from position `start` on, every rank every
+    world_size-th of them: at any world size each example of the epoch once, none repeated (no padding). Where
+    world_size divides the step's examples, rank r's micro-batch k is the one EpochShard deals it."""
+    return order[start + rank:start + examples:world_size]
+
+
+def elastic_steps(dataset: Dataset, position: Any, *, epochs: int, step_examples: int, batch_size: int,
+                  rank: int, world_size: int, seed: int) -> Generator[tuple[list[Any], list[int], int]]:
+    """An elastic job's steps from where `position` stands, read afresh for each step (a regroup rebuilds this with
+    another world size; the position moves only when a step completes, `advance`): each step's micro-batches of at
+    most `batch_size` examples (none where this rank's share is empty), their example indices, and the step's
+    examples over all ranks."""
+    size, order, epoch_of_order = len(dataset), None, None
+    while position.epoch < epochs:
+        if epoch_of_order != position.epoch:
+            order, epoch_of_order = epoch_order(size, seed=seed, epoch=position.epoch), position.epoch
+        examples = min(step_examples, size - position.epoch_start)
+        share = step_share(order, start=position.epoch_start, examples=examples, rank=rank, world_size=world_size)
+        chunks = [share[i:i + batch_size] for i in range(0, len(share), batch_size)]
+        yield [default_collate([dataset[i] for i in chunk]) for chunk in chunks], share, examples
+
+
+def advance(position: Any, examples: int, *, epoch_size: int) -> None:
+    """An elastic job's position after a step of `examples` (its epoch turns with the epoch's last)."""
+    position.epoch_start += examples
+    if position.epoch_start >= epoch_size:
+        position.next_epoch()
+
+
+def elastic_steps_left(position: Any, *, epochs: int, epoch_size: int, step_examples: int) -> int:
+    """The steps of `step_examples` each from `position` to the end of the last epoch."""
+    if position.epoch >= epochs:
+        return 0
+    rest = math.ceil(max(0, epoch_size - position.epoch_start) / step_examples)
+    return rest + (epochs - position.epoch - 1) * math.ceil(epoch_size / step_examples)
 
 
 def training_loader(dataset: Dataset, *, rank: int, world_size: int, batch_size: int, seed: int) -> DataLoader:

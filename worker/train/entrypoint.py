@@ -65,8 +65,9 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
 
     stop_signals = StopSignals()  # a stop before training starts exits at once, even in the rendezvous
     from tandem.worker.checkpoint import latest
+    from tandem.worker.train.membership import JobFinished
     from tandem.worker.train.preflight import check_fit, load_inputs
-    from tandem.worker.train.process_group import join_group, shutdown_process_group
+    from tandem.worker.train.process_group import join_elastic_group, join_group, shutdown_process_group
     from tandem.worker.train.reporting import ConsoleSink, StatusFileSink
     from tandem.worker.train.status_sink import KubernetesStatusSink
     from tandem.worker.train.trainer import RankContext, seed_everything, train
@@ -83,16 +84,27 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
         else (None, env.run_id)
     # Rank 0 writes under that lease (its own, or the launcher's it finds): once another holds it, no checkpoint.
     holder = (keeper.lease if keeper is not None else owner.read_lease(checkpoint_dir)) if env.is_master else None
-    device = join_group(env, gpus=spec.gpus_per_worker, require_gpu=trainer.require_gpu)
+    membership = None
+    if spec.regroups:
+        try:
+            device, membership = join_elastic_group(env, spec)
+        except JobFinished:
+            print("tandem worker: the job's training is over: nothing to join", file=sys.stderr, flush=True)
+            return 0
+    else:
+        device = join_group(env, gpus=spec.gpus_per_worker, require_gpu=trainer.require_gpu)
+    joining = membership is not None and membership.joining
     sinks = []
     if env.is_master:
         sinks = [StatusFileSink(env.status_file)] if env.status_file else [ConsoleSink(env.job)]
         if env.namespace:  # on a cluster: the job's status subresource too
             sinks.append(KubernetesStatusSink(env.job, env.namespace))
     context = RankContext(
-        rank=env.rank, world_size=env.world_size, device=device, job=env.job, checkpoint_dir=checkpoint_dir,
-        resume_from=env.resume_from or (latest(checkpoint_dir) if env.resume_latest else None), run=run,
-        holder=holder, sinks=sinks,
+        rank=membership.rank if membership else env.rank, device=device, job=env.job,
+        world_size=membership.world_size if membership else env.world_size, checkpoint_dir=checkpoint_dir,
+        resume_from=None if joining else env.resume_from or (latest(checkpoint_dir) if env.resume_latest else None),
+        run=run, holder=holder, sinks=sinks, membership=membership, regroups_before=env.regroups_before,
+        share_listeners=[examples_log(env.examples_log, env.rank)] if env.examples_log and membership else [],
     )
     stop_signals.attach(context)
     try:
@@ -108,7 +120,18 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
             keeper.release()
     del model, train_set, eval_set
     shutdown_process_group()
+    if membership is not None:
+        membership.close()
     return 0
+
+
+def examples_log(path: Path, slot: int):
+    """A listener appending `slot step index index ...` for each step this rank completes (TANDEM_EXAMPLES_LOG)."""
+    def append(step: int, indices: list[int]) -> None:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"{slot} {step} {' '.join(map(str, indices))}\n")
+
+    return append
 
 
 def _checkpoint_dir(job: ParallelTrainingJob) -> Path:

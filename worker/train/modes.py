@@ -16,12 +16,13 @@ it runs.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
 
 from tandem.api import ParallelTrainingJobSpec
@@ -48,6 +49,9 @@ class AllReduceMode:
     def no_sync(self, last_micro_batch: bool) -> AbstractContextManager:
         """Micro-batches before a step's last accumulate locally; the last one's backward exchanges."""
         return nullcontext() if last_micro_batch else self.module.no_sync()
+
+    def exchange(self) -> None:
+        """After a step's backward passes: exchange what the backward passes did not (DDP exchanged already)."""
 
     def after_step(self, step: int, optimizer: torch.optim.Optimizer, step_loss: torch.Tensor,
                    record: StepRecord) -> bool:
@@ -136,6 +140,62 @@ class SharedGradientsMode(AllReduceMode):
         return [f"sharedGradients {reset} (the threshold, {float(first['threshold']):.3g}, is kept)"]
 
 
+class ExchangedAllReduceMode(AllReduceMode):
+    """allReduce in an elastic job: the gradients are all-reduced after the step's backward passes, a bucket at a
+    time in asynchronous collectives waited on with an eye on the members' heartbeats (`wait`:
+    membership.Membership.wait). DDP waits inside backward, where a stopped peer would hold the step until the
+    group's timeout; and DDP needs every rank to run a forward pass, where an elastic step may give a rank no
+    examples (it sends zeros)."""
+
+    def __init__(self, model: torch.nn.Module, world_size: int, wait: Callable[[dist.Work], None]):
+        self.model = self.module = model
+        self.world_size = world_size
+        self.wait = wait
+        self.bytes_per_step = parameter_bytes(model)
+        self.steps = 0
+
+    def no_sync(self, last_micro_batch: bool) -> AbstractContextManager:
+        return nullcontext()
+
+    def exchange(self) -> None:
+        gradients = []
+        for parameter in self.model.parameters():
+            if parameter.requires_grad:
+                if parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+                gradients.append(parameter.grad)
+        exchanges = []
+        for bucket in gradient_buckets(gradients):
+            flat = _flatten_dense_tensors(bucket)
+            exchanges.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
+        for bucket, flat, work in exchanges:
+            self.wait(work)
+            flat /= self.world_size
+            for gradient, mean in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                gradient.copy_(mean)
+
+
+BUCKET_BYTES = 25 * 2**20
+"""DDP's bucket_cap_mb: collectives of this size overlap one another's transfers and reductions."""
+
+
+def gradient_buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` in consecutive groups of one dtype and device, each of at most BUCKET_BYTES (or one tensor)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        last = buckets[-1] if buckets else None
+        if (last is None or size + nbytes > BUCKET_BYTES or last[0].dtype != tensor.dtype
+                or last[0].device != tensor.device):
+            buckets.append([tensor])
+            size = nbytes
+        else:
+            last.append(tensor)
+            size += nbytes
+    return buckets
+
+
 def without_momentum(optimizer: Optimizer) -> Optimizer:
     """The optimizer under momentum correction, where the exchanged updates carry the momentum: without its own,
     and with its weight decay (applied on every rank to the parameters they share, so never exchanged) divided by
@@ -170,18 +230,26 @@ def compression_settings(spec: ParallelTrainingJobSpec) -> dict[str, Any]:
 class AveragingMode:
     """averaging: every rank steps on its own replica; every `frequency` steps the replicas are averaged."""
 
-    def __init__(self, model: torch.nn.Module, spec: ParallelTrainingJobSpec, world_size: int):
-        for tensor in [*model.parameters(), *model.buffers()]:  # every replica starts from rank 0's weights
-            dist.broadcast(tensor.data, src=0)
+    def __init__(self, model: torch.nn.Module, spec: ParallelTrainingJobSpec, world_size: int, *,
+                 wait: Callable[[dist.Work], None] = dist.Work.wait, same_start: bool = True):
+        """`same_start`: every replica starts from rank 0's weights (an elastic job's later generations keep their
+        own: a joiner has taken its source's). `wait`: how a collective is waited for."""
+        if same_start:
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
         self.model = self.module = model
         self.settings = spec.averaging
         self.world_size = world_size
+        self.wait = wait
         self.bytes_per_step = parameter_bytes(model)
         self.steps = 0
         self.bytes_sent = 0
 
     def no_sync(self, last_micro_batch: bool) -> AbstractContextManager:
         return nullcontext()
+
+    def exchange(self) -> None:
+        """Nothing: the replicas step on their own gradients."""
 
     def after_step(self, step: int, optimizer: torch.optim.Optimizer, step_loss: torch.Tensor,
                    record: StepRecord) -> bool:
@@ -198,7 +266,7 @@ class AveragingMode:
 
     def average(self, optimizer: torch.optim.Optimizer) -> None:
         state = optimizer if self.settings.average_optimizer_state else None
-        self.bytes_sent += average_replicas(self.model, state, self.world_size)
+        self.bytes_sent += average_replicas(self.model, state, self.world_size, wait=self.wait)
 
     def communication(self) -> tuple[int, int]:
         return self.bytes_sent, self.steps * self.bytes_per_step
@@ -241,7 +309,7 @@ class AveragingMode:
 
     def _mean_over_ranks(self, value: torch.Tensor) -> float:
         total = value.detach().reshape(1).to("cpu", torch.float64)
-        dist.all_reduce(total)
+        self.wait(dist.all_reduce(total, async_op=True))
         return total.item() / self.world_size
 
 

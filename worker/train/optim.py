@@ -43,6 +43,8 @@ class LearningRateSchedule:
         self.cosine = trainer.lr_schedule == "cosine"
         self.total_steps = total_steps
         self.constant = self.warmup == 0 and not self.cosine
+        self.scale = 1.0
+        """An elastic job's batch perRank at another size than spec.workers: elastic.lrScaling's multiplier."""
 
     def factor(self, step: int) -> float:
         """The multiplier of optimizer.lr for the optimizer step that follows `step` finished steps."""
@@ -55,7 +57,7 @@ class LearningRateSchedule:
 
     def rate(self, step: int) -> float:
         """The learning rate of the optimizer step that follows `step` finished steps."""
-        return self.base_lr * self.factor(step)
+        return self.base_lr * self.scale * self.factor(step)
 
     def describe(self, step: int) -> dict[str, float | int | str]:
         """For the checkpoint, to read: a resumed run recomputes the rate from its step and its own spec."""
@@ -64,7 +66,7 @@ class LearningRateSchedule:
 
     def apply(self, step: int) -> None:
         """Set the rate for the optimizer step that follows `step` finished steps."""
-        if self.constant:
+        if self.constant and self.scale == 1.0:
             return
         lr = self.rate(step)
         for group in self.optimizer.param_groups:

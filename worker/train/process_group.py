@@ -12,8 +12,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tandem.api import ParallelTrainingJobSpec
 from tandem.contract import ContractError, WorkerContract
 from tandem.worker.cores import share_cores
+from tandem.worker.train.membership import Membership
 
 
 def select_device(env: WorkerContract, *, gpus: int, require_gpu: bool) -> torch.device:
@@ -78,6 +80,21 @@ def join_group(env: WorkerContract, *, gpus: int = 0, require_gpu: bool = False)
     return device
 
 
+def join_elastic_group(env: WorkerContract, spec: ParallelTrainingJobSpec) -> tuple[torch.device, Membership]:
+    """join_group for an elastic job's rank: the first generation of its group, or (a replacement) the generation
+    that takes it in. Slot 0 hosts the store (membership.py)."""
+    share_cores(env.local_world_size)
+    device = select_device(env, gpus=spec.gpus_per_worker, require_gpu=spec.trainer.require_gpu)
+    if not env.is_master:
+        wait_for_master(env.master_addr, env.master_port, 300.0)
+    low, high = spec.elastic_range
+    membership = Membership(slot=env.rank, workers=env.world_size, min_workers=low,
+                            max_workers=max(high, env.world_size), addr=env.master_addr, port=env.master_port,
+                            backend=backend_for(device), deadline_seconds=spec.elastic.regroup_deadline_seconds)
+    membership.start()
+    return device, membership
+
+
 def shutdown_process_group() -> None:
     """Leave the group so that no gloo thread outlives it.
 
@@ -86,7 +103,8 @@ def shutdown_process_group() -> None:
     pytorch/pytorch#179291). Collect them first, then destroy the group.
     """
     gc.collect()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def free_port() -> int:

@@ -6,7 +6,8 @@ after different steps. So each exchange carries, reduced with MAX:
 
 - stop: whether any rank has been asked to stop;
 - checkpoint: rank 0's verdict on the time rule;
-- interval: rank 0's proposal for the steps until the next exchange, about TARGET_SECONDS of training.
+- interval: rank 0's proposal for the steps until the next exchange, about TARGET_SECONDS of training;
+- regroup: in an elastic job, rank 0's word that a rank asks to join (every rank enters the next generation).
 
 An exchange starts at an agreed step and overlaps the following steps' compute; its outcome is read at the
 next exchange, where every rank acts on it after the same step. A stop therefore lands within two intervals
@@ -16,6 +17,7 @@ next exchange, where every rank acts on it after the same step. A stop therefore
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,7 @@ class Outcome:
 
     stop: bool = False
     checkpoint: bool = False
+    regroup: bool = False
 
 
 class Agreement:
@@ -39,31 +42,35 @@ class Agreement:
 
     def __init__(
         self, *, is_master: bool, first_step: int, checkpoint_every_seconds: float | None,
-        target_seconds: float | None = None,
+        target_seconds: float | None = None, wait: Callable[[dist.Work], None] = dist.Work.wait,
     ):
         self.is_master = is_master
         self.next_step = first_step
         """The step after which the next exchange happens (the same on every rank)."""
         self.checkpoint_every_seconds = checkpoint_every_seconds
         self.target_seconds = TARGET_SECONDS if target_seconds is None else target_seconds
-        self._values = torch.zeros(3, dtype=torch.float64)
+        self.wait = wait
+        """How the exchange in flight is waited for (an elastic job's: with an eye on the members' heartbeats)."""
+        self._values = torch.zeros(4, dtype=torch.float64)
         self._pending: dist.Work | None = None
         self._interval = 1
         self._last_exchange = (time.monotonic(), first_step - 1)
         self._last_checkpoint = time.monotonic()
 
-    def exchange(self, step: int, *, stop_requested: bool) -> Outcome:
+    def exchange(self, step: int, *, stop_requested: bool, regroup_wanted: bool = False) -> Outcome:
         """At the agreed step: the previous exchange's outcome (the same on every rank), then the next exchange."""
         clock = time.monotonic()  # before waiting: the steps' own pace, without a straggler's
         outcome = Outcome()
         if self._pending is not None:
-            self._pending.wait()
-            stop, checkpoint, interval = self._values.tolist()
-            outcome = Outcome(stop=stop > 0, checkpoint=checkpoint > 0)
+            self.wait(self._pending)
+            self._pending = None
+            stop, checkpoint, interval, regroup = self._values.tolist()
+            outcome = Outcome(stop=stop > 0, checkpoint=checkpoint > 0, regroup=regroup > 0)
             self._interval = int(interval)
             if outcome.checkpoint:
                 self.checkpoint_written()
-        self._values.copy_(torch.tensor([float(stop_requested), *self._master_proposal(step, clock)]))
+        self._values.copy_(torch.tensor([float(stop_requested), *self._master_proposal(step, clock),
+                                         float(regroup_wanted)]))
         self._pending = dist.all_reduce(self._values, op=dist.ReduceOp.MAX, async_op=True)
         self._last_exchange = (time.monotonic(), step)
         self.next_step = step + self._interval
@@ -76,7 +83,7 @@ class Agreement:
     def close(self) -> None:
         """Finish the exchange in flight (every rank must, before the group's next collective)."""
         if self._pending is not None:
-            self._pending.wait()
+            self.wait(self._pending)
             self._pending = None
 
     def _master_proposal(self, step: int, clock: float) -> tuple[float, float]:

@@ -15,15 +15,18 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rich.console import Console
 
 from tandem.api import ParallelTrainingJobStatus
-from tandem.api.training import CheckpointRecord
+from tandem.api.training import CheckpointRecord, Recovery
 from tandem.worker.train.preemption import preemption_cost
 from tandem.worker.train.progress_bar import ProgressBar
 from tandem.worker.train.status_sink import HISTORY_LIMIT
+
+if TYPE_CHECKING:
+    from tandem.worker.train.membership import Plan
 
 
 def now() -> datetime:
@@ -161,6 +164,17 @@ class Reporter:
         shows its step, not 0."""
         self.status.progress.step, self.status.progress.epoch = step, epoch
         self.checkpoint(path, step, metrics=metrics)
+
+    def regrouped(self, plan: Plan, *, workers: int, stopped_at: int, seconds: float, total_steps: int) -> None:
+        """An elastic job's group changed in process (membership.Plan): the ranks training now, the recovery."""
+        status = self.status
+        status.workers.ready = workers
+        status.progress.total_steps = total_steps
+        status.recoveries.regroups += 1
+        status.last_recovery = Recovery(kind="regroup", lost=plan.lost, added=sorted(plan.added), workers=workers,
+                                        stopped_at_step=stopped_at, resumed_at_step=plan.step, seconds=seconds,
+                                        time=now())
+        self.publish()
 
     def final(self, phase: str, message: str, *, epoch: int, metrics: dict[str, float], bytes_sent: int,
               dense_bytes: int) -> ParallelTrainingJobStatus:

@@ -149,7 +149,7 @@ class Checkpointer:
     """Writes the train state as checkpoints (rank 0 alone writes; every rank takes part) and resumes from one."""
 
     def __init__(self, spec: ParallelTrainingJobSpec, *, rank: int, world_size: int, job: str, directory: Path,
-                 run: str | None = None, holder: checkpoint_owner.Lease | None = None):
+                 run: str | None = None, holder: checkpoint_owner.Lease | None = None, by_examples: bool = False):
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
@@ -160,6 +160,9 @@ class Checkpointer:
         self.holder = holder
         """The directory's lease the checkpoints are written under (None: none is checked)."""
         self.layout = Layout.of(spec, world_size)
+        self.by_examples = by_examples
+        """An elastic job's: a resumed position counts the examples of its epoch consumed (Position.epoch_start),
+        never micro-batches of a layout."""
         self.seconds: float | None = None
         """On rank 0, the wall time of the latest save, from its start (the mode's preparation, gathering each rank's
         state) until the file is complete on disk: what a graceful preemption costs (status.preemptionCost)."""
@@ -215,17 +218,21 @@ class Checkpointer:
                 state.load_rank_state_dict(per_rank[self.rank])
         else:
             reset = state.reset_rank_state(per_rank, seed=self.spec.trainer.seed, rank=self.rank)
-        if saved == self.layout:
+        if saved == self.layout and not (self.by_examples and state.position.batches_done):
             return
         position, consumed = state.position, None
-        if (saved.world_size, saved.batch_size) != (self.world_size, self.layout.batch_size):
+        if (saved.world_size, saved.batch_size) != (self.world_size, self.layout.batch_size) or self.by_examples:
             position.epoch_start += examples_consumed(position.batches_done, world_size=saved.world_size,
                                                       batch_size=saved.batch_size)
             position.batches_done = 0
             consumed = position.epoch_start
-        if self.rank == 0:
+        if self.rank == 0 and saved != self.layout:
             print(resize_line(source, saved, self.layout, position, reset, consumed=consumed), file=sys.stderr,
                   flush=True)
+
+    def regrouped(self, *, rank: int, world_size: int) -> None:
+        """An elastic job's group changed: this rank's place in the next one."""
+        self.rank, self.world_size, self.layout = rank, world_size, Layout.of(self.spec, world_size)
 
 
 def resize_line(source: Path, saved: Layout, layout: Layout, position: Position, reset: list[str], *,

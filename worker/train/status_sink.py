@@ -64,7 +64,8 @@ class KubernetesStatusSink:
     each request; `deadline` bounds how long `close()` waits for the final status: it must fit within the pod's
     termination grace period, after the checkpoint written on SIGTERM (the operator gives rank pods 60 s)."""
 
-    FIELDS = ("progress", "metrics", "communication", "checkpoint", "preemptionCost")
+    FIELDS = ("progress", "metrics", "communication", "checkpoint", "preemptionCost", "lastRecovery")
+    """Rank 0's fields of the status (and `recoveries.regroups`: the operator writes `recoveries.restarts`)."""
 
     def __init__(self, job: str, namespace: str, *, interval: float = 5.0, timeout: float = 5.0,
                  deadline: float = 30.0):
@@ -200,6 +201,8 @@ class KubernetesStatusSink:
     def _body(self, status: ParallelTrainingJobStatus) -> dict[str, Any]:
         wire = status.to_dict()
         body = {field: wire[field] for field in self.FIELDS if field in wire}
+        if status.recoveries.regroups:
+            body["recoveries"] = {"regroups": status.recoveries.regroups}
         if self._stored_checkpoint is not None:
             body["checkpoint"] = keep_stored_history(self._stored_checkpoint, body.get("checkpoint") or {})
         return {"status": body}

@@ -53,21 +53,32 @@ class TrainStep:
         self.input_shape: list[int] | None = None
         """One example's shape, recorded for checkpoint manifests (what a server validates requests against)."""
 
-    def __call__(self, steps_done: int, micro_batches: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def __call__(self, steps_done: int, micro_batches: Sequence[Any], *, step_examples: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Train on `micro_batches` as the step after `steps_done`; returns the step's loss and NaN/Inf flag (device
-        tensors, never read here) and the examples it took over all ranks."""
+        tensors, never read here) and the examples it took over all ranks.
+
+        `step_examples`: an elastic step's examples over all ranks, shared unevenly (this rank may have fewer than
+        the others, or none): each micro-batch's mean loss is weighted by its size x world_size / step_examples, so
+        that the exchanged mean is the mean over the step's examples whatever the shares."""
         losses, examples = [], 0
         for index, micro_batch in enumerate(micro_batches):
             inputs, targets = micro_batch if self.device.type == "cpu" else to_device(micro_batch, self.device)
             self.input_shape = self.input_shape or list(inputs.shape[1:])
             with self.mode.no_sync(last_micro_batch=index == len(micro_batches) - 1), self.autocast:
                 loss = loss_for(self.mode.module(inputs), targets)
-                if len(micro_batches) > 1:  # the mean over the step's examples; skipped when there is one
+                if step_examples is not None:
+                    loss = loss * (inputs.shape[0] * self.world_size / step_examples)
+                elif len(micro_batches) > 1:  # the mean over the step's examples; skipped when there is one
                     loss = loss / len(micro_batches)
             self.scaler.scale(loss).backward()
             losses.append(loss.detach())
             examples += inputs.shape[0] * self.world_size
-        step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+        self.mode.exchange()
+        if step_examples is not None:
+            examples = step_examples
+        step_loss = torch.zeros((), device=self.device) if not losses else \
+            losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
         self.scaler.unscale_(self.optimizer)
         self.schedule.apply(steps_done)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import random
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Generator
 from contextlib import closing
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +26,25 @@ from torch.utils.data import DataLoader, Dataset
 from tandem.api import ParallelTrainingJobSpec, ParallelTrainingJobStatus
 from tandem.api.training import TrainerSpec
 from tandem.worker.checkpoint_owner import Lease
-from tandem.worker.train.data import steps_left, training_loader, training_steps
+from tandem.worker.train.data import (
+    advance,
+    elastic_steps,
+    elastic_steps_left,
+    steps_left,
+    training_loader,
+    training_steps,
+)
+from tandem.worker.train.elastic import (
+    batch_line,
+    elastic_mode,
+    lr_scale,
+    regroup_line,
+    say,
+    share_state,
+    step_examples,
+)
 from tandem.worker.train.evaluation import evaluate
+from tandem.worker.train.membership import Membership, is_group_failure
 from tandem.worker.train.modes import TrainingMode, training_mode
 from tandem.worker.train.nonfinite import StepRecord
 from tandem.worker.train.optim import LearningRateSchedule, build_optimizer
@@ -60,6 +77,12 @@ class RankContext:
     """Called after every optimizer step with (step, model, optimizer, synchronised): DL4J's TrainingListener.
     `synchronised` is true when all replicas now hold the same parameters."""
     stop_requested: bool = False
+    membership: Membership | None = None
+    """An elastic job's (spec.elastic, recovery regroup): `rank` and `world_size` follow its generations."""
+    regroups_before: int = 0
+    """An elastic job's regroups in the groups before this one (status.recoveries.regroups counts on from it)."""
+    share_listeners: list[Callable[[int, list[int]], None]] = field(default_factory=list)
+    """Elastic jobs: called after each step this rank completes with (step, the indices of the examples it took)."""
 
     @property
     def is_master(self) -> bool:
@@ -84,11 +107,16 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.Module, train_set: Dataset,
           eval_set: Dataset | None = None) -> ParallelTrainingJobStatus | None:
-    """Train `model` in place on this rank; returns the final status on rank 0 (None elsewhere)."""
+    """Train `model` in place on this rank; returns the final status on rank 0 (None elsewhere).
+
+    In an elastic job (`context.membership`) the group may change under the loop: when a member is lost the step
+    in flight is abandoned, the survivors regroup (membership.py) and the loop goes on in the next generation,
+    rebuilt for its size (`begin_generation`), from the state the generation's source hands those behind it."""
     trainer = spec.trainer
+    membership = context.membership
     seed_everything(trainer.seed, trainer.deterministic)
     model.to(context.device)
-    mode = training_mode(spec, model, context.device, context.world_size)
+    mode = new_mode(spec, context, model)
     optimizer = build_optimizer(model.parameters(), mode.optimizer_settings(trainer.optimizer))
     loader = training_loader(train_set, rank=context.rank, world_size=context.world_size,
                              batch_size=trainer.batch_size_per_worker, seed=trainer.seed)
@@ -96,14 +124,20 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
     scaler = torch.amp.GradScaler(context.device.type, enabled=trainer.mixed_precision == "fp16")
     state = TrainState(model, optimizer, scaler, schedule, mode, Position())
     checkpointer = Checkpointer(spec, rank=context.rank, world_size=context.world_size, job=context.job,
-                                directory=context.checkpoint_dir, run=context.run, holder=context.holder)
+                                directory=context.checkpoint_dir, run=context.run, holder=context.holder,
+                                by_examples=membership is not None)
     seed_rank(trainer.seed, context.rank)  # per-rank dropout noise; a resume restores it
     if context.resume_from is not None:
         checkpointer.resume(state, context.resume_from)
     position = state.position
-    schedule.total_steps = total_steps = planned_steps(trainer, loader=loader, position=position)
+    if membership is not None:
+        share_state(state, membership.plan, membership.slot, membership.wait)
+    schedule.total_steps = total_steps = planned_steps(trainer, loader=loader, position=position) \
+        if membership is None else elastic_planned_steps(spec, len(train_set), position, context.world_size)
     reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps,
                         compression=mode.compression_report) if context.is_master else None
+    if reporter is not None:
+        reporter.status.recoveries.regroups = context.regroups_before
     if context.resume_from is not None:
         done = nothing_left(context.resume_from, position, trainer, total_steps)
         if reporter is not None:
@@ -115,15 +149,13 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
             return None if reporter is None else reporter.final(
                 "Succeeded", done, epoch=epoch_shown(position), metrics=checkpointer.metrics, bytes_sent=0,
                 dense_bytes=0)
-    train_step = TrainStep(trainer, mode, optimizer, scaler, schedule, context.device, context.world_size)
     scalars = ScalarLog(run_directory(context.checkpoint_dir, context.run or context.job), position=position,
                         schedule=schedule, mode=mode) if context.is_master else None
     record = StepRecord(position, max_consecutive_bad_steps=trainer.max_consecutive_bad_steps,
                         counts_bad_steps=trainer.mixed_precision != "fp16",
                         on_read=scalars.losses if scalars is not None else None)
-    every_minutes, every_steps = spec.checkpoint.every_minutes, spec.checkpoint.every_steps
-    agreement = Agreement(is_master=context.is_master, first_step=position.step + 1,
-                          checkpoint_every_seconds=every_minutes * 60 if every_minutes is not None else None)
+    every_steps = spec.checkpoint.every_steps
+    generation = begin_generation(spec, context, state, loader, train_set)
 
     def report_progress() -> None:
         if reporter is not None:
@@ -140,47 +172,147 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
 
     def save(final: bool = False) -> None:
         record.flush()  # brings position's bad-step counts and the running loss up to date
-        path = checkpointer.save(state, input_shape=train_step.input_shape, final=final,
+        path = checkpointer.save(state, input_shape=generation.train_step.input_shape, final=final,
                                  evaluate=evaluate_checkpoint if eval_set is not None else None)
-        agreement.checkpoint_written()
+        generation.agreement.checkpoint_written()
         if reporter is not None and path is not None:
             report_progress()
             reporter.checkpoint(path, position.step, seconds=checkpointer.seconds, metrics=checkpointer.metrics)
             scalars.checkpoint(position.step, checkpointer.metrics)
 
-    outcome = NOTHING_AGREED
+    def run_steps() -> Outcome:
+        """Steps until the planned total, a stop, or (elastic) a regroup the ranks agreed on."""
+        outcome = NOTHING_AGREED
+        agreement, train_step = generation.agreement, generation.train_step
+        with closing(generation.steps) as steps:
+            while position.step < generation.total_steps:
+                work = next(steps, None)  # (the steps of a fixed group move the position as they are handed out)
+                if work is None:
+                    break
+                outcome = NOTHING_AGREED
+                if membership is None:
+                    step_loss, found, examples = train_step(position.step, work)
+                else:
+                    micro_batches, share, step_size = work
+                    step_loss, found, examples = train_step(position.step, micro_batches, step_examples=step_size)
+                    advance(position, step_size, epoch_size=len(train_set))
+                    for listener in context.share_listeners:
+                        listener(position.step + 1, share)
+                position.step += 1
+                position.samples += examples
+                record.add(position.step, step_loss, found)
+                synchronised = state.mode.after_step(position.step, optimizer, step_loss, record)
+                for listener in context.listeners:
+                    listener(position.step, model, optimizer, synchronised)
+                report_progress()
+                if position.step == agreement.next_step:
+                    record.flush()
+                    outcome = agreement.exchange(position.step, stop_requested=context.stop_requested,
+                                                 regroup_wanted=membership is not None and membership.joiners_waiting())
+                if position.step >= generation.total_steps or outcome.stop or outcome.regroup:
+                    break
+                if outcome.checkpoint or (every_steps is not None and position.step % every_steps == 0):
+                    save()
+        return outcome
+
     model.train()
-    steps = training_steps(loader, position, epochs=trainer.epochs, accumulation=trainer.gradient_accumulation_steps,
-                           prefetch=trainer.prefetch_for(context.device.type))
-    with closing(steps):
-        for micro_batches in islice(steps, max(0, total_steps - position.step)):
-            outcome = NOTHING_AGREED
-            step_loss, found, examples = train_step(position.step, micro_batches)
-            position.step += 1
-            position.samples += examples
-            record.add(position.step, step_loss, found)
-            synchronised = mode.after_step(position.step, optimizer, step_loss, record)
-            for listener in context.listeners:
-                listener(position.step, model, optimizer, synchronised)
-            report_progress()
-            if position.step == agreement.next_step:
-                record.flush()
-                outcome = agreement.exchange(position.step, stop_requested=context.stop_requested)
-            if position.step >= total_steps or outcome.stop:
+    while True:
+        try:
+            outcome = run_steps()
+            if not outcome.regroup:
                 break
-            if outcome.checkpoint or (every_steps is not None and position.step % every_steps == 0):
-                save()
-    agreement.close()
+            generation.agreement.close()
+            lost_at = None
+        except Exception as error:
+            if membership is None or not is_group_failure(error):
+                raise
+            lost_at = f"{type(error).__name__}: {error}"
+        generation = regroup(spec, context, state, loader, train_set, checkpointer, reporter, record, why=lost_at)
+        total_steps = generation.total_steps
+    generation.agreement.close()
     save(final=True)
     if scalars is not None:
         scalars.close()
 
     metrics = checkpointer.metrics  # the final checkpoint's evaluation: the trained model's
-    communication = communication_totals(mode)
+    communication = communication_totals(state.mode)
+    if membership is not None:
+        membership.finish()
     if reporter is None:
         return None
     return final_status(reporter, position, epochs=trainer.epochs, stopped=outcome.stop and position.step < total_steps,
                         metrics=metrics, communication=communication)
+
+
+def new_mode(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.Module) -> TrainingMode:
+    """The mode over the current group."""
+    membership = context.membership
+    if membership is None:
+        return training_mode(spec, model, context.device, context.world_size)
+    return elastic_mode(spec, model, context.world_size, membership.wait,
+                        first=membership.plan.generation == 1 and not membership.joining)
+
+
+@dataclass
+class Generation:
+    """What the loop runs with in one generation of the group (all of a run, outside an elastic job)."""
+
+    train_step: TrainStep
+    agreement: Agreement
+    steps: Generator
+    total_steps: int
+
+
+def begin_generation(spec: ParallelTrainingJobSpec, context: RankContext, state: TrainState, loader: DataLoader,
+                     train_set: Dataset) -> Generation:
+    trainer, position, membership = spec.trainer, state.position, context.membership
+    every_minutes = spec.checkpoint.every_minutes
+    wait = membership.wait if membership is not None else dist.Work.wait
+    agreement = Agreement(is_master=context.is_master, first_step=position.step + 1, wait=wait,
+                          checkpoint_every_seconds=every_minutes * 60 if every_minutes is not None else None)
+    train_step = TrainStep(trainer, state.mode, state.optimizer, state.scaler, state.schedule, context.device,
+                           context.world_size)
+    if membership is None:
+        steps = training_steps(loader, position, epochs=trainer.epochs,
+                               accumulation=trainer.gradient_accumulation_steps,
+                               prefetch=trainer.prefetch_for(context.device.type))
+        return Generation(train_step, agreement, steps, state.schedule.total_steps)
+    state.schedule.scale = lr_scale(spec, context.world_size)
+    total_steps = elastic_planned_steps(spec, len(train_set), position, context.world_size)
+    state.schedule.total_steps = total_steps
+    steps = elastic_steps(train_set, position, epochs=trainer.epochs,
+                          step_examples=step_examples(spec, context.world_size),
+                          batch_size=trainer.batch_size_per_worker, rank=context.rank,
+                          world_size=context.world_size, seed=trainer.seed)
+    return Generation(train_step, agreement, steps, total_steps)
+
+
+def regroup(spec: ParallelTrainingJobSpec, context: RankContext, state: TrainState, loader: DataLoader,
+            train_set: Dataset, checkpointer: Checkpointer, reporter: Reporter | None, record: StepRecord, *,
+            why: str | None) -> Generation:
+    """Enter the next generation (a member lost: `why`; or a join agreed at this step) and rebuild the loop's
+    parts for its size; the members behind the generation's source take its state."""
+    membership, position = context.membership, state.position
+    started, stopped_at = time.monotonic(), position.step
+    if why is not None and context.is_master:
+        say(f"tandem worker: the group lost a member at step {position.step} ({why.splitlines()[0][:200]}); "
+            "regrouping")
+    state.optimizer.zero_grad(set_to_none=True)  # an abandoned step's
+    plan = membership.regroup(position.step)
+    context.rank, context.world_size = membership.rank, membership.world_size
+    state.mode = new_mode(spec, context, state.model)
+    took = share_state(state, plan, membership.slot, membership.wait)
+    record.flush()
+    checkpointer.regrouped(rank=context.rank, world_size=context.world_size)
+    seconds = time.monotonic() - started
+    if context.is_master:
+        say(regroup_line(plan, stopped_at=stopped_at, seconds=seconds, took_state=took))
+        say(f"tandem worker: {batch_line(spec, context.world_size)}")
+    generation = begin_generation(spec, context, state, loader, train_set)
+    if reporter is not None:
+        reporter.regrouped(plan, workers=context.world_size, stopped_at=stopped_at, seconds=seconds,
+                           total_steps=generation.total_steps)
+    return generation
 
 
 def epoch_shown(position: Position) -> int:
@@ -218,6 +350,15 @@ def planned_steps(trainer: TrainerSpec, *, loader: DataLoader, position: Positio
     world size, the steps done (counted at the old size) plus the rest at the new one."""
     total = position.step + steps_left(position, epochs=trainer.epochs, loader=loader,
                                        accumulation=trainer.gradient_accumulation_steps)
+    return total if trainer.max_steps is None else min(total, trainer.max_steps)
+
+
+def elastic_planned_steps(spec: ParallelTrainingJobSpec, epoch_size: int, position: Position, world_size: int) -> int:
+    """An elastic job's last step at `world_size` ranks: the steps done plus those left at this size's step, or
+    `maxSteps` if fewer. With batch global the same whatever the size."""
+    trainer = spec.trainer
+    total = position.step + elastic_steps_left(position, epochs=trainer.epochs, epoch_size=epoch_size,
+                                               step_examples=step_examples(spec, world_size))
     return total if trainer.max_steps is None else min(total, trainer.max_steps)
 
 

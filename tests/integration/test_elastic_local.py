@@ -1,0 +1,153 @@
+"""Elastic training under `tandem run` (spec.elastic, recovery regroup) with real rank processes: a rank killed or
+stopped costs the step in flight, not a restart. The survivor keeps its process and goes on alone, the launcher's
+replacement joins and takes the state from it, and across every size change each example of an epoch is trained
+on once (each rank logs what it took: TANDEM_EXAMPLES_LOG). Rank 0's loss, and a regroup past its deadline, fall
+back to a whole-group restart from the latest checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from jobs import final_status, leftover_processes, manifest, start_tandem_run, tandem_run, wait_for_stderr
+
+EPOCHS = 3
+EPOCH_SIZE = 1438  # tandem.examples.digits:train_data
+STEP_EXAMPLES = 32  # workers 2 x batchSizePerWorker 16: the global batch, kept at every size
+
+
+def rank_pid(job: str, rank: int) -> int | None:
+    """The pid of `job`'s rank process `rank` (by the worker contract in its environment), if one runs."""
+    wanted = {f"TANDEM_JOB={job}".encode(), f"RANK={rank}".encode()}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                environ = set((entry / "environ").read_bytes().split(b"\0"))
+                command = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if wanted <= environ and b"tandem.worker" in command:
+                return int(entry.name)
+    return None
+
+
+def examples_by_epoch(log: Path) -> list[Counter]:
+    """The example indices trained on in each epoch, over every rank (a line per rank and completed step)."""
+    steps_per_epoch = -(-EPOCH_SIZE // STEP_EXAMPLES)
+    epochs = [Counter() for _ in range(EPOCHS)]
+    for line in log.read_text().splitlines():
+        _, step, *indices = map(int, line.split())
+        epochs[(step - 1) // steps_per_epoch].update(indices)
+    return epochs
+
+
+def elastic_job(tmp_path: Path, name: str, *, go: Path, mode: str = "allReduce", **elastic) -> Path:
+    return manifest(tmp_path, name, trainingMode=mode, elastic={"minWorkers": 1, **elastic},
+                    trainer={"model": "userland:paced_until", "modelArgs": {"until": str(go), "hidden": 64},
+                             "epochs": EPOCHS, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
+                    checkpoint={"directory": str(tmp_path / name / "checkpoints"), "everySteps": 40})
+
+
+def step_of(text: str) -> int:
+    steps = [int(part.split("/")[0]) for part in text.split("step ")[1:] if part.split("/")[0].isdigit()]
+    return max(steps, default=0)
+
+
+@pytest.mark.parametrize("mode", ["allReduce", "averaging"])
+def test_a_rank_killed_mid_epoch_is_replaced_without_a_restart(tmp_path, monkeypatch, mode):
+    """SIGKILL of rank 1 mid-epoch: rank 0 (same pid) regroups alone within seconds, the replacement joins and takes
+    the state from it, `restarts` stays 0, every example of every epoch is trained on once (averaging: but for the
+    lost rank's share of the steps since the last averaging, which its replica took with it), and the accuracy is an
+    uninterrupted run's within noise."""
+    go, log = tmp_path / "go", tmp_path / "examples.log"
+    monkeypatch.setenv("TANDEM_EXAMPLES_LOG", str(log))
+    path = elastic_job(tmp_path, "killed", go=go, mode=mode)
+    launcher, stderr = start_tandem_run(path)
+    wait_for_stderr(launcher, stderr, lambda text: step_of(text) >= 10)
+    survivor, victim = rank_pid("killed", 0), rank_pid("killed", 1)
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    wait_for_stderr(launcher, stderr, lambda text: "regrouped: generation 2, 1 rank(s) (lost rank(s) 1)" in text)
+    regrouped_in = time.monotonic() - killed_at
+    wait_for_stderr(launcher, stderr, lambda text: "regrouped: generation 3, 2 rank(s) (added rank(s) 1)" in text,
+                    timeout=180)
+    assert rank_pid("killed", 0) == survivor, "the survivor kept its process"
+    go.touch()
+    stdout, _ = launcher.communicate(timeout=180)
+    text = stderr.read_text()
+    assert launcher.returncode == 0, text
+    status = json.loads(stdout)
+    assert (status["phase"], status["restarts"]) == ("Succeeded", 0), text
+    assert status["recoveries"] == {"regroups": 2, "restarts": 0}
+    last = status["lastRecovery"]
+    assert (last["kind"], last["added"], last["workers"]) == ("regroup", [1], 2)
+    assert last["resumedAtStep"] == last["stoppedAtStep"], "a join loses no step"
+    assert regrouped_in < 30, "noticed and regrouped in seconds (the figures: bench/bench_regroup.py)"
+    assert "rank 1 exited with code -9 (killed by SIGKILL): started a replacement" in text
+    epochs = examples_by_epoch(log)
+    assert all(max(epoch.values()) == 1 for epoch in epochs), "no example twice in an epoch"
+    missing = sum(EPOCH_SIZE - len(epoch) for epoch in epochs)
+    if mode == "allReduce":
+        assert missing == 0, "each example of each epoch once"
+    else:  # what the lost rank trained since the last averaging (every step here) went with its replica
+        assert missing <= STEP_EXAMPLES // 2, missing
+    assert leftover_processes("killed") == []
+
+    go_straight = tmp_path / "go-straight"
+    go_straight.touch()
+    monkeypatch.delenv("TANDEM_EXAMPLES_LOG")
+    straight = tandem_run(elastic_job(tmp_path, "straight", go=go_straight, mode=mode))
+    assert straight.returncode == 0, straight.stderr
+    accuracy, uninterrupted = status["metrics"]["accuracy"], final_status(straight)["metrics"]["accuracy"]
+    assert abs(accuracy - uninterrupted) <= 0.03, (accuracy, uninterrupted)
+
+
+def test_a_stopped_rank_is_left_behind_within_seconds_and_rejoins_when_it_wakes(tmp_path, monkeypatch):
+    """SIGSTOP of rank 1: its connections stay open, so no collective fails; its heartbeat stalls and rank 0
+    abandons the step in flight and goes on alone. Woken (SIGCONT), the same process finds its group gone and joins
+    again, taking the state from rank 0; nothing restarts."""
+    go = tmp_path / "go"
+    path = elastic_job(tmp_path, "stopped", go=go)
+    launcher, stderr = start_tandem_run(path)
+    wait_for_stderr(launcher, stderr, lambda text: step_of(text) >= 10)
+    sleeper = rank_pid("stopped", 1)
+    os.kill(sleeper, signal.SIGSTOP)
+    try:
+        wait_for_stderr(launcher, stderr,
+                        lambda text: "heartbeat stalled" in text and "regrouped: generation 2" in text)
+    finally:
+        os.kill(sleeper, signal.SIGCONT)
+    wait_for_stderr(launcher, stderr, lambda text: "regrouped: generation 3, 2 rank(s) (added rank(s) 1)" in text,
+                    timeout=180)
+    assert rank_pid("stopped", 1) == sleeper, "the woken process itself rejoined"
+    go.touch()
+    stdout, _ = launcher.communicate(timeout=180)
+    assert launcher.returncode == 0, stderr.read_text()
+    status = json.loads(stdout)
+    assert (status["phase"], status["restarts"], status["recoveries"]["regroups"]) == ("Succeeded", 0, 2)
+    assert "started a replacement" not in stderr.read_text()
+
+
+def test_a_regroup_past_its_deadline_falls_back_to_a_restart_from_the_checkpoint(tmp_path):
+    """minWorkers 2 of 2: after rank 1's loss rank 0 must wait for the replacement, which cannot start and join
+    within a deadline of 1 s: the job restarts whole from its latest checkpoint, and says why."""
+    go = tmp_path / "go"
+    path = elastic_job(tmp_path, "deadline", go=go, minWorkers=2, regroupDeadlineSeconds=1)
+    launcher, stderr = start_tandem_run(path, "--restart-backoff-seconds", "0")
+    wait_for_stderr(launcher, stderr, lambda text: step_of(text) >= 45)  # past the checkpoint of step 40
+    os.kill(rank_pid("deadline", 1), signal.SIGKILL)
+    wait_for_stderr(launcher, stderr, lambda text: "restart 1 of 3" in text)
+    go.touch()
+    stdout, _ = launcher.communicate(timeout=180)
+    text = stderr.read_text()
+    assert launcher.returncode == 0, text
+    assert "RegroupFailed: 1 rank(s) left, fewer than elastic.minWorkers (2) within elastic.regroupDeadlineSeconds" \
+           " (1s)" in text
+    status = json.loads(stdout)
+    assert (status["phase"], status["restarts"]) == ("Succeeded", 1)
+    assert status["checkpoint"]["history"][0]["step"] >= 40, "resumed from the checkpoint"

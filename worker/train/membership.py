@@ -1,0 +1,319 @@
+"""Who trains together in an elastic job (spec.elastic, recovery regroup), generation after generation.
+
+Every rank has a slot, its number in the job (RANK: on a cluster its pod's index). Slot 0 hosts the job's TCP store
+and plans each generation; a generation is a process group over some slots, built on the store under its own
+prefix (`g<n>/`), so that several generations of the group follow one another in the same processes. Generation 1
+is every slot. When a member is lost (its connection closes: the collective raises; or its heartbeat stalls past
+STALL_SECONDS: the wait in flight is abandoned), each survivor leaves the broken group and registers for the next
+generation with the step it stands at; slot 0 waits for the survivors (all of the old members, or SETTLE_SECONDS
+past the last to register) and for the ranks asking to join (a replacement process for a lost slot, started by the
+launcher or the operator), and writes the plan: the members, and the source whose state every member takes (the
+survivor furthest on). A growth (a replacement waiting to join) takes the same path at an agreed step boundary.
+
+What it cannot survive is the loss of slot 0: the store goes with it, and the job falls back to a whole-group
+restart from its latest checkpoint, as it does when a regroup cannot gather `minWorkers` ranks within
+`regroupDeadlineSeconds`, or when the group was lost REPEATS_BEFORE_RESTART times at the same step (a rank that
+fails the same way wherever its examples go).
+
+This module knows nothing of models: it hands out generations, and waits on collectives with an eye on the
+members' heartbeats.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+BEAT_SECONDS = 0.2
+"""How often each member bumps its heartbeat counter in the store."""
+STALL_SECONDS = 1.5
+"""A member whose counter has not moved for this long is lost (a stopped process, a lost node: its connections stay
+open, and a collective would wait for it until the group's timeout)."""
+SETTLE_SECONDS = 0.5
+"""Slot 0 plans a generation once every old member has registered, or this long after the last one did: the lost
+never register, and a survivor notices the loss within STALL_SECONDS at worst."""
+JOIN_POLL_SECONDS = 0.05
+REPEATS_BEFORE_RESTART = 3
+"""Regroups in a row at the same step before the job falls back to a whole-group restart."""
+GROUP_FAILURE_MARKS = ("gloo/", "NCCL", "Connection closed", "Connection reset", "Broken pipe")
+"""What the message of a collective that failed because a peer went says (gloo and NCCL raise RuntimeError)."""
+
+
+class GroupLost(Exception):
+    """The generation this rank trains in lost a member: the step in flight is abandoned, the survivors regroup."""
+
+
+class JobFinished(Exception):
+    """A process waiting to join found the job's training over: it has nothing to do."""
+
+
+class RegroupFailed(Exception):
+    """No generation could be formed (too few ranks within the deadline, the coordinator lost, the same step lost
+    again and again): the job falls back to a whole-group restart from its latest checkpoint."""
+
+
+def is_group_failure(error: BaseException) -> bool:
+    """Whether `error` is the group's (a peer lost), not this rank's own."""
+    if isinstance(error, GroupLost | dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and any(mark in str(error) for mark in GROUP_FAILURE_MARKS)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A generation: its members (slots, in rank order), the member whose state every other takes, and what
+    changed from the generation before."""
+
+    generation: int
+    members: list[int]
+    source: int
+    """The slot furthest on (the highest step; the lowest slot among equals)."""
+    steps: dict[int, int] = field(default_factory=dict)
+    """Each member's step when it registered (a joiner: -1)."""
+    lost: list[int] = field(default_factory=list)
+    added: dict[int, int] = field(default_factory=dict)
+    """The slots that join, each with the incarnation of the process that asked (a stale plan never takes in a
+    slot's later process)."""
+    fallback: str = ""
+    """Why no generation could form: the job restarts whole."""
+
+    @property
+    def step(self) -> int:
+        return self.steps.get(self.source, 0)
+
+    def receives_state(self, slot: int) -> bool:
+        """Whether `slot` takes the source's state: a joiner, or a survivor behind it."""
+        return self.steps.get(slot, -1) != self.step
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "steps": {str(k): v for k, v in self.steps.items()},
+                           "added": {str(k): v for k, v in self.added.items()}})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Plan:
+        data = json.loads(text)
+        return cls(**{**data, "steps": {int(k): v for k, v in data["steps"].items()},
+                      "added": {int(k): v for k, v in data["added"].items()}})
+
+
+def plan_generation(generation: int, previous: list[int], registered: dict[int, int], joiners: dict[int, int], *,
+                    min_workers: int, max_workers: int) -> Plan:
+    """The next generation from the old members, those of them that registered (slot -> step) and the slots asking
+    to join (slot -> incarnation); a fallback when fewer than `min_workers` are there."""
+    survivors = sorted(registered)
+    room = max(0, max_workers - len(survivors))
+    added = {slot: joiners[slot] for slot in sorted(set(joiners) - set(survivors))[:room]}
+    members = sorted(survivors + list(added))
+    lost = sorted(set(previous) - set(survivors))
+    steps = {**registered, **{slot: -1 for slot in added}}
+    if not survivors or len(members) < min_workers:
+        return Plan(generation, members, -1, steps, lost, added,
+                    fallback=f"{len(members)} rank(s) left, fewer than elastic.minWorkers ({min_workers})")
+    source = min(survivors, key=lambda slot: (-registered[slot], slot))
+    return Plan(generation, members, source, steps, lost, added)
+
+
+class Membership:
+    """One rank's side: its slot, the store, the current generation and its process group, the heartbeats."""
+
+    def __init__(self, *, slot: int, workers: int, min_workers: int, max_workers: int, addr: str, port: int,
+                 backend: str, deadline_seconds: float, timeout: timedelta = timedelta(seconds=300)):
+        self.slot, self.workers = slot, workers
+        self.min_workers, self.max_workers = min_workers, max_workers
+        self.backend, self.deadline_seconds, self.timeout = backend, deadline_seconds, timeout
+        self.store = dist.TCPStore(addr, port, is_master=slot == 0, wait_for_workers=False, timeout=timeout)
+        self._beat_store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=5))
+        self.incarnation = int(self.store.add(f"incarnation/{slot}", 1))
+        """1 for a slot's first process; a replacement's is higher, and it joins instead of starting."""
+        self.plan: Plan | None = None
+        self.lost_peer: int | None = None
+        """A member whose heartbeat stalled in this generation (set by the heartbeat thread)."""
+        self.left_behind: int | None = None
+        """The generation this rank was found left out of (the store names a later one: this rank stalled, and the
+        others went on; its own connections to them may stay open)."""
+        self.coordinator_lost = False
+        self._joins_taken = 0
+        self._regroups_at: list[int] = []
+        self._watched: list[int] = []
+        self._stop = threading.Event()
+        threading.Thread(target=self._heartbeat, name="tandem-heartbeat", daemon=True).start()
+
+    @property
+    def rank(self) -> int:
+        return self.plan.members.index(self.slot)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.plan.members)
+
+    @property
+    def joining(self) -> bool:
+        """Whether this process replaces a lost one (or a member left out of a generation): it joins a running job."""
+        return self.incarnation > 1
+
+    def start(self) -> Plan:
+        """Generation 1 (every slot) for a slot's first process; a joiner's first generation otherwise."""
+        if self.joining:
+            return self.join()
+        plan = Plan(1, list(range(self.workers)), 0, dict.fromkeys(range(self.workers), 0))
+        if self.slot == 0:
+            self.store.set("generation", "1")
+            self.store.set("plan/1", plan.to_json())
+        return self._form(plan)
+
+    def join(self) -> Plan:
+        """Ask to join, and wait for the generation that takes this slot in."""
+        index = int(self.store.add("joins", 1))
+        self.store.set(f"join/{index}", json.dumps({"slot": self.slot, "incarnation": self.incarnation}))
+        while True:
+            if self.store.check(["generation"]):
+                generation = int(self.store.get("generation"))
+                plan = Plan.from_json(self.store.get(f"plan/{generation}"))
+                if plan.added.get(self.slot) == self.incarnation and not plan.fallback:
+                    return self._form(plan)
+            if self.store.check(["finished"]):
+                raise JobFinished()
+            time.sleep(JOIN_POLL_SECONDS)
+
+    def joiners_waiting(self) -> bool:
+        """Slot 0: whether a rank asks to join (the group should regroup at the next agreed step)."""
+        return self.slot == 0 and int(self.store.add("joins", 0)) > self._joins_taken
+
+    def regroup(self, step: int) -> Plan:
+        """Leave the current generation (broken, or ending at an agreed step) and enter the next, at `step`."""
+        self.leave()
+        current = self.plan
+        generation = current.generation + 1
+        self.store.set(f"alive/{generation}/{self.slot}", str(step))
+        if self.slot == 0:
+            plan = self._plan(current, generation, step)
+            self.store.set(f"plan/{generation}", plan.to_json())
+            self.store.set("generation", str(generation))
+        else:
+            plan = self._wait_for_plan(generation)
+        if plan.fallback:
+            raise RegroupFailed(plan.fallback)
+        if self.slot not in plan.members:
+            return self.join()
+        return self._form(plan)
+
+    def wait(self, work: dist.Work) -> None:
+        """Wait for a collective, abandoning it (GroupLost) once a member's heartbeat stalls."""
+        pause = 0.00005
+        while not work.is_completed():
+            self.check()
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
+        work.wait()
+
+    def check(self) -> None:
+        if self.coordinator_lost:
+            raise RegroupFailed("slot 0 (the job's store and coordinator) is gone")
+        if self.lost_peer is not None:
+            raise GroupLost(f"rank {self.lost_peer}'s heartbeat stalled for over {STALL_SECONDS:g}s")
+        if self.plan is not None and self.left_behind == self.plan.generation:
+            raise GroupLost(f"the others went on to a later generation than {self.plan.generation} without this rank")
+
+    def leave(self) -> None:
+        """Leave the current generation's group (aborting what is in flight in it)."""
+        self._watched = []
+        if not dist.is_initialized():
+            return
+        group = dist.distributed_c10d._get_default_group()
+        if hasattr(group, "abort"):
+            group.abort()
+        gc.collect()
+        dist.destroy_process_group()
+
+    def finish(self) -> None:
+        """Slot 0, training over: a process still waiting to join exits (JobFinished)."""
+        if self.slot == 0:
+            self.store.set("finished", "1")
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _form(self, plan: Plan) -> Plan:
+        """Build `plan`'s process group."""
+        if plan.members.count(self.slot) != 1:
+            raise RegroupFailed(f"slot {self.slot} is not a member of generation {plan.generation}")
+        self.plan = plan
+        self.lost_peer = None
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"g{plan.generation}/", self.store),
+                                rank=self.rank, world_size=self.world_size, timeout=self.timeout)
+        self._watched = [slot for slot in plan.members if slot != self.slot]
+        return plan
+
+    def _plan(self, current: Plan, generation: int, step: int) -> Plan:
+        """Slot 0: wait for the old members and the joiners, then plan (or fall back past the deadline)."""
+        self._regroups_at = [*self._regroups_at[-(REPEATS_BEFORE_RESTART - 1):], step]
+        if len(self._regroups_at) == REPEATS_BEFORE_RESTART and len(set(self._regroups_at)) == 1:
+            return Plan(generation, [], -1, fallback=f"the group was lost {REPEATS_BEFORE_RESTART} times at step "
+                                                     f"{step}: restarting it whole from its latest checkpoint")
+        started = time.monotonic()
+        registered: dict[int, int] = {}
+        last_change = started
+        while True:
+            for slot in current.members:
+                if slot not in registered and self.store.check([f"alive/{generation}/{slot}"]):
+                    registered[slot] = int(self.store.get(f"alive/{generation}/{slot}"))
+                    last_change = time.monotonic()
+            joiners, asked = self._joiners()
+            everyone = len(registered) == len(current.members)
+            settled = time.monotonic() - last_change >= SETTLE_SECONDS
+            plan = plan_generation(generation, current.members, registered, joiners, min_workers=self.min_workers,
+                                   max_workers=self.max_workers)
+            if (everyone or settled) and not plan.fallback:
+                self._joins_taken = asked
+                return plan
+            if time.monotonic() - started > self.deadline_seconds:
+                return Plan(generation, plan.members, -1, plan.steps, plan.lost, plan.added,
+                            fallback=f"{plan.fallback or 'the regroup did not complete'} within "
+                                     f"elastic.regroupDeadlineSeconds ({self.deadline_seconds:g}s)")
+            time.sleep(JOIN_POLL_SECONDS)
+
+    def _joiners(self) -> tuple[dict[int, int], int]:
+        """The slots asking to join since the last generation was planned, each with its latest incarnation; and the
+        count of requests read."""
+        slots, asked = {}, int(self.store.add("joins", 0))
+        for index in range(self._joins_taken + 1, asked + 1):
+            request = json.loads(self.store.get(f"join/{index}"))
+            slots[request["slot"]] = request["incarnation"]
+        return slots, asked
+
+    def _wait_for_plan(self, generation: int) -> Plan:
+        deadline = time.monotonic() + self.deadline_seconds + SETTLE_SECONDS + 5
+        key = f"plan/{generation}"
+        while not self.store.check([key]):
+            if time.monotonic() > deadline or self.coordinator_lost:
+                raise RegroupFailed(f"no plan for generation {generation} from slot 0")
+            time.sleep(JOIN_POLL_SECONDS / 5)
+        return Plan.from_json(self.store.get(key))
+
+    def _heartbeat(self) -> None:
+        """Bump this slot's counter; watch the members', noting the first that stops moving."""
+        seen: dict[int, tuple[int, float]] = {}
+        while not self._stop.wait(BEAT_SECONDS):
+            try:
+                self._beat_store.add(f"beat/{self.slot}", 1)
+                plan = self.plan
+                if plan is not None and self.slot != 0 and int(self._beat_store.get("generation")) > plan.generation:
+                    self.left_behind = plan.generation
+                now = time.monotonic()
+                for slot in list(self._watched):
+                    count = int(self._beat_store.add(f"beat/{slot}", 0))
+                    previous = seen.get(slot)
+                    if previous is None or previous[0] != count:
+                        seen[slot] = (count, now)
+                    elif now - previous[1] > STALL_SECONDS and self.lost_peer is None and slot in self._watched:
+                        self.lost_peer = slot
+                seen = {slot: value for slot, value in seen.items() if slot in self._watched}
+            except (RuntimeError, dist.DistError):
+                if self.slot != 0:
+                    self.coordinator_lost = True

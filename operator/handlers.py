@@ -196,6 +196,9 @@ async def _apply(plan: Plan, body: dict[str, Any], pods: list[dict[str, Any]], c
     changed = await daemon.publish(cluster, state, body, plan.status, plan.events)
     if changed.get("restarts", 0) > before:
         metrics.RESTARTS.inc(changed["restarts"] - before)
+    metrics.RANK_REPLACEMENTS.inc(sum(reason == "ReplacingRank" for _, reason, _ in plan.events))
+    if regroups := ((body.get("status") or {}).get("recoveries") or {}).get("regroups"):
+        metrics.REGROUPS.labels(state.namespace, state.name).set(regroups)
     await daemon.all_of(cluster.create(m) for m in plan.create if m["kind"] != "Pod")  # what the pods mount
     await daemon.all_of(cluster.create(m) for m in plan.create if m["kind"] == "Pod")
     if not plan.stop_first:

@@ -24,6 +24,10 @@ POOL_REFUSALS = Counter("tandem_operator_pool_refusals_total", "What an Inferenc
                         "promotion gate skipped (promotion), batching settings its servers refused (batching)",
                         ["namespace", "pool", "what"])
 RESTARTS = Counter("tandem_operator_restarts_total", "Whole-group restarts of ParallelTrainingJobs after a failure")
+RANK_REPLACEMENTS = Counter("tandem_operator_rank_replacements_total", "Rank pods of elastic ParallelTrainingJobs "
+                            "replaced alone while the other ranks regrouped and trained on")
+REGROUPS = Gauge("tandem_operator_job_regroups", "An elastic ParallelTrainingJob's regroups in process "
+                 "(status.recoveries.regroups, rank 0's count)", ["namespace", "job"])
 RECONCILE_SECONDS = Histogram("tandem_operator_reconcile_seconds", "Time to reconcile one job and apply the plan",
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 API_ERRORS = Counter("tandem_operator_api_errors_total", "Failed attempts of Kubernetes API calls (the operator's and "

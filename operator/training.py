@@ -123,9 +123,9 @@ class _Reconciler(QueueRules):
             self._restart_when_ready()
         elif not self.pods:
             self._start_group(self.job, "Created", f"starting {self.spec.workers} ranks")
-        elif (resize := self._resize()) is not None:
+        elif (resize := self._resize()) is not None and not self.spec.regroups:
             self._tear_down("Resizing", resize)
-        elif self.spec.regroups and self._replace_lost_ranks():
+        elif self.spec.regroups and self._follow_elastic_ranks():
             pass
         elif self._cause_on_its_way():
             self.result.requeue_after = WAIT_SECONDS
@@ -249,20 +249,35 @@ class _Reconciler(QueueRules):
                     f"{self.spec.ranks_per_pod} per pod from the latest checkpoint")
         return None
 
-    def _replace_lost_ranks(self) -> bool:
-        """An elastic job's (recovery regroup) rank pods but rank 0's that failed, were deleted or are gone: each is
-        replaced alone (deleted if it failed, created again once gone), while the other ranks regroup without it and
-        train on; the phase stays as it was. False when there is none, or rank 0's pod is not running (rank 0 hosts
-        the group's store: its loss is a whole-group restart)."""
+    def _follow_elastic_ranks(self) -> bool:
+        """An elastic job's (recovery regroup) rank pods, but rank 0's: one that failed, was deleted or is gone is
+        replaced alone (deleted if it failed, created again once gone) while the other ranks regroup without it and
+        train on; a size changed by `kubectl scale` is followed in process, pods created (they join at a step
+        boundary) or deleted (their ranks leave at one). The phase stays as it was. False when there is nothing to
+        do, or rank 0's pod is not running (rank 0 hosts the group's store: its loss is a whole-group restart)."""
         first = next((p for p in self.pods if p.index == 0), None)
         if first is None or not first.live:
             return False
-        failed = [p for p in self.pods if p.index != 0 and p.phase == "Failed" and not p.terminating]
-        leaving = [p for p in self.pods if p.index != 0 and p.terminating]
+        excess = [p for p in self.pods if p.index >= self.spec.pods]  # followed until gone
+        leaving_live = [p for p in excess if p.live]
+        if leaving_live:
+            self.result.events.append(("Normal", "ScalingDown", f"{self.spec.workers} ranks wanted: "
+                                       f"{', '.join(self._ranks(p.index) for p in leaving_live)} leave at a step "
+                                       "boundary; the others train on (spec.elastic)"))
+        self._delete(p for p in excess if not p.terminating)
+        kept = [p for p in self.pods if p.index < self.spec.pods]
+        failed = [p for p in kept if p.index != 0 and p.phase == "Failed" and not p.terminating]
+        leaving = [p for p in kept if p.index != 0 and p.terminating]
         indices = {p.index for p in self.pods}
         missing = [index for index in range(1, self.spec.pods) if index not in indices]
-        if not (failed or leaving or missing):
+        if not (excess or failed or leaving or missing):
             return False
+        running = running_group(self.config_map)
+        added = [index for index in missing if running is None or index >= running.workers]
+        if added:
+            self.result.events.append(("Normal", "ScalingUp", f"{self.spec.workers} ranks wanted: "
+                                       f"{', '.join(self._ranks(index) for index in added)} join at a step boundary "
+                                       "(spec.elastic)"))
         for pod in failed:
             cause = self._pod_failure(pod, detail=True)
             self.result.events.append(("Warning", "ReplacingRank", f"{cause}: replacing it alone; the other ranks "
@@ -272,9 +287,10 @@ class _Reconciler(QueueRules):
             running = self._next_group()
             self.result.create += [self._pod(running, index) for index in missing]
         replaced = sorted({p.index for p in failed + leaving} | set(missing))
-        self.status["message"] = (f"{self._ranks(replaced[0])}"
-                                  f"{' and others' if len(replaced) > 1 else ''} being replaced; the other ranks "
-                                  "train on (spec.elastic)")
+        if replaced:
+            self.status["message"] = (f"{self._ranks(replaced[0])}"
+                                      f"{' and others' if len(replaced) > 1 else ''} being replaced; the other ranks "
+                                      "train on (spec.elastic)")
         self.result.requeue_after = WAIT_SECONDS
         return True
 
@@ -364,6 +380,13 @@ class _Reconciler(QueueRules):
             self._restart_measured()
             self._set_phase("Running", "Running", f"{self.spec.workers} ranks running" + (
                 f" in {self.spec.pods} pods" if self.spec.ranks_per_pod > 1 else ""))
+            self.result.requeue_after = WATCH_SECONDS
+        elif self.spec.regroups and self.phase == "Running" and any(p.index == 0 and p.phase == "Running"
+                                                                    for p in self.pods):
+            # An elastic job's replacement on its way: the others train on meanwhile.
+            pending = next(p for p in self.pods if p.phase != "Running")
+            self.status["message"] = (f"{self._ranks(pending.index)}'s replacement (pod {pending.name}) is "
+                                      f"{pending.pending_reason or pending.phase}; the other ranks train on")
             self.result.requeue_after = WATCH_SECONDS
         else:
             pending = next((p for p in self.pods if p.phase == "Pending"), None)

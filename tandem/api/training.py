@@ -254,7 +254,8 @@ class Elastic(ApiModel):
     """The fewest ranks the job trains on while ranks are lost or lent; below it the job falls back to a whole-group
     restart."""
     max_workers: Annotated[int, Field(ge=1)] | None = None
-    """The most ranks `kubectl scale` may ask for. Unset: `workers` (the job never grows past its declared size)."""
+    """The most ranks `kubectl scale` may ask for. Unset: no bound but `workers` itself (`kubectl scale` sets it):
+    the job trains on the ranks it is given."""
     recovery: Literal["regroup", "restart"] = "regroup"
     """How the job comes back from a lost rank. regroup: the loss costs the step in flight; the survivors keep their
     processes and go on at the smaller size, and a replacement joins at a step boundary, receiving the state from a
@@ -411,12 +412,6 @@ class ParallelTrainingJobSpec(PodSettings):
         """How many rank pods the job has."""
         return self.workers // self.ranks_per_pod
 
-    @property
-    def elastic_range(self) -> tuple[int, int]:
-        """The fewest and the most ranks the job may train on: (workers, workers) without elastic."""
-        if self.elastic is None:
-            return self.workers, self.workers
-        return self.elastic.min_workers, self.elastic.max_workers or self.workers
 
 
 class WorkersStatus(ApiModel):

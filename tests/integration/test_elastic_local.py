@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from jobs import final_status, leftover_processes, manifest, start_tandem_run, tandem_run, wait_for_stderr
 
-EPOCHS = 3
+EPOCHS = 6
 EPOCH_SIZE = 1438  # tandem.examples.digits:train_data
 STEP_EXAMPLES = 32  # workers 2 x batchSizePerWorker 16: the global batch, kept at every size
 
@@ -48,7 +48,8 @@ def examples_by_epoch(log: Path) -> list[Counter]:
 
 def elastic_job(tmp_path: Path, name: str, *, go: Path, mode: str = "allReduce", **elastic) -> Path:
     return manifest(tmp_path, name, trainingMode=mode, elastic={"minWorkers": 1, **elastic},
-                    trainer={"model": "userland:paced_until", "modelArgs": {"until": str(go), "hidden": 64},
+                    trainer={"model": "userland:paced_until",
+                             "modelArgs": {"until": str(go), "hidden": 64, "step_seconds": 0.1},
                              "epochs": EPOCHS, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
                     checkpoint={"directory": str(tmp_path / name / "checkpoints"), "everySteps": 40})
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -102,6 +103,80 @@ def test_digits_trains_to_success_and_a_killed_rank_restarts_the_group_from_its_
     assert final["workers"] == {"ready": 0, "total": 2, "summary": "0/2", "readyPods": 0, "pods": 2}
     assert final["master"] == {"pod": "digits-train-worker-0", "address": "digits-train-worker-0.digits-train-workers",
                                "port": 29500}
+
+
+def test_an_elastic_jobs_killed_rank_is_replaced_alone_while_the_others_train_on(cluster, tmp_path):
+    """spec.elastic on two real gloo ranks in pods: killing rank 1's process fails its pod; the operator replaces
+    that pod alone (a ReplacingRank Event), the job stays Running, rank 0's pod keeps its uid and its process its
+    pid while it trains on alone, the replacement joins and takes the state from it, `restarts` stays 0, and the job
+    Succeeds with an uninterrupted run's accuracy."""
+    go = tmp_path / "go"  # the model paces its steps until the test has seen the replacement join
+    create(cluster, {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": "elastic"},
+        "spec": {"workers": 2, "elastic": {"minWorkers": 1},
+                 "trainer": {"model": "userland:paced_until",
+                             "modelArgs": {"until": str(go), "hidden": 64, "step_seconds": 0.1},
+                             "data": "tandem.examples.digits:train_data",
+                             "evalData": "tandem.examples.digits:eval_data", "epochs": 10, "batchSizePerWorker": 16},
+                 "checkpoint": {"directory": "elastic", "everySteps": 40}}})
+    cluster.wait_for(lambda: (status(cluster, "elastic").get("progress") or {}).get("step", 0) >= 5, STARTUP,
+                     "training to begin")
+    uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, "elastic")}
+    survivor = cluster.kubelet.pid(NS, "elastic-worker-0")
+    cluster.kubelet.kill(NS, "elastic-worker-1")
+    joined = cluster.wait_for(lambda: (s := status(cluster, "elastic")).get("lastRecovery", {}).get("added") == [1]
+                              and s, 120, "the replacement to join")
+    assert (joined["phase"], joined["restarts"], joined["recoveries"]) == ("Running", 0, {"regroups": 2,
+                                                                                         "restarts": 0})
+    now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, "elastic")}
+    assert now["elastic-worker-0"] == uids["elastic-worker-0"] and now["elastic-worker-1"] != uids["elastic-worker-1"]
+    assert cluster.kubelet.pid(NS, "elastic-worker-0") == survivor, "rank 0's process trained on"
+    go.touch()
+    final = wait_phase(cluster, "elastic", "Succeeded", timeout=120)
+    assert (final["restarts"], final["progress"]["step"]) == (0, final["progress"]["totalSteps"])
+    assert final["metrics"]["accuracy"] >= 0.9
+    [replaced] = cluster.wait_for(lambda: [e["message"] for e in cluster.list("events", NS)
+                                           if e["involvedObject"]["name"] == "elastic"
+                                           and e["reason"] == "ReplacingRank"], 10, "the ReplacingRank Event")
+    assert replaced.startswith("rank 1 (pod elastic-worker-1) exited with code"), replaced
+
+
+def test_kubectl_scale_grows_and_shrinks_an_elastic_job_without_a_restart(cluster, tmp_path):
+    """`kubectl scale` of an elastic job in process: to 3, a pod is created and its rank joins at a step boundary;
+    to 1, two pods are deleted and their ranks leave at one (exiting 0). Rank 0's pod keeps its uid throughout,
+    nothing restarts, and the job Succeeds."""
+    go = tmp_path / "go"
+    create(cluster, {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": "scaled"},
+        "spec": {"workers": 2, "elastic": {"minWorkers": 1, "maxWorkers": 3},
+                 "trainer": {"model": "userland:paced_until",
+                             "modelArgs": {"until": str(go), "hidden": 64, "step_seconds": 0.1},
+                             "data": "tandem.examples.digits:train_data", "epochs": 10, "batchSizePerWorker": 16},
+                 "checkpoint": {"directory": "scaled"}}})
+    cluster.wait_for(lambda: (status(cluster, "scaled").get("progress") or {}).get("step", 0) >= 5, STARTUP,
+                     "training to begin")
+    first = cluster.get("pods", NS, "scaled-worker-0")["metadata"]["uid"]
+    scale = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{JOBS}/scaled/scale"
+    cluster.request("PATCH", scale, {"spec": {"replicas": 3}}, "application/merge-patch+json")
+    grown = cluster.wait_for(lambda: (s := status(cluster, "scaled")).get("lastRecovery", {}).get("added") == [2]
+                             and s, 120, "rank 2 to join")
+    assert (grown["lastRecovery"]["workers"], grown["restarts"], grown["phase"]) == (3, 0, "Running")
+    cluster.request("PATCH", scale, {"spec": {"replicas": 1}}, "application/merge-patch+json")
+    try:
+        shrunk = cluster.wait_for(lambda: (s := status(cluster, "scaled")).get("lastRecovery", {}).get("workers") == 1
+                                  and s, 120, "ranks 1 and 2 to leave")
+    except TimeoutError:
+        for index in range(3):
+            print(f"--- scaled-worker-{index}:", cluster.logs(NS, f"scaled-worker-{index}")[-3000:])
+        print(status(cluster, "scaled"))
+        raise
+    assert "left as asked" in shrunk["lastRecovery"]["message"] and shrunk["restarts"] == 0
+    go.touch()
+    final = wait_phase(cluster, "scaled", "Succeeded", timeout=120)
+    assert (final["restarts"], final["progress"]["step"]) == (0, final["progress"]["totalSteps"])
+    assert cluster.get("pods", NS, "scaled-worker-0")["metadata"]["uid"] == first, "rank 0 trained throughout"
+    reasons = [e["reason"] for e in cluster.list("events", NS) if e["involvedObject"]["name"] == "scaled"]
+    assert "ScalingUp" in reasons and "ScalingDown" in reasons and "Restarting" not in reasons
 
 
 def test_a_new_job_on_a_claim_that_holds_checkpoints_resumes_from_the_latest(cluster):
@@ -359,6 +434,10 @@ def test_the_operator_serves_prometheus_metrics(cluster):
     for name in ("tandem_operator_jobs", "tandem_operator_restarts_total", "tandem_operator_reconcile_seconds",
                  "tandem_operator_api_errors_total"):
         assert name in text
+    # the elastic tests above: one rank replaced alone, and the job's regroups (its loss and its replacement's join)
+    assert re.search(r"^tandem_operator_rank_replacements_total [1-9]", text, re.MULTILINE), text
+    assert 'tandem_operator_job_regroups{job="elastic",namespace="default"} 2.0' in text or \
+        'tandem_operator_job_regroups{namespace="default",job="elastic"} 2.0' in text, text
 
 
 def patch(cluster: Cluster, name: str, body: dict) -> None:

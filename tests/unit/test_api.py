@@ -280,14 +280,14 @@ def test_elastic_specs_are_validated(case, spec, problem):
     assert any(problem in p for p in caught.value.problems), caught.value.problems
 
 
-def test_elastic_defaults_and_the_range_of_sizes():
+def test_elastic_defaults_and_which_jobs_regroup():
     rigid = parse(_train(workers=4)).spec
-    assert rigid.elastic is None and rigid.elastic_range == (4, 4)
+    assert rigid.elastic is None and not rigid.regroups
     spec = parse(_train(workers=4, elastic={})).spec
     assert spec.elastic.to_dict() == {"minWorkers": 1, "recovery": "regroup", "batch": "global",
                                       "lrScaling": "linear", "regroupDeadlineSeconds": 60}
-    assert spec.elastic_range == (1, 4)  # maxWorkers unset: never past workers
-    assert parse(_train(workers=4, elastic={"minWorkers": 2, "maxWorkers": 8})).spec.elastic_range == (2, 8)
+    assert spec.regroups
+    assert not parse(_train(workers=4, elastic={"recovery": "restart"})).spec.regroups
 
 
 def test_a_status_counts_no_recovery_until_one_happens():

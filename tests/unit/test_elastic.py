@@ -36,6 +36,12 @@ PLANS = [
 ]
 
 
+def test_a_member_asking_to_leave_is_left_out_and_not_counted_lost():
+    plan = plan_generation(4, [0, 1, 2], {0: 9, 1: 9, 2: 9}, {}, min_workers=1, max_workers=3, leaving=frozenset({2}))
+    assert (plan.members, plan.left, plan.lost, plan.fallback) == ([0, 1], [2], [], "")
+    assert not any(plan.receives_state(slot) for slot in plan.members)
+
+
 @pytest.mark.parametrize(("name", "previous", "registered", "joiners", "low", "high", "members", "source", "lost",
                           "added", "fallback"), PLANS, ids=[case[0] for case in PLANS])
 def test_plan_generation(name, previous, registered, joiners, low, high, members, source, lost, added, fallback):

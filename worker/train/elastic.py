@@ -90,8 +90,9 @@ def share_state(state: TrainState, plan: Plan, slot: int, wait: Callable[[dist.W
 
 def regroup_line(plan: Plan, *, stopped_at: int, seconds: float, took_state: bool) -> str:
     lost = f"lost rank(s) {', '.join(map(str, plan.lost))}" if plan.lost else ""
+    left = f"rank(s) {', '.join(map(str, plan.left))} left" if plan.left else ""
     added = f"added rank(s) {', '.join(map(str, plan.added))}" if plan.added else ""
-    change = "; ".join(part for part in (lost, added) if part) or "no change"
+    change = "; ".join(part for part in (lost, left, added) if part) or "no change"
     state = "; this rank took the state from rank " + str(plan.members.index(plan.source)) if took_state else ""
     return (f"tandem worker: regrouped: generation {plan.generation}, {len(plan.members)} rank(s) "
             f"({change}), stopped at step {stopped_at}, resumed at step {plan.step} in {seconds:.2f}s{state}")

@@ -49,6 +49,11 @@ class GroupLost(Exception):
     """The generation this rank trains in lost a member: the step in flight is abandoned, the survivors regroup."""
 
 
+class LeftGroup(Exception):
+    """This rank asked to leave (`ask_to_leave`: its pod is going, the job scaled down) and the group went on
+    without it: it is done."""
+
+
 class JobFinished(Exception):
     """A process waiting to join found the job's training over: it has nothing to do."""
 
@@ -77,6 +82,8 @@ class Plan:
     steps: dict[int, int] = field(default_factory=dict)
     """Each member's step when it registered (a joiner: -1)."""
     lost: list[int] = field(default_factory=list)
+    left: list[int] = field(default_factory=list)
+    """Members that asked to leave (a scale-down)."""
     added: dict[int, int] = field(default_factory=dict)
     """The slots that join, each with the incarnation of the process that asked (a stale plan never takes in a
     slot's later process)."""
@@ -103,20 +110,21 @@ class Plan:
 
 
 def plan_generation(generation: int, previous: list[int], registered: dict[int, int], joiners: dict[int, int], *,
-                    min_workers: int, max_workers: int) -> Plan:
-    """The next generation from the old members, those of them that registered (slot -> step) and the slots asking
-    to join (slot -> incarnation); a fallback when fewer than `min_workers` are there."""
-    survivors = sorted(registered)
+                    min_workers: int, max_workers: int, leaving: frozenset[int] = frozenset()) -> Plan:
+    """The next generation from the old members, those of them that registered (slot -> step), those asking to
+    leave, and the slots asking to join (slot -> incarnation); a fallback when fewer than `min_workers` are there."""
+    left = sorted(set(registered) & leaving)
+    survivors = sorted(set(registered) - leaving)
     room = max(0, max_workers - len(survivors))
-    added = {slot: joiners[slot] for slot in sorted(set(joiners) - set(survivors))[:room]}
+    added = {slot: joiners[slot] for slot in sorted(set(joiners) - set(survivors) - leaving)[:room]}
     members = sorted(survivors + list(added))
-    lost = sorted(set(previous) - set(survivors))
-    steps = {**registered, **{slot: -1 for slot in added}}
+    lost = sorted(set(previous) - set(registered))
+    steps = {**{slot: registered[slot] for slot in survivors}, **{slot: -1 for slot in added}}
     if not survivors or len(members) < min_workers:
-        return Plan(generation, members, -1, steps, lost, added,
+        return Plan(generation, members, -1, steps, lost, left, added,
                     fallback=f"{len(members)} rank(s) left, fewer than elastic.minWorkers ({min_workers})")
     source = min(survivors, key=lambda slot: (-registered[slot], slot))
-    return Plan(generation, members, source, steps, lost, added)
+    return Plan(generation, members, source, steps, lost, left, added)
 
 
 class Membership:
@@ -158,17 +166,21 @@ class Membership:
         return self.incarnation > 1
 
     def start(self) -> Plan:
-        """Generation 1 (every slot) for a slot's first process; a joiner's first generation otherwise."""
-        if self.joining:
-            return self.join()
-        plan = Plan(1, list(range(self.workers)), 0, dict.fromkeys(range(self.workers), 0))
+        """Generation 1 (the slots slot 0 started with) for their first processes; for a replacement, or a slot
+        added later (a scale-up), the generation that takes it in."""
         if self.slot == 0:
-            self.store.set("generation", "1")
+            plan = Plan(1, list(range(self.workers)), 0, dict.fromkeys(range(self.workers), 0))
             self.store.set("plan/1", plan.to_json())
-        return self._form(plan)
+            self.store.set("generation", "1")
+            return self._form(plan)
+        first = Plan.from_json(self.store.get("plan/1"))  # waits for slot 0 to write it
+        if self.joining or self.slot not in first.members or int(self.store.get("generation")) > 1:
+            return self.join()
+        return self._form(first)
 
     def join(self) -> Plan:
         """Ask to join, and wait for the generation that takes this slot in."""
+        self.store.delete_key(f"leave/{self.slot}")  # a slot that left before and is asked back
         index = int(self.store.add("joins", 1))
         self.store.set(f"join/{index}", json.dumps({"slot": self.slot, "incarnation": self.incarnation}))
         while True:
@@ -182,8 +194,13 @@ class Membership:
             time.sleep(JOIN_POLL_SECONDS)
 
     def joiners_waiting(self) -> bool:
-        """Slot 0: whether a rank asks to join (the group should regroup at the next agreed step)."""
-        return self.slot == 0 and int(self.store.add("joins", 0)) > self._joins_taken
+        """Slot 0: whether a rank asks to join or to leave (the group should regroup at the next agreed step)."""
+        return self.slot == 0 and (int(self.store.add("joins", 0)) > self._joins_taken or bool(self._leaving()))
+
+    def ask_to_leave(self) -> None:
+        """This rank is going (its pod deleted: a scale-down): the group regroups without it at an agreed step."""
+        if not self.store.check([f"leave/{self.slot}"]):
+            self.store.set(f"leave/{self.slot}", "1")
 
     def regroup(self, step: int) -> Plan:
         """Leave the current generation (broken, or ending at an agreed step) and enter the next, at `step`."""
@@ -199,6 +216,9 @@ class Membership:
             plan = self._wait_for_plan(generation)
         if plan.fallback:
             raise RegroupFailed(plan.fallback)
+        if self.slot in plan.left:
+            self.plan = plan
+            raise LeftGroup(f"rank {current.members.index(self.slot)} left the group at step {step}")
         if self.slot not in plan.members:
             return self.join()
         return self._form(plan)
@@ -268,15 +288,20 @@ class Membership:
             everyone = len(registered) == len(current.members)
             settled = time.monotonic() - last_change >= SETTLE_SECONDS
             plan = plan_generation(generation, current.members, registered, joiners, min_workers=self.min_workers,
-                                   max_workers=self.max_workers)
+                                   max_workers=self.max_workers, leaving=self._leaving())
             if (everyone or settled) and not plan.fallback:
                 self._joins_taken = asked
                 return plan
             if time.monotonic() - started > self.deadline_seconds:
-                return Plan(generation, plan.members, -1, plan.steps, plan.lost, plan.added,
+                return Plan(generation, plan.members, -1, plan.steps, plan.lost, plan.left, plan.added,
                             fallback=f"{plan.fallback or 'the regroup did not complete'} within "
                                      f"elastic.regroupDeadlineSeconds ({self.deadline_seconds:g}s)")
             time.sleep(JOIN_POLL_SECONDS)
+
+    def _leaving(self) -> frozenset[int]:
+        """The members asking to leave."""
+        members = self.plan.members if self.plan is not None else []
+        return frozenset(slot for slot in members if slot != 0 and self.store.check([f"leave/{slot}"]))
 
     def _joiners(self) -> tuple[dict[int, int], int]:
         """The slots asking to join since the last generation was planned, each with its latest incarnation; and the

@@ -87,9 +87,9 @@ def join_elastic_group(env: WorkerContract, spec: ParallelTrainingJobSpec) -> tu
     device = select_device(env, gpus=spec.gpus_per_worker, require_gpu=spec.trainer.require_gpu)
     if not env.is_master:
         wait_for_master(env.master_addr, env.master_port, 300.0)
-    low, high = spec.elastic_range
-    membership = Membership(slot=env.rank, workers=env.world_size, min_workers=low,
-                            max_workers=max(high, env.world_size), addr=env.master_addr, port=env.master_port,
+    membership = Membership(slot=env.rank, workers=env.world_size, min_workers=spec.elastic.min_workers,
+                            max_workers=spec.elastic.max_workers or sys.maxsize, addr=env.master_addr,
+                            port=env.master_port,
                             backend=backend_for(device), deadline_seconds=spec.elastic.regroup_deadline_seconds)
     membership.start()
     return device, membership

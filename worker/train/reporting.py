@@ -173,7 +173,8 @@ class Reporter:
         status.recoveries.regroups += 1
         status.last_recovery = Recovery(kind="regroup", lost=plan.lost, added=sorted(plan.added), workers=workers,
                                         stopped_at_step=stopped_at, resumed_at_step=plan.step, seconds=seconds,
-                                        time=now())
+                                        time=now(), message=f"rank(s) {', '.join(map(str, plan.left))} left as "
+                                                            "asked (scaled down)" if plan.left else "")
         self.publish()
 
     def final(self, phase: str, message: str, *, epoch: int, metrics: dict[str, float], bytes_sent: int,

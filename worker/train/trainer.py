@@ -44,7 +44,7 @@ from tandem.worker.train.elastic import (
     step_examples,
 )
 from tandem.worker.train.evaluation import evaluate
-from tandem.worker.train.membership import Membership, is_group_failure
+from tandem.worker.train.membership import LeftGroup, Membership, is_group_failure
 from tandem.worker.train.modes import TrainingMode, training_mode
 from tandem.worker.train.nonfinite import StepRecord
 from tandem.worker.train.optim import LearningRateSchedule, build_optimizer
@@ -207,7 +207,10 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
                 report_progress()
                 if position.step == agreement.next_step:
                     record.flush()
-                    outcome = agreement.exchange(position.step, stop_requested=context.stop_requested,
+                    leaving = context.stop_requested and membership is not None and membership.slot != 0
+                    if leaving:  # an elastic job's rank other than 0, stopped: its pod goes (a scale-down)
+                        membership.ask_to_leave()
+                    outcome = agreement.exchange(position.step, stop_requested=context.stop_requested and not leaving,
                                                  regroup_wanted=membership is not None and membership.joiners_waiting())
                 if position.step >= generation.total_steps or outcome.stop or outcome.regroup:
                     break
@@ -219,7 +222,7 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
     while True:
         try:
             outcome = run_steps()
-            if not outcome.regroup:
+            if outcome.stop or not outcome.regroup:
                 break
             generation.agreement.close()
             lost_at = None
@@ -227,7 +230,11 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
             if membership is None or not is_group_failure(error):
                 raise
             lost_at = f"{type(error).__name__}: {error}"
-        generation = regroup(spec, context, state, loader, train_set, checkpointer, reporter, record, why=lost_at)
+        try:
+            generation = regroup(spec, context, state, loader, train_set, checkpointer, reporter, record, why=lost_at)
+        except LeftGroup as left:
+            say(f"tandem worker: {left}, as asked (its pod is going)")
+            return None
         total_steps = generation.total_steps
     generation.agreement.close()
     save(final=True)

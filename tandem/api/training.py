@@ -102,11 +102,6 @@ class TrainerSpec(ApiModel):
         )
 
 
-ELASTIC_SHARED_GRADIENTS = ("elastic does not take trainingMode sharedGradients yet (its threshold encoding is "
-                            "exchanged through DDP, which cannot abandon a step): use allReduce or averaging, or "
-                            "remove elastic")
-
-
 class Averaging(ApiModel):
     """trainingMode averaging: independent steps, parameters averaged every `frequency` steps."""
 
@@ -311,8 +306,6 @@ class ParallelTrainingJobSpec(PodSettings):
         {"rule": "!has(self.elastic) || !has(self.trainingMode) || self.trainingMode != 'custom'",
          "message": "elastic needs Tandem's trainer, which regroups the ranks; a trainingMode custom command "
                     "cannot: remove elastic or choose another trainingMode"},
-        {"rule": "!has(self.elastic) || !has(self.trainingMode) || self.trainingMode != 'sharedGradients'",
-         "message": ELASTIC_SHARED_GRADIENTS},
         {"rule": "!has(self.elastic) || !has(self.ranksPerPod) || self.ranksPerPod == 1",
          "message": "elastic needs ranksPerPod 1 for now (every rank its own pod, so that a lost rank is replaced "
                     "alone): remove elastic or set ranksPerPod 1"},
@@ -399,8 +392,6 @@ class ParallelTrainingJobSpec(PodSettings):
         if self.ranks_per_pod != 1:
             raise ValueError(f"elastic needs ranksPerPod 1 for now, not {self.ranks_per_pod} (every rank its own pod, "
                              f"so that a lost rank is replaced alone): remove elastic or set ranksPerPod 1")
-        if self.training_mode == "sharedGradients":
-            raise ValueError(ELASTIC_SHARED_GRADIENTS)
 
     @property
     def regroups(self) -> bool:

@@ -136,8 +136,7 @@ CREATES = [
     ("paralleltrainingjobs", ptj("elastic-ranks-per-pod", workers=4, ranksPerPod=2, elastic={}),
      'spec: Invalid value: "object": elastic needs ranksPerPod 1 for now (every rank its own pod, so that a lost '
      'rank is replaced alone): remove elastic or set ranksPerPod 1'),
-    ("paralleltrainingjobs", ptj("elastic-shared-gradients", trainingMode="sharedGradients", elastic={}),
-     'spec: Invalid value: "object": elastic does not take trainingMode sharedGradients yet'),
+    ("paralleltrainingjobs", ptj("elastic-shared-gradients", trainingMode="sharedGradients", elastic={}), None),
     ("paralleltrainingjobs", ptj("rigid-ranks-per-pod", workers=4, ranksPerPod=2), None),
     ("inferencepools", pool("autoscaling-inverted", autoscaling={"minReplicas": 4, "maxReplicas": 2}),
      'spec.autoscaling: Invalid value: "object": minReplicas must not exceed maxReplicas'),

@@ -245,8 +245,7 @@ ELASTIC = [
     ("perRank, sqrt", {"elastic": {"batch": "perRank", "lrScaling": "sqrt"}}, None),
     ("restart recovery", {"elastic": {"recovery": "restart", "regroupDeadlineSeconds": 5}}, None),
     ("averaging", {"trainingMode": "averaging", "elastic": {}}, None),
-    ("sharedGradients, not yet", {"trainingMode": "sharedGradients", "elastic": {}},
-     "elastic does not take trainingMode sharedGradients yet"),
+    ("sharedGradients", {"trainingMode": "sharedGradients", "elastic": {}}, None),
     ("minWorkers above workers", {"workers": 2, "elastic": {"minWorkers": 3}},
      "workers (2) must be at least elastic.minWorkers (3): kubectl scale may ask for any size in "
      "[minWorkers, maxWorkers]; raise workers"),

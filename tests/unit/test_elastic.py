@@ -20,6 +20,7 @@ from tandem.worker.train.data import (
 )
 from tandem.worker.train.elastic import lr_scale, step_examples
 from tandem.worker.train.membership import GroupLost, Plan, is_group_failure, plan_generation
+from tandem.worker.train.modes import ExchangedSharedGradientsMode
 from tandem.worker.train.state import Position
 
 # (name, previous members, registered slot -> step, joiners slot -> incarnation, min, max,
@@ -144,3 +145,31 @@ def test_batch_and_learning_rate_at_each_size(name, elastic, world_size, example
 ])
 def test_only_a_peer_lost_is_the_groups_failure(error, groups):
     assert is_group_failure(error) is groups
+
+
+def test_sharedgradients_members_take_the_sources_threshold_and_keep_their_own_residuals():
+    """What a regroup does to sharedGradients' state: every member behind the source takes its shared part (the
+    threshold, its calibration, the step and counters: all ranks must encode against the same threshold); a
+    survivor keeps its residuals (its gradient mass not yet sent), a joiner starts with none; a lost or leaving
+    rank's residuals go with it."""
+    spec = ParallelTrainingJobSpec.model_validate({
+        "workers": 2, "trainingMode": "sharedGradients", "elastic": {},
+        "trainer": {"model": "m:f", "data": "m:d"}})
+    model = torch.nn.Linear(3, 2)
+
+    def mode():
+        return ExchangedSharedGradientsMode(model, 2, lambda work: work.wait(), spec)
+
+    source, survivor, joiner = mode(), mode(), mode()
+    source.compression.threshold, source.compression.step, source.compression.calibrated = 0.25, 40, True
+    survivor.compression.load_state_dict({**survivor.compression.state_dict(), "step": 39, "bytes_sent": 7,
+                                          "residuals": {0: torch.ones(6)}})
+    shared = source.shared_state()
+    assert "residuals" not in shared and "bytes_sent" not in shared
+    for member in (survivor, joiner):
+        member.take_shared_state(shared)
+        assert (member.compression.threshold, member.compression.step, member.compression.calibrated) == \
+            (0.25, 40, True)
+    assert survivor.compression.state_dict()["residuals"][0].equal(torch.ones(6))
+    assert survivor.compression.bytes_sent == 7
+    assert joiner.compression.state_dict()["residuals"] == {}

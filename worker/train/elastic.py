@@ -21,15 +21,25 @@ import torch.distributed as dist
 
 from tandem.api import ParallelTrainingJobSpec
 from tandem.worker.train.membership import Plan
-from tandem.worker.train.modes import AveragingMode, ExchangedAllReduceMode, TrainingMode
+from tandem.worker.train.modes import (
+    AveragingMode,
+    ExchangedAllReduceMode,
+    ExchangedSharedGradientsMode,
+    ThresholdCompressed,
+    TrainingMode,
+)
 from tandem.worker.train.state import TrainState
 
 
 def elastic_mode(spec: ParallelTrainingJobSpec, model: torch.nn.Module, world_size: int,
-                 wait: Callable[[dist.Work], None], *, first: bool) -> TrainingMode:
-    """The mode over a generation's group. `first`: generation 1, where every replica starts from rank 0's."""
+                 wait: Callable[[dist.Work], None], *, first: bool, previous: TrainingMode | None) -> TrainingMode:
+    """The mode over a generation's group. `first`: generation 1, where every replica starts from rank 0's;
+    `previous`: this rank's mode in the generation before (sharedGradients carries its compression state on)."""
     if spec.training_mode == "averaging":
         return AveragingMode(model, spec, world_size, wait=wait, same_start=first)
+    if spec.training_mode == "sharedGradients":
+        return ExchangedSharedGradientsMode(model, world_size, wait, spec,
+                                            compression=previous.compression if previous is not None else None)
     return ExchangedAllReduceMode(model, world_size, wait)
 
 
@@ -61,9 +71,10 @@ def batch_line(spec: ParallelTrainingJobSpec, world_size: int) -> str:
 
 def share_state(state: TrainState, plan: Plan, slot: int, wait: Callable[[dist.Work], None]) -> bool:
     """The plan's source sends the state every rank shares (model, optimizer, gradient scaler, position: what a
-    checkpoint holds for all ranks) to the members behind it: joiners, and survivors whose step it passed. Sent as
-    a checkpoint's bytes are written and read back with weights_only (no pickled objects). Every member takes part;
-    returns whether this rank took the state. The position object is kept (the loop holds it) and updated."""
+    checkpoint holds for all ranks; sharedGradients' threshold and counters) to the members behind it: joiners,
+    and survivors whose step it passed. Sent as a checkpoint's bytes are written and read back with weights_only
+    (no pickled objects). Every member takes part; returns whether this rank took the state. The position object is
+    kept (the loop holds it) and updated."""
     receivers = [member for member in plan.members if plan.receives_state(member)]
     if not receivers:
         return False
@@ -71,7 +82,9 @@ def share_state(state: TrainState, plan: Plan, slot: int, wait: Callable[[dist.W
     payload = torch.empty(0, dtype=torch.uint8)
     if slot == plan.source:
         buffer = io.BytesIO()
-        torch.save(state.state_dict(), buffer)
+        compressed = isinstance(state.mode, ThresholdCompressed)
+        torch.save({**state.state_dict(), **({"compression": state.mode.shared_state()} if compressed else {})},
+                   buffer)
         payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     wait(dist.broadcast(size, src=source, async_op=True))
@@ -85,6 +98,8 @@ def share_state(state: TrainState, plan: Plan, slot: int, wait: Callable[[dist.W
     state.load_state_dict(contents, f"rank {source}'s state")
     vars(position).update(asdict(state.position))
     state.position = position
+    if "compression" in contents:
+        state.mode.take_shared_state(contents["compression"])
     return True
 
 

@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 BEAT_SECONDS = 0.2
@@ -223,10 +224,12 @@ class Membership:
             return self.join()
         return self._form(plan)
 
-    def wait(self, work: dist.Work) -> None:
-        """Wait for a collective, abandoning it (GroupLost) once a member's heartbeat stalls."""
+    def wait(self, work: dist.Work | torch.futures.Future) -> None:
+        """Wait for a collective (or a future that follows one), abandoning it (GroupLost) once a member's
+        heartbeat stalls."""
+        completed = work.is_completed if isinstance(work, dist.Work) else work.done
         pause = 0.00005
-        while not work.is_completed():
+        while not completed():
             self.check()
             time.sleep(pause)
             pause = min(pause * 2, 0.002)

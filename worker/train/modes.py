@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tandem.api import ParallelTrainingJobSpec
 from tandem.api.training import Optimizer
 from tandem.worker.train.averaging import average_replicas
+from tandem.worker.train.compression import ThresholdCompression, threshold_hook
 from tandem.worker.train.nonfinite import StepRecord
 from tandem.worker.train.state import to_host
 
@@ -89,16 +91,12 @@ class AllReduceMode:
         return []
 
 
-class SharedGradientsMode(AllReduceMode):
-    """sharedGradients: DDP with the threshold-encoding hook; residuals, velocities and threshold are each rank's
-    own (the threshold is the same on every rank)."""
+class ThresholdCompressed:
+    """What sharedGradients adds to a mode, however its gradients travel: the threshold-encoding state
+    (`self.compression`), its optimizer (without momentum under momentum correction), its byte counts, report and
+    checkpointed state."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, spec: ParallelTrainingJobSpec):
-        super().__init__(model, device)
-        from tandem.worker.train.compression import ThresholdCompression, threshold_hook
-
-        self.compression = ThresholdCompression(**compression_settings(spec))
-        self.module.register_comm_hook(self.compression, threshold_hook)
+    compression: ThresholdCompression
 
     def optimizer_settings(self, optimizer: Optimizer) -> Optimizer:
         if not self.compression.settings.momentum_correction:
@@ -112,11 +110,25 @@ class SharedGradientsMode(AllReduceMode):
         return self.compression.report()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"compression": self.compression.state_dict()}
+        return {"compression": self.compression.state_dict(), "exchange": self.exchange_kind}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "compression" in state:
+        if "compression" not in state:
+            return
+        if state.get("exchange", "ddp") == self.exchange_kind:
             self.compression.load_state_dict(state["compression"])
+        else:  # the residuals are keyed by the other exchange's bucket order: kept as a resize keeps them
+            self.reset_for_world_size([state], rank=1)
+
+    def shared_state(self) -> dict[str, Any]:
+        """What every rank holds the same (the threshold, its calibration, the step, the shared counters): what an
+        elastic job's source hands the members behind it, so that all encode against the same threshold."""
+        return {key: value for key, value in self.compression.state_dict().items() if key not in RANK_OWN}
+
+    def take_shared_state(self, shared: dict[str, Any]) -> None:
+        """The source's shared state, this rank's own residuals, velocities and byte counts kept (a joiner's: none
+        yet). A lost or leaving rank's residuals, its gradient mass not yet sent, go with it."""
+        self.compression.load_state_dict({**self.compression.state_dict(), **shared})
 
     def reset_for_world_size(self, saved: list[dict[str, Any]], rank: int) -> list[str]:
         """The residuals and velocities are reset: each was one old rank's own, and the old ranks are not this
@@ -140,6 +152,22 @@ class SharedGradientsMode(AllReduceMode):
         return [f"sharedGradients {reset} (the threshold, {float(first['threshold']):.3g}, is kept)"]
 
 
+RANK_OWN = ("residuals", "velocities", "bytes_sent", "dense_bytes")
+"""What of the compression state is each rank's own."""
+
+
+class SharedGradientsMode(ThresholdCompressed, AllReduceMode):
+    """sharedGradients: DDP with the threshold-encoding hook; residuals, velocities and threshold are each rank's
+    own (the threshold is the same on every rank)."""
+
+    exchange_kind = "ddp"
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, spec: ParallelTrainingJobSpec):
+        super().__init__(model, device)
+        self.compression = ThresholdCompression(**compression_settings(spec))
+        self.module.register_comm_hook(self.compression, threshold_hook)
+
+
 class ExchangedAllReduceMode(AllReduceMode):
     """allReduce in an elastic job: the gradients are all-reduced after the step's backward passes, a bucket at a
     time in asynchronous collectives waited on with an eye on the members' heartbeats (`wait`:
@@ -157,21 +185,51 @@ class ExchangedAllReduceMode(AllReduceMode):
     def no_sync(self, last_micro_batch: bool) -> AbstractContextManager:
         return nullcontext()
 
-    def exchange(self) -> None:
-        gradients = []
+    def gradients(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """Each trained parameter with its gradient (zeros where this rank's backward gave it none)."""
+        found = []
         for parameter in self.model.parameters():
             if parameter.requires_grad:
                 if parameter.grad is None:
                     parameter.grad = torch.zeros_like(parameter)
-                gradients.append(parameter.grad)
+                found.append((parameter, parameter.grad))
+        return found
+
+    def exchange(self) -> None:
         exchanges = []
-        for bucket in gradient_buckets(gradients):
-            flat = _flatten_dense_tensors(bucket)
+        for bucket in gradient_buckets(self.gradients()):
+            flat = _flatten_dense_tensors(bucket.tensors)
             exchanges.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
         for bucket, flat, work in exchanges:
             self.wait(work)
             flat /= self.world_size
-            for gradient, mean in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            for gradient, mean in zip(bucket.tensors, _unflatten_dense_tensors(flat, bucket.tensors), strict=True):
+                gradient.copy_(mean)
+
+
+class ExchangedSharedGradientsMode(ThresholdCompressed, ExchangedAllReduceMode):
+    """sharedGradients in an elastic job: the threshold-encoding hook run on each bucket of gradients after the
+    step's backward passes, its collectives waited on as ExchangedAllReduceMode's are. `compression`: the state a
+    survivor carries from one generation of the group to the next (its residuals are its own untransmitted
+    gradient mass, kept at any size); None: a fresh state (a joiner takes the source's threshold and counters,
+    `share_compression`, with residuals of its own from zero)."""
+
+    exchange_kind = "elastic"
+
+    def __init__(self, model: torch.nn.Module, world_size: int, wait: Callable[[dist.Work], None],
+                 spec: ParallelTrainingJobSpec, compression: ThresholdCompression | None = None):
+        super().__init__(model, world_size, wait)
+        self.compression = compression or ThresholdCompression(**compression_settings(spec))
+        self.compression.wait = wait
+
+    def exchange(self) -> None:
+        buckets = gradient_buckets(self.gradients())
+        for index, bucket in enumerate(buckets):
+            flat = _flatten_dense_tensors(bucket.tensors)
+            decoded = threshold_hook(self.compression, bucket.as_hook_bucket(flat, last=index == len(buckets) - 1))
+            self.wait(decoded)
+            for gradient, mean in zip(bucket.tensors, _unflatten_dense_tensors(decoded.value(), bucket.tensors),
+                                      strict=True):
                 gradient.copy_(mean)
 
 
@@ -179,20 +237,51 @@ BUCKET_BYTES = 25 * 2**20
 """DDP's bucket_cap_mb: collectives of this size overlap one another's transfers and reductions."""
 
 
-def gradient_buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """`tensors` in consecutive groups of one dtype and device, each of at most BUCKET_BYTES (or one tensor)."""
-    buckets: list[list[torch.Tensor]] = []
+@dataclass
+class GradientBucket:
+    """Gradients exchanged together, and their parameters."""
+
+    parameters: list[torch.nn.Parameter] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    def as_hook_bucket(self, flat: torch.Tensor, *, last: bool) -> HookBucket:
+        return HookBucket(flat, self.parameters, last)
+
+
+@dataclass
+class HookBucket:
+    """What threshold_hook reads of DDP's dist.GradBucket: the flat gradients, their parameters, whether it is the
+    step's last bucket."""
+
+    flat: torch.Tensor
+    bucket_parameters: list[torch.nn.Parameter]
+    last: bool
+
+    def buffer(self) -> torch.Tensor:
+        return self.flat
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self.bucket_parameters
+
+    def is_last(self) -> bool:
+        return self.last
+
+
+def gradient_buckets(gradients: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> list[GradientBucket]:
+    """(parameter, gradient) pairs in consecutive buckets of one dtype and device, each of at most BUCKET_BYTES (or
+    one gradient)."""
+    buckets: list[GradientBucket] = []
     size = 0
-    for tensor in tensors:
+    for parameter, tensor in gradients:
         nbytes = tensor.numel() * tensor.element_size()
         last = buckets[-1] if buckets else None
-        if (last is None or size + nbytes > BUCKET_BYTES or last[0].dtype != tensor.dtype
-                or last[0].device != tensor.device):
-            buckets.append([tensor])
-            size = nbytes
-        else:
-            last.append(tensor)
-            size += nbytes
+        if (last is None or size + nbytes > BUCKET_BYTES or last.tensors[0].dtype != tensor.dtype
+                or last.tensors[0].device != tensor.device):
+            buckets.append(GradientBucket())
+            size = 0
+        buckets[-1].parameters.append(parameter)
+        buckets[-1].tensors.append(tensor)
+        size += nbytes
     return buckets
 
 

@@ -251,13 +251,14 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
                         metrics=metrics, communication=communication)
 
 
-def new_mode(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.Module) -> TrainingMode:
-    """The mode over the current group."""
+def new_mode(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.Module,
+             previous: TrainingMode | None = None) -> TrainingMode:
+    """The mode over the current group (`previous`: this rank's in an elastic job's generation before)."""
     membership = context.membership
     if membership is None:
         return training_mode(spec, model, context.device, context.world_size)
     return elastic_mode(spec, model, context.world_size, membership.wait,
-                        first=membership.plan.generation == 1 and not membership.joining)
+                        first=membership.plan.generation == 1 and not membership.joining, previous=previous)
 
 
 @dataclass
@@ -307,7 +308,7 @@ def regroup(spec: ParallelTrainingJobSpec, context: RankContext, state: TrainSta
     state.optimizer.zero_grad(set_to_none=True)  # an abandoned step's
     plan = membership.regroup(position.step)
     context.rank, context.world_size = membership.rank, membership.world_size
-    state.mode = new_mode(spec, context, state.model)
+    state.mode = new_mode(spec, context, state.model, previous=state.mode)
     took = share_state(state, plan, membership.slot, membership.wait)
     record.flush()
     checkpointer.regrouped(rank=context.rank, world_size=context.world_size)

@@ -32,7 +32,7 @@ def threshold_hook(state: ThresholdCompression, bucket: dist.GradBucket) -> torc
         # At the first step only: the values at which each rank would encode the top of the band.
         mine = torch.tensor(state.calibration_values(accumulated, sizes), dtype=torch.float32, device=gradient.device)
         values = torch.empty(world_size * mine.numel(), dtype=torch.float32, device=gradient.device)
-        dist.all_gather_single(values, mine, group=group)
+        state.wait(dist.all_gather_single(values, mine, group=group, async_op=True))
         state.calibrate(values.view(world_size, -1).tolist(), keys)
         state.bytes_sent += CALIBRATION_BYTES * mine.numel()
     threshold = state.thresholds(keys, sizes, gradient.device)
@@ -42,7 +42,7 @@ def threshold_hook(state: ThresholdCompression, bucket: dist.GradBucket) -> torc
     # A count of -1 tells every rank that this rank's gradient holds a NaN or Inf.
     count = torch.where(gradient.isfinite().all(), signs.count_nonzero(), -1).to(torch.int32).reshape(1)
     counts = torch.empty(world_size, dtype=torch.int32, device=gradient.device)
-    dist.all_gather_single(counts, count, group=group)
+    state.wait(dist.all_gather_single(counts, count, group=group, async_op=True))
     counts_list = counts.tolist()
     all_finite = min(counts_list) >= 0
     state.count(counts_list, numel, gradient.element_size())

@@ -2,6 +2,7 @@
 calibration, each rank's residuals and velocities, the byte and entry counters) and checkpoints."""
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,8 @@ class ThresholdCompression:
     def __init__(self, process_group: dist.ProcessGroup | None = None, **settings) -> None:
         self.settings = Settings(**settings)
         self.process_group = process_group
+        self.wait: Callable[[dist.Work], None] = dist.Work.wait
+        """How the hook waits for its collectives (an elastic job's: abandoning them once a peer is lost)."""
         self.threshold = self.settings.initial_threshold
         self.calibrated = False
         """Whether a calibration has set the threshold (it does so once, at the first step it can)."""

@@ -76,10 +76,18 @@ class Reconciliation:
     Gone reports no deletions, so a child deleted meanwhile stays in the index for good."""
     confirmed_at: float = -CONFIRM_SECONDS
     """When `confirm_deletions` last listed the children (time.monotonic())."""
+    regroups_seen: int | None = None
+    """An elastic job's status.recoveries.regroups at the last pass (None before the first): each regroup rank 0
+    reports after it gets an Event."""
 
     def observed(self, body: kopf.Body) -> dict[str, Any]:
-        """The body, with the operator's own status fields as last written."""
-        return {**body, "status": {**(body.get("status") or {}), **self.written}}
+        """The body, with the operator's own status fields as last written; of the two it shares with rank 0, its
+        part of `recoveries` merged into rank 0's, and `lastRecovery` as the body has it (rank 0's may be newer)."""
+        held = body.get("status") or {}
+        status = {**held, **{key: value for key, value in self.written.items() if key != "lastRecovery"}}
+        if "recoveries" in self.written:
+            status["recoveries"] = {**(held.get("recoveries") or {}), **self.written["recoveries"]}
+        return {**body, "status": status}
 
     def present(self, children: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         """The children kopf's index holds, less those the API has said are gone."""

@@ -27,7 +27,7 @@ from tandem.operator import daemon, metrics, queueing
 from tandem.operator.api_policy import configure_kopf
 from tandem.operator.cluster import Cluster, login
 from tandem.operator.observed import ParsedResource, read_resource
-from tandem.operator.training import Plan, Queueing, reconcile
+from tandem.operator.training import Plan, Queueing, reconcile, regroup_events
 from tandem.operator.training_objects import JOB_LABEL, JOB_PLURAL, config_map_name, selector_string
 
 WORKLOADS = "workloads"
@@ -107,6 +107,9 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
             workloads = state.present(indices.get("job_workloads", {}).get(key, []))  # none: no Kueue CRDs
             queued = await reads.read(memo.cluster, observed, next(iter(workloads), None))
         plan = reconcile(observed, pods, config_map, datetime.now(UTC), memo.settings, queued)
+        held = observed.body.get("status") or {}
+        plan.events += regroup_events(held, state.regroups_seen)
+        state.regroups_seen = int((held.get("recoveries") or {}).get("regroups") or 0)
         await _apply(plan, observed.body, pods, memo.cluster, state, reads)
         memo.phases.set(key, plan.status.get("phase"))
         return daemon.FINISHED if plan.delete_job else plan.requeue_after

@@ -76,6 +76,23 @@ WATCH_SECONDS = 5.0
 """How soon to look again while a group runs (heartbeat and deadline); pod changes come sooner, as events."""
 
 
+def regroup_events(status: dict[str, Any], seen: int | None) -> list[tuple[str, str, str]]:
+    """The Event for the regroups rank 0 reported since `seen` (status.recoveries.regroups at the last look; None: no
+    look yet, nothing to tell), from its status.lastRecovery."""
+    regroups = int((status.get("recoveries") or {}).get("regroups") or 0)
+    last = status.get("lastRecovery") or {}
+    if seen is None or regroups <= seen or last.get("kind") != "regroup":
+        return []
+    changes = [f"lost rank(s) {', '.join(map(str, last['lost']))}" if last.get("lost") else "",
+               f"added rank(s) {', '.join(map(str, last['added']))}" if last.get("added") else "",
+               last.get("message") or ""]
+    change = "; ".join(part for part in changes if part) or "no change"
+    several = f"{regroups - seen} regroups since the last look; the latest: " if regroups - seen > 1 else ""
+    took = f" in {last['seconds']:.2f} s" if last.get("seconds") is not None else ""
+    return [("Normal", "Regrouped", f"{several}{change}: {last.get('workers')} rank(s) train on from step "
+                                    f"{last.get('resumedAtStep')}{took}, nothing restarted (spec.elastic)")]
+
+
 def reconcile(job: ParsedResource, pods: list[dict[str, Any]], config_map: dict[str, Any] | None, now: datetime,
               settings: Settings, queued: Queueing | None = None) -> Plan:
     return _Reconciler(job, pods, config_map, now, settings, queued or Queueing()).plan()
@@ -259,40 +276,45 @@ class _Reconciler(QueueRules):
         if first is None or not first.live:
             return False
         excess = [p for p in self.pods if p.index >= self.spec.pods]  # followed until gone
-        leaving_live = [p for p in excess if p.live]
-        if leaving_live:
-            self.result.events.append(("Normal", "ScalingDown", f"{self.spec.workers} ranks wanted: "
-                                       f"{', '.join(self._ranks(p.index) for p in leaving_live)} leave at a step "
-                                       "boundary; the others train on (spec.elastic)"))
-        self._delete(p for p in excess if not p.terminating)
         kept = [p for p in self.pods if p.index < self.spec.pods]
         failed = [p for p in kept if p.index != 0 and p.phase == "Failed" and not p.terminating]
-        leaving = [p for p in kept if p.index != 0 and p.terminating]
+        going = [p for p in kept if p.index != 0 and p.terminating]
         indices = {p.index for p in self.pods}
         missing = [index for index in range(1, self.spec.pods) if index not in indices]
-        if not (excess or failed or leaving or missing):
+        if not (excess or failed or going or missing):
             return False
         running = running_group(self.config_map)
         added = [index for index in missing if running is None or index >= running.workers]
-        if added:
-            self.result.events.append(("Normal", "ScalingUp", f"{self.spec.workers} ranks wanted: "
-                                       f"{', '.join(self._ranks(index) for index in added)} join at a step boundary "
-                                       "(spec.elastic)"))
-        for pod in failed:
-            cause = self._pod_failure(pod, detail=True)
-            self.result.events.append(("Warning", "ReplacingRank", f"{cause}: replacing it alone; the other ranks "
-                                                                   "regroup without it meanwhile (spec.elastic)"))
+        replaced = sorted({p.index for p in failed + going} | (set(missing) - set(added)))
+        leaving = [p.index for p in excess if p.live]
+        under_way = [f"{self._ranks_named(indices)} {what}" for indices, what in (
+            (replaced, "being replaced"), (added, "joining"), (leaving, "leaving")) if indices]
+        message = f"{'; '.join(under_way)}; the other ranks train on (spec.elastic)" if under_way else None
+        if message is not None and message != self.status.get("message"):  # once, not on every pass it takes
+            for pod in failed:
+                self.result.events.append(("Warning", "ReplacingRank", f"{self._pod_failure(pod, detail=True)}: "
+                                           "replacing it alone; the other ranks regroup without it meanwhile "
+                                           "(spec.elastic)"))
+            if added:
+                self.result.events.append(("Normal", "ScalingUp", f"{self.spec.workers} ranks wanted: "
+                                           f"{self._ranks_named(added)} join at a step boundary (spec.elastic)"))
+            if leaving:
+                self.result.events.append(("Normal", "ScalingDown", f"{self.spec.workers} ranks wanted: "
+                                           f"{self._ranks_named(leaving)} leave at a step boundary; the others "
+                                           "train on (spec.elastic)"))
+        if message is not None:
+            self.status["message"] = message
+        self._delete(p for p in excess if not p.terminating)
         self._delete(failed)
         if missing:
-            running = self._next_group()
-            self.result.create += [self._pod(running, index) for index in missing]
-        replaced = sorted({p.index for p in failed + leaving} | set(missing))
-        if replaced:
-            self.status["message"] = (f"{self._ranks(replaced[0])}"
-                                      f"{' and others' if len(replaced) > 1 else ''} being replaced; the other ranks "
-                                      "train on (spec.elastic)")
+            running_job = self._next_group()
+            self.result.create += [self._pod(running_job, index) for index in missing]
         self.result.requeue_after = WAIT_SECONDS
         return True
+
+    def _ranks_named(self, indices: list[int]) -> str:
+        """The ranks of the pods `indices`, in words: `rank 1`, `rank 1, rank 3`."""
+        return ", ".join(self._ranks(index) for index in indices)
 
     def _cause_on_its_way(self) -> bool:
         """Whether every failed pod only lost a peer, a pod still runs, and the first failure is recent: the cause

@@ -266,6 +266,10 @@ CASES = [
      [pod(0), pod(1, "Failed", exit_code=137, reason="Error")], {},
      {"phase": "Running", "restarts": 0, "delete": ["digits-worker-1"], "create": [], "event": "ReplacingRank",
       "message": "rank 1 being replaced; the other ranks train on", "requeue": 1.0}),
+    ("elastic: a replacement already under way: the pass that repeats its decision posts no second Event",
+     job(running(message="rank 1 being replaced; the other ranks train on (spec.elastic)"), elastic={}),
+     [pod(0), pod(1, "Failed", exit_code=137, reason="Error")], {},
+     {"phase": "Running", "delete": ["digits-worker-1"], "events": []}),
     ("elastic: the lost rank's pod gone: its replacement created with the same slot", job(running(), elastic={}),
      [pod(0)], {}, {"phase": "Running", "restarts": 0, "delete": [], "create": ["Pod/digits-worker-1"]}),
     ("elastic: the replacement pending: still Running, READY says 1/2", job(running(), elastic={}),
@@ -322,6 +326,8 @@ def test_reconcile(name, body, pods, changes, expected):
         assert expected["message"] in status["message"], status["message"]
     if "event" in expected:
         assert [reason for _, reason, _ in plan.events] == [expected["event"]]
+    if "events" in expected:
+        assert [reason for _, reason, _ in plan.events] == expected["events"]
     if "completed" in expected:
         assert status.get("completionTime") == NOW.strftime("%Y-%m-%dT%H:%M:%SZ")
     assert plan.kill_at_once is expected.get("kill_at_once", False)
@@ -595,3 +601,25 @@ def test_long_job_names_still_give_dns_label_names():
     name = "a" * 60
     assert len(child_name(name, "worker-12")) == 63 and child_name(name, "worker-12").endswith("-worker-12")
     assert child_name(name, "worker-12") != child_name("a" * 61, "worker-12")
+
+
+REGROUP = {"kind": "regroup", "lost": [1], "added": [], "workers": 1, "stoppedAtStep": 40, "resumedAtStep": 40,
+           "seconds": 0.7}
+
+
+@pytest.mark.parametrize(("name", "status", "seen", "expected"), [
+    ("no look yet: nothing told", {"recoveries": {"regroups": 1}, "lastRecovery": REGROUP}, None, []),
+    ("a regroup since the last look", {"recoveries": {"regroups": 1}, "lastRecovery": REGROUP}, 0,
+     ["lost rank(s) 1: 1 rank(s) train on from step 40 in 0.70 s, nothing restarted (spec.elastic)"]),
+    ("two since the last look", {"recoveries": {"regroups": 3}, "lastRecovery": {**REGROUP, "lost": [],
+                                                                                   "added": [1], "workers": 2}}, 1,
+     ["2 regroups since the last look; the latest: added rank(s) 1: 2 rank(s) train on from step 40"]),
+    ("none since", {"recoveries": {"regroups": 1}, "lastRecovery": REGROUP}, 1, []),
+    ("the latest recovery a restart (the operator's Event told it)",
+     {"recoveries": {"regroups": 2}, "lastRecovery": {**REGROUP, "kind": "restart"}}, 1, []),
+])
+def test_each_regroup_rank_0_reports_gets_an_event(name, status, seen, expected):
+    events = training.regroup_events(status, seen)
+    assert [(kind, reason) for kind, reason, _ in events] == [("Normal", "Regrouped")] * len(expected)
+    for (_, _, message), start in zip(events, expected, strict=True):
+        assert message.startswith(start), message

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,19 +22,32 @@ EPOCH_SIZE = 1438  # tandem.examples.digits:train_data
 STEP_EXAMPLES = 32  # workers 2 x batchSizePerWorker 16: the global batch, kept at every size
 
 
-def rank_pid(job: str, rank: int) -> int | None:
-    """The pid of `job`'s rank process `rank` (by the worker contract in its environment), if one runs."""
-    wanted = {f"TANDEM_JOB={job}".encode(), f"RANK={rank}".encode()}
+def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
+    """The pid of the rank process `rank` that `launcher` (`tandem run`) started, if one runs."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                environ = set((entry / "environ").read_bytes().split(b"\0"))
-                command = (entry / "cmdline").read_bytes()
+                parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+                environ = (entry / "environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if wanted <= environ and b"tandem.worker" in command:
+            if parent == launcher.pid and f"RANK={rank}".encode() in environ:
                 return int(entry.name)
     return None
+
+
+@pytest.fixture
+def launched():
+    """The `tandem run` launchers a test starts, stopped (with their ranks) if the test fails midway."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for launcher in started:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGINT)
+            try:
+                launcher.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
 
 
 def examples_by_epoch(log: Path) -> list[Counter]:
@@ -60,7 +74,7 @@ def step_of(text: str) -> int:
 
 
 @pytest.mark.parametrize("mode", ["allReduce", "sharedGradients", "averaging"])
-def test_a_rank_killed_mid_epoch_is_replaced_without_a_restart(tmp_path, monkeypatch, mode):
+def test_a_rank_killed_mid_epoch_is_replaced_without_a_restart(tmp_path, monkeypatch, launched, mode):
     """SIGKILL of rank 1 mid-epoch: rank 0 (same pid) regroups alone within seconds, the replacement joins and takes
     the state from it, `restarts` stays 0, every example of every epoch is trained on once (averaging: but for the
     lost rank's share of the steps since the last averaging, which its replica took with it), and the accuracy is an
@@ -69,15 +83,16 @@ def test_a_rank_killed_mid_epoch_is_replaced_without_a_restart(tmp_path, monkeyp
     monkeypatch.setenv("TANDEM_EXAMPLES_LOG", str(log))
     path = elastic_job(tmp_path, "killed", go=go, mode=mode)
     launcher, stderr = start_tandem_run(path)
+    launched.append(launcher)
     wait_for_stderr(launcher, stderr, lambda text: step_of(text) >= 10)
-    survivor, victim = rank_pid("killed", 0), rank_pid("killed", 1)
+    survivor, victim = rank_pid(launcher, 0), rank_pid(launcher, 1)
     killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     wait_for_stderr(launcher, stderr, lambda text: "regrouped: generation 2, 1 rank(s) (lost rank(s) 1)" in text)
     regrouped_in = time.monotonic() - killed_at
     wait_for_stderr(launcher, stderr, lambda text: "regrouped: generation 3, 2 rank(s) (added rank(s) 1)" in text,
                     timeout=180)
-    assert rank_pid("killed", 0) == survivor, "the survivor kept its process"
+    assert rank_pid(launcher, 0) == survivor, "the survivor kept its process"
     go.touch()
     stdout, _ = launcher.communicate(timeout=180)
     text = stderr.read_text()
@@ -108,15 +123,16 @@ def test_a_rank_killed_mid_epoch_is_replaced_without_a_restart(tmp_path, monkeyp
     assert abs(accuracy - uninterrupted) <= 0.03, (accuracy, uninterrupted)
 
 
-def test_a_stopped_rank_is_left_behind_within_seconds_and_rejoins_when_it_wakes(tmp_path, monkeypatch):
+def test_a_stopped_rank_is_left_behind_within_seconds_and_rejoins_when_it_wakes(tmp_path, launched):
     """SIGSTOP of rank 1: its connections stay open, so no collective fails; its heartbeat stalls and rank 0
     abandons the step in flight and goes on alone. Woken (SIGCONT), the same process finds its group gone and joins
     again, taking the state from rank 0; nothing restarts."""
     go = tmp_path / "go"
     path = elastic_job(tmp_path, "stopped", go=go)
     launcher, stderr = start_tandem_run(path)
+    launched.append(launcher)
     wait_for_stderr(launcher, stderr, lambda text: step_of(text) >= 10)
-    sleeper = rank_pid("stopped", 1)
+    sleeper = rank_pid(launcher, 1)
     os.kill(sleeper, signal.SIGSTOP)
     try:
         wait_for_stderr(launcher, stderr,
@@ -125,7 +141,7 @@ def test_a_stopped_rank_is_left_behind_within_seconds_and_rejoins_when_it_wakes(
         os.kill(sleeper, signal.SIGCONT)
     wait_for_stderr(launcher, stderr, lambda text: "regrouped: generation 3, 2 rank(s) (added rank(s) 1)" in text,
                     timeout=180)
-    assert rank_pid("stopped", 1) == sleeper, "the woken process itself rejoined"
+    assert rank_pid(launcher, 1) == sleeper, "the woken process itself rejoined"
     go.touch()
     stdout, _ = launcher.communicate(timeout=180)
     assert launcher.returncode == 0, stderr.read_text()
@@ -134,14 +150,15 @@ def test_a_stopped_rank_is_left_behind_within_seconds_and_rejoins_when_it_wakes(
     assert "started a replacement" not in stderr.read_text()
 
 
-def test_a_regroup_past_its_deadline_falls_back_to_a_restart_from_the_checkpoint(tmp_path):
+def test_a_regroup_past_its_deadline_falls_back_to_a_restart_from_the_checkpoint(tmp_path, launched):
     """minWorkers 2 of 2: after rank 1's loss rank 0 must wait for the replacement, which cannot start and join
     within a deadline of 1 s: the job restarts whole from its latest checkpoint, and says why."""
     go = tmp_path / "go"
     path = elastic_job(tmp_path, "deadline", go=go, minWorkers=2, regroupDeadlineSeconds=1)
     launcher, stderr = start_tandem_run(path, "--restart-backoff-seconds", "0")
+    launched.append(launcher)
     wait_for_stderr(launcher, stderr, lambda text: step_of(text) >= 45)  # past the checkpoint of step 40
-    os.kill(rank_pid("deadline", 1), signal.SIGKILL)
+    os.kill(rank_pid(launcher, 1), signal.SIGKILL)
     wait_for_stderr(launcher, stderr, lambda text: "restart 1 of 3" in text)
     go.touch()
     stdout, _ = launcher.communicate(timeout=180)

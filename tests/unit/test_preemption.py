@@ -15,7 +15,7 @@ from jobs import Recorder
 from tandem.api import ParallelTrainingJobSpec
 from tandem.examples.digits import mlp
 from tandem.worker import checkpoint
-from tandem.worker.train.modes import training_mode
+from tandem.worker.train.modes import optimizer_settings, training_mode
 from tandem.worker.train.optim import LearningRateSchedule, build_optimizer
 from tandem.worker.train.reporting import Reporter
 from tandem.worker.train.state import Checkpointer, Position, TrainState
@@ -75,7 +75,7 @@ def test_checkpointer_save_measures_its_wall_time_until_the_file_is_complete(tmp
         "checkpoint": {"directory": str(tmp_path)}})
     model = mlp(hidden=8)
     mode = training_mode(spec, model, torch.device("cpu"), 1)
-    optimizer = build_optimizer(model.parameters(), mode.optimizer_settings(spec.trainer.optimizer))
+    optimizer = build_optimizer(model.parameters(), optimizer_settings(spec))
     state = TrainState(model, optimizer, torch.amp.GradScaler("cpu", enabled=False),
                        LearningRateSchedule(optimizer, spec.trainer, total_steps=10), mode, Position(step=5))
     checkpointer = Checkpointer(spec, rank=0, world_size=1, job="timed", directory=tmp_path)

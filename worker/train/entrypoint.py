@@ -86,11 +86,7 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
     holder = (keeper.lease if keeper is not None else owner.read_lease(checkpoint_dir)) if env.is_master else None
     membership = None
     if spec.regroups:
-        try:
-            device, membership = join_elastic_group(env, spec)
-        except JobFinished:
-            print("tandem worker: the job's training is over: nothing to join", file=sys.stderr, flush=True)
-            return 0
+        device, membership = join_elastic_group(env, spec)
     else:
         device = join_group(env, gpus=spec.gpus_per_worker, require_gpu=trainer.require_gpu)
     joining = membership is not None and membership.joining
@@ -100,8 +96,7 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
         if env.namespace:  # on a cluster: the job's status subresource too
             sinks.append(KubernetesStatusSink(env.job, env.namespace))
     context = RankContext(
-        rank=membership.rank if membership else env.rank, device=device, job=env.job,
-        world_size=membership.world_size if membership else env.world_size, checkpoint_dir=checkpoint_dir,
+        rank=env.rank, world_size=env.world_size, device=device, job=env.job, checkpoint_dir=checkpoint_dir,
         resume_from=None if joining else env.resume_from or (latest(checkpoint_dir) if env.resume_latest else None),
         run=run, holder=holder, sinks=sinks, membership=membership, regroups_before=env.regroups_before,
         share_listeners=[examples_log(env.examples_log, env.rank)] if env.examples_log and membership else [],
@@ -109,6 +104,8 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
     stop_signals.attach(context)
     try:
         train(spec, context, model, train_set, eval_set)
+    except JobFinished:
+        print("tandem worker: the job's training is over: nothing to join", file=sys.stderr, flush=True)
     except BaseException as error:
         # No orderly leave of the group here: the other ranks must see this one's connections close only when it
         # is gone, so that the first rank to exit is the one that failed first, not a peer that lost it.

@@ -150,6 +150,8 @@ class Membership:
         self._joins_taken = 0
         self._regroups_at: list[int] = []
         self._watched: list[int] = []
+        self._abandoned: list[dist.ProcessGroup] = []
+        """The process groups of the generations left behind."""
         self._stop = threading.Event()
         threading.Thread(target=self._heartbeat, name="tandem-heartbeat", daemon=True).start()
 
@@ -251,6 +253,9 @@ class Membership:
         group = dist.distributed_c10d._get_default_group()
         if hasattr(group, "abort"):
             group.abort()
+        # Kept, never freed: gloo's destructor joins its threads, which wait on a stopped peer until the group's
+        # timeout (abort does not wake them); they end then, or when its connections close.
+        self._abandoned.append(group)
         gc.collect()
         dist.destroy_process_group()
 

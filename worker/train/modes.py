@@ -66,10 +66,6 @@ class AllReduceMode:
         dense = self.steps * self.bytes_per_step
         return dense, dense
 
-    def optimizer_settings(self, optimizer: Optimizer) -> Optimizer:
-        """The optimizer this mode's ranks run, from the spec's."""
-        return optimizer
-
     def compression_report(self) -> dict[str, float | int] | None:
         """What status.communication shows while training, besides the byte totals (the same on every rank)."""
         return None
@@ -97,11 +93,6 @@ class ThresholdCompressed:
     checkpointed state."""
 
     compression: ThresholdCompression
-
-    def optimizer_settings(self, optimizer: Optimizer) -> Optimizer:
-        if not self.compression.settings.momentum_correction:
-            return optimizer
-        return without_momentum(optimizer)
 
     def communication(self) -> tuple[int, int]:
         return self.compression.bytes_sent, self.compression.dense_bytes
@@ -285,6 +276,14 @@ def gradient_buckets(gradients: list[tuple[torch.nn.Parameter, torch.Tensor]]) -
     return buckets
 
 
+def optimizer_settings(spec: ParallelTrainingJobSpec) -> Optimizer:
+    """The optimizer every rank runs: the spec's; under sharedGradients' momentum correction, without momentum
+    (`without_momentum`). Known before any group forms (an elastic job's replacement builds it before it joins)."""
+    if spec.training_mode == "sharedGradients" and compression_settings(spec)["momentum_correction"]:
+        return without_momentum(spec.trainer.optimizer)
+    return spec.trainer.optimizer
+
+
 def without_momentum(optimizer: Optimizer) -> Optimizer:
     """The optimizer under momentum correction, where the exchanged updates carry the momentum: without its own,
     and with its weight decay (applied on every rank to the parameters they share, so never exchanged) divided by
@@ -359,9 +358,6 @@ class AveragingMode:
 
     def communication(self) -> tuple[int, int]:
         return self.bytes_sent, self.steps * self.bytes_per_step
-
-    def optimizer_settings(self, optimizer: Optimizer) -> Optimizer:
-        return optimizer
 
     def compression_report(self) -> dict[str, float | int] | None:
         return None

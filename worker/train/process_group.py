@@ -81,8 +81,8 @@ def join_group(env: WorkerContract, *, gpus: int = 0, require_gpu: bool = False)
 
 
 def join_elastic_group(env: WorkerContract, spec: ParallelTrainingJobSpec) -> tuple[torch.device, Membership]:
-    """join_group for an elastic job's rank: the first generation of its group, or (a replacement) the generation
-    that takes it in. Slot 0 hosts the store (membership.py)."""
+    """join_group for an elastic job's rank: its place in the job (its slot; slot 0 hosts the store, membership.py),
+    its first generation formed when training starts (`Membership.start`, from `train`)."""
     share_cores(env.local_world_size)
     device = select_device(env, gpus=spec.gpus_per_worker, require_gpu=spec.trainer.require_gpu)
     if not env.is_master:
@@ -91,7 +91,6 @@ def join_elastic_group(env: WorkerContract, spec: ParallelTrainingJobSpec) -> tu
                             max_workers=spec.elastic.max_workers or sys.maxsize, addr=env.master_addr,
                             port=env.master_port,
                             backend=backend_for(device), deadline_seconds=spec.elastic.regroup_deadline_seconds)
-    membership.start()
     return device, membership
 
 

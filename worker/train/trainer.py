@@ -45,7 +45,7 @@ from tandem.worker.train.elastic import (
 )
 from tandem.worker.train.evaluation import evaluate
 from tandem.worker.train.membership import LeftGroup, Membership, is_group_failure
-from tandem.worker.train.modes import TrainingMode, training_mode
+from tandem.worker.train.modes import TrainingMode, optimizer_settings, training_mode
 from tandem.worker.train.nonfinite import StepRecord
 from tandem.worker.train.optim import LearningRateSchedule, build_optimizer
 from tandem.worker.train.rank_agreement import Agreement, Outcome
@@ -116,8 +116,13 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
     membership = context.membership
     seed_everything(trainer.seed, trainer.deterministic)
     model.to(context.device)
+    optimizer = build_optimizer(model.parameters(), optimizer_settings(spec))
+    if membership is not None and membership.plan is None:
+        # A replacement joins only now: what it can do alone (the first fused optimizer of a process takes about a
+        # second) the group does not wait for.
+        membership.start()
+        context.rank, context.world_size = membership.rank, membership.world_size
     mode = new_mode(spec, context, model)
-    optimizer = build_optimizer(model.parameters(), mode.optimizer_settings(trainer.optimizer))
     loader = training_loader(train_set, rank=context.rank, world_size=context.world_size,
                              batch_size=trainer.batch_size_per_worker, seed=trainer.seed)
     schedule = LearningRateSchedule(optimizer, trainer, total_steps=0)  # planned once the position is known

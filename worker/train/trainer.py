@@ -55,6 +55,10 @@ from tandem.worker.train.state import Checkpointer, Position, TrainState, seed_r
 from tandem.worker.train.step import TrainStep
 
 NOTHING_AGREED = Outcome()
+ELASTIC_AGREEMENT_SECONDS = 0.25
+"""How often an elastic job's ranks agree (rank_agreement.py): a rank asking to join or leave is taken in at the
+exchange after the one that heard it, so 4 small all-reduces a second make a join wait about half a second, not
+one to two."""
 
 
 @dataclass
@@ -282,7 +286,8 @@ def begin_generation(spec: ParallelTrainingJobSpec, context: RankContext, state:
     every_minutes = spec.checkpoint.every_minutes
     wait = membership.wait if membership is not None else dist.Work.wait
     agreement = Agreement(is_master=context.is_master, first_step=position.step + 1, wait=wait,
-                          checkpoint_every_seconds=every_minutes * 60 if every_minutes is not None else None)
+                          checkpoint_every_seconds=every_minutes * 60 if every_minutes is not None else None,
+                          target_seconds=ELASTIC_AGREEMENT_SECONDS if membership is not None else None)
     train_step = TrainStep(trainer, state.mode, state.optimizer, state.scaler, state.schedule, context.device,
                            context.world_size)
     if membership is None:

@@ -95,7 +95,7 @@ sanitize: $(STAMP)
 # (fuzz/run.sh prints executions and coverage; bench/RESULTS.md keeps the latest). Needs clang, libFuzzer and
 # llvm-cov: installed here when missing, as root with apt-get.
 FUZZ_SECONDS ?= 60
-FUZZ_PACKAGES := clang libfuzzer-14-dev llvm
+FUZZ_PACKAGES := clang libfuzzer-14-dev libclang-rt-14-dev llvm
 fuzz: system-packages
 	@if command -v clang >/dev/null 2>&1 && command -v llvm-cov >/dev/null 2>&1 \
 		&& test -f "$$(clang -print-file-name=libclang_rt.fuzzer-x86_64.a)"; then :; \

@@ -27,7 +27,7 @@ from tandem.operator import daemon, metrics, queueing
 from tandem.operator.api_policy import configure_kopf
 from tandem.operator.cluster import Cluster, login
 from tandem.operator.observed import ParsedResource, read_resource
-from tandem.operator.training import Plan, Queueing, reconcile, regroup_events
+from tandem.operator.training import Plan, Queueing, reconcile, regroup_events, regroups_reported
 from tandem.operator.training_objects import JOB_LABEL, JOB_PLURAL, config_map_name, selector_string
 
 WORKLOADS = "workloads"
@@ -109,7 +109,7 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
         plan = reconcile(observed, pods, config_map, datetime.now(UTC), memo.settings, queued)
         held = observed.body.get("status") or {}
         plan.events += regroup_events(held, state.regroups_seen)
-        state.regroups_seen = int((held.get("recoveries") or {}).get("regroups") or 0)
+        state.regroups_seen = regroups_reported(held)
         await _apply(plan, observed.body, pods, memo.cluster, state, reads)
         memo.phases.set(key, plan.status.get("phase"))
         return daemon.FINISHED if plan.delete_job else plan.requeue_after
@@ -200,7 +200,7 @@ async def _apply(plan: Plan, body: dict[str, Any], pods: list[dict[str, Any]], c
     if changed.get("restarts", 0) > before:
         metrics.RESTARTS.inc(changed["restarts"] - before)
     metrics.RANK_REPLACEMENTS.inc(sum(reason == "ReplacingRank" for _, reason, _ in plan.events))
-    if regroups := ((body.get("status") or {}).get("recoveries") or {}).get("regroups"):
+    if regroups := regroups_reported(body.get("status") or {}):
         metrics.REGROUPS.labels(state.namespace, state.name).set(regroups)
     await daemon.all_of(cluster.create(m) for m in plan.create if m["kind"] != "Pod")  # what the pods mount
     await daemon.all_of(cluster.create(m) for m in plan.create if m["kind"] == "Pod")

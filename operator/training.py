@@ -76,10 +76,15 @@ WATCH_SECONDS = 5.0
 """How soon to look again while a group runs (heartbeat and deadline); pod changes come sooner, as events."""
 
 
+def regroups_reported(status: dict[str, Any]) -> int:
+    """status.recoveries.regroups: the regroups in process rank 0 reported (0 before any)."""
+    return int((status.get("recoveries") or {}).get("regroups") or 0)
+
+
 def regroup_events(status: dict[str, Any], seen: int | None) -> list[tuple[str, str, str]]:
     """The Event for the regroups rank 0 reported since `seen` (status.recoveries.regroups at the last look; None: no
     look yet, nothing to tell), from its status.lastRecovery."""
-    regroups = int((status.get("recoveries") or {}).get("regroups") or 0)
+    regroups = regroups_reported(status)
     last = status.get("lastRecovery") or {}
     if seen is None or regroups <= seen or last.get("kind") != "regroup":
         return []
@@ -375,7 +380,7 @@ class _Reconciler(QueueRules):
             self.status["lastRecovery"] = {
                 "kind": "restart", "workers": self.spec.workers, "time": isoformat(self.now),
                 "stoppedAtStep": (self.status.get("progress") or {}).get("step") or 0,
-                "resumedAtStep": checkpoint.get("step") or 0 if self._resume_from(self.job) else 0,
+                "resumedAtStep": (checkpoint.get("step") or 0) if self._resume_from(self.job) else 0,
                 "message": decision.message}
         self._tear_down("Restarting", decision.message, warning=True)
 
@@ -442,7 +447,7 @@ class _Reconciler(QueueRules):
     def _pod(self, job: ParallelTrainingJob, index: int) -> dict[str, Any]:
         pod = worker_pod(self.body, job, index, group=self.restarts, resume_from=self._resume_from(job),
                          default_image=self.settings.worker_image,
-                         regroups_before=int((self.status.get("recoveries") or {}).get("regroups") or 0))
+                         regroups_before=regroups_reported(self.status))
         return queueing.placed(pod, self.queued.placement) if self.queue is not None else pod
 
     def _ranks(self, index: int) -> str:

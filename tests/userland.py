@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -109,6 +110,25 @@ class PacedUntil(DropoutMLP):
 
 def paced_until(until: str, hidden: int = 32, p: float = 0.0, step_seconds: float = 0.05) -> nn.Module:
     return PacedUntil(hidden, p, step_seconds, until)
+
+
+class FreezesInEvaluation(PacedUntil):
+    """paced_until, except that rank 1 stops itself (SIGSTOP: frozen, its connections open, as on a node that went
+    silent) in its first evaluation forward, once `stopped` does not exist yet (it creates it): a test wakes it."""
+
+    def __init__(self, hidden: int, step_seconds: float, until: str, stopped: str):
+        super().__init__(hidden, 0.0, step_seconds, until)
+        self.stopped = Path(stopped)
+
+    def forward(self, x):
+        if not self.training and os.environ.get("RANK") == "1" and not self.stopped.exists():
+            self.stopped.touch()
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return super().forward(x)
+
+
+def freezes_in_evaluation(until: str, stopped: str, hidden: int = 32, step_seconds: float = 0.05) -> nn.Module:
+    return FreezesInEvaluation(hidden, step_seconds, until, stopped)
 
 
 def regression_data(size: int = 512) -> TensorDataset:

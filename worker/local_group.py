@@ -161,9 +161,12 @@ class LocalGroup:
         once the grace period is over."""
         if self.stopping_since is None:
             self.stopping_since = time.monotonic()
-            for process in self.processes:
-                if process.poll() is None:
-                    process.send_signal(signal.SIGTERM)
+            self._terminate_running()
+
+    def _terminate_running(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
 
     def kill_all(self) -> None:
         """SIGKILL to each rank (to its whole session, where it has one), then reap the ranks."""
@@ -192,9 +195,7 @@ class LocalGroup:
                 failed = []
                 if not self._ending:
                     self._ending = True
-                    for process in self.processes:
-                        if process.poll() is None:
-                            process.send_signal(signal.SIGTERM)
+                    self._terminate_running()
             if failed and self.stopping_since is None:
                 self.kill_all()
                 on_poll()

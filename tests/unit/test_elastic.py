@@ -173,3 +173,23 @@ def test_sharedgradients_members_take_the_sources_threshold_and_keep_their_own_r
     assert survivor.compression.state_dict()["residuals"][0].equal(torch.ones(6))
     assert survivor.compression.bytes_sent == 7
     assert joiner.compression.state_dict()["residuals"] == {}
+
+
+def test_a_checkpoint_of_the_other_exchange_keeps_the_threshold_and_this_ranks_bytes_not_its_residuals():
+    """A job made elastic (or no longer) resumes a checkpoint whose residuals follow the other exchange's bucket
+    order: they are reset, as at another world size; the threshold and this rank's own byte counts carry on (a
+    reset as if it were not rank 0 would drop the job's byte totals)."""
+    spec = ParallelTrainingJobSpec.model_validate({
+        "workers": 2, "trainingMode": "sharedGradients", "elastic": {},
+        "trainer": {"model": "m:f", "data": "m:d"}})
+    saved = ExchangedSharedGradientsMode(torch.nn.Linear(3, 2), 2, lambda work: work.wait(), spec)
+    saved.compression.load_state_dict({**saved.compression.state_dict(), "threshold": 0.125, "bytes_sent": 700,
+                                       "dense_bytes": 9000, "residuals": {0: torch.ones(8)}})
+    resumed = ExchangedSharedGradientsMode(torch.nn.Linear(3, 2), 2, lambda work: work.wait(), spec)
+    resumed.load_state_dict({**saved.state_dict(), "exchange": "ddp"})
+    assert (resumed.compression.threshold, resumed.compression.bytes_sent, resumed.compression.dense_bytes) == \
+        (0.125, 700, 9000)
+    assert resumed.compression.state_dict()["residuals"] == {}
+    same = ExchangedSharedGradientsMode(torch.nn.Linear(3, 2), 2, lambda work: work.wait(), spec)
+    same.load_state_dict(saved.state_dict())
+    assert same.compression.state_dict()["residuals"][0].equal(torch.ones(8))

@@ -10,7 +10,6 @@ and the learning rate follows lrScaling.
 
 from __future__ import annotations
 
-import io
 import math
 import sys
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from tandem.worker.train.modes import (
     ThresholdCompressed,
     TrainingMode,
 )
-from tandem.worker.train.state import TrainState
+from tandem.worker.train.state import TrainState, from_bytes, to_bytes
 
 
 def elastic_mode(spec: ParallelTrainingJobSpec, model: torch.nn.Module, world_size: int,
@@ -81,11 +80,9 @@ def share_state(state: TrainState, plan: Plan, slot: int, wait: Callable[[dist.W
     source = plan.members.index(plan.source)
     payload = torch.empty(0, dtype=torch.uint8)
     if slot == plan.source:
-        buffer = io.BytesIO()
         compressed = isinstance(state.mode, ThresholdCompressed)
-        torch.save({**state.state_dict(), **({"compression": state.mode.shared_state()} if compressed else {})},
-                   buffer)
-        payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+        payload = to_bytes({**state.state_dict(),
+                            **({"compression": state.mode.shared_state()} if compressed else {})})
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     wait(dist.broadcast(size, src=source, async_op=True))
     if slot != plan.source:
@@ -93,7 +90,7 @@ def share_state(state: TrainState, plan: Plan, slot: int, wait: Callable[[dist.W
     wait(dist.broadcast(payload, src=source, async_op=True))
     if slot not in receivers:
         return False
-    contents = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True)
+    contents = from_bytes(payload)
     position = state.position
     state.load_state_dict(contents, f"rank {source}'s state")
     vars(position).update(asdict(state.position))

@@ -25,7 +25,7 @@ import gc
 import json
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -196,7 +196,7 @@ class Membership:
                 raise JobFinished()
             time.sleep(JOIN_POLL_SECONDS)
 
-    def joiners_waiting(self) -> bool:
+    def regroup_wanted(self) -> bool:
         """Slot 0: whether a rank asks to join or to leave (the group should regroup at the next agreed step)."""
         return self.slot == 0 and (int(self.store.add("joins", 0)) > self._joins_taken or bool(self._leaving()))
 
@@ -301,9 +301,9 @@ class Membership:
                 self._joins_taken = asked
                 return plan
             if time.monotonic() - started > self.deadline_seconds:
-                return Plan(generation, plan.members, -1, plan.steps, plan.lost, plan.left, plan.added,
-                            fallback=f"{plan.fallback or 'the regroup did not complete'} within "
-                                     f"elastic.regroupDeadlineSeconds ({self.deadline_seconds:g}s)")
+                return replace(plan, source=-1, fallback=f"{plan.fallback or 'the regroup did not complete'} "
+                                                         f"within elastic.regroupDeadlineSeconds "
+                                                         f"({self.deadline_seconds:g}s)")
             time.sleep(JOIN_POLL_SECONDS)
 
     def _leaving(self) -> frozenset[int]:

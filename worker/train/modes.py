@@ -106,10 +106,12 @@ class ThresholdCompressed:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "compression" not in state:
             return
-        if state.get("exchange", "ddp") == self.exchange_kind:
-            self.compression.load_state_dict(state["compression"])
-        else:  # the residuals are keyed by the other exchange's bucket order: kept as a resize keeps them
-            self.reset_for_world_size([state], rank=1)
+        saved = state["compression"]
+        if state.get("exchange", "ddp") != self.exchange_kind:
+            # The residuals and velocities are keyed by the other exchange's bucket order: reset, as at another
+            # world size; the rest (the threshold, this rank's byte counts) carries on.
+            saved = {**saved, "residuals": {}, "velocities": {}}
+        self.compression.load_state_dict(saved)
 
     def shared_state(self) -> dict[str, Any]:
         """What every rank holds the same (the threshold, its calibration, the step, the shared counters): what an
@@ -194,8 +196,7 @@ class ExchangedAllReduceMode(AllReduceMode):
         for bucket, flat, work in exchanges:
             self.wait(work)
             flat /= self.world_size
-            for gradient, mean in zip(bucket.tensors, _unflatten_dense_tensors(flat, bucket.tensors), strict=True):
-                gradient.copy_(mean)
+            bucket.take(flat)
 
 
 class ExchangedSharedGradientsMode(ThresholdCompressed, ExchangedAllReduceMode):
@@ -203,7 +204,7 @@ class ExchangedSharedGradientsMode(ThresholdCompressed, ExchangedAllReduceMode):
     step's backward passes, its collectives waited on as ExchangedAllReduceMode's are. `compression`: the state a
     survivor carries from one generation of the group to the next (its residuals are its own untransmitted
     gradient mass, kept at any size); None: a fresh state (a joiner takes the source's threshold and counters,
-    `share_compression`, with residuals of its own from zero)."""
+    `elastic.share_state`, with residuals of its own from zero)."""
 
     exchange_kind = "elastic"
 
@@ -219,9 +220,7 @@ class ExchangedSharedGradientsMode(ThresholdCompressed, ExchangedAllReduceMode):
             flat = _flatten_dense_tensors(bucket.tensors)
             decoded = threshold_hook(self.compression, bucket.as_hook_bucket(flat, last=index == len(buckets) - 1))
             self.wait(decoded)
-            for gradient, mean in zip(bucket.tensors, _unflatten_dense_tensors(decoded.value(), bucket.tensors),
-                                      strict=True):
-                gradient.copy_(mean)
+            bucket.take(decoded.value())
 
 
 BUCKET_BYTES = 25 * 2**20
@@ -234,6 +233,11 @@ class GradientBucket:
 
     parameters: list[torch.nn.Parameter] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
+
+    def take(self, flat: torch.Tensor) -> None:
+        """Set the gradients from `flat`, the exchanged bucket (flattened as `_flatten_dense_tensors` lays it)."""
+        for gradient, value in zip(self.tensors, _unflatten_dense_tensors(flat, self.tensors), strict=True):
+            gradient.copy_(value)
 
     def as_hook_bucket(self, flat: torch.Tensor, *, last: bool) -> HookBucket:
         return HookBucket(flat, self.parameters, last)

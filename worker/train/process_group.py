@@ -17,6 +17,9 @@ from tandem.contract import ContractError, WorkerContract
 from tandem.worker.cores import share_cores
 from tandem.worker.train.membership import Membership
 
+GROUP_TIMEOUT_SECONDS = 300.0
+"""How long a rank waits for the master's port, and a collective for its peers."""
+
 
 def select_device(env: WorkerContract, *, gpus: int, require_gpu: bool) -> torch.device:
     """The GPU of this local rank (cuda:LOCAL_RANK) when the job gives its ranks GPUs (spec.gpusPerWorker > 0);
@@ -57,7 +60,7 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def init_process_group(env: WorkerContract, device: torch.device, *, timeout: float = 300.0) -> None:
+def init_process_group(env: WorkerContract, device: torch.device, *, timeout: float = GROUP_TIMEOUT_SECONDS) -> None:
     """Join the job's group (see backend_for). Rank 0 hosts the TCP store; the others wait for its port first."""
     if not env.is_master:
         wait_for_master(env.master_addr, env.master_port, timeout)
@@ -74,23 +77,28 @@ def init_process_group(env: WorkerContract, device: torch.device, *, timeout: fl
 def join_group(env: WorkerContract, *, gpus: int = 0, require_gpu: bool = False) -> torch.device:
     """Everything a rank does before training: take its share of the machine's cores, its device (one GPU per
     local rank), and its place in the group. Returns the device."""
-    share_cores(env.local_world_size)
-    device = select_device(env, gpus=gpus, require_gpu=require_gpu)
+    device = take_device(env, gpus=gpus, require_gpu=require_gpu)
     init_process_group(env, device)
     return device
+
+
+def take_device(env: WorkerContract, *, gpus: int, require_gpu: bool) -> torch.device:
+    """This rank's share of the machine's cores, and its device (one GPU per local rank)."""
+    share_cores(env.local_world_size)
+    return select_device(env, gpus=gpus, require_gpu=require_gpu)
 
 
 def join_elastic_group(env: WorkerContract, spec: ParallelTrainingJobSpec) -> tuple[torch.device, Membership]:
     """join_group for an elastic job's rank: its place in the job (its slot; slot 0 hosts the store, membership.py),
     its first generation formed when training starts (`Membership.start`, from `train`)."""
-    share_cores(env.local_world_size)
-    device = select_device(env, gpus=spec.gpus_per_worker, require_gpu=spec.trainer.require_gpu)
+    device = take_device(env, gpus=spec.gpus_per_worker, require_gpu=spec.trainer.require_gpu)
     if not env.is_master:
-        wait_for_master(env.master_addr, env.master_port, 300.0)
+        wait_for_master(env.master_addr, env.master_port, GROUP_TIMEOUT_SECONDS)
     membership = Membership(slot=env.rank, workers=env.world_size, min_workers=spec.elastic.min_workers,
                             max_workers=spec.elastic.max_workers or sys.maxsize, addr=env.master_addr,
-                            port=env.master_port,
-                            backend=backend_for(device), deadline_seconds=spec.elastic.regroup_deadline_seconds)
+                            port=env.master_port, backend=backend_for(device),
+                            deadline_seconds=spec.elastic.regroup_deadline_seconds,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_SECONDS))
     return device, membership
 
 

@@ -7,7 +7,7 @@ after different steps. So each exchange carries, reduced with MAX:
 - stop: whether any rank has been asked to stop;
 - checkpoint: rank 0's verdict on the time rule;
 - interval: rank 0's proposal for the steps until the next exchange, about TARGET_SECONDS of training;
-- regroup: in an elastic job, rank 0's word that a rank asks to join (every rank enters the next generation).
+- regroup: in an elastic job, rank 0's word that a rank asks to join or leave (every rank enters the next generation).
 
 An exchange starts at an agreed step and overlaps the following steps' compute; its outcome is read at the
 next exchange, where every rank acts on it after the same step. A stop therefore lands within two intervals

@@ -14,6 +14,7 @@ and what each old rank held alone is reset (`Checkpointer.resume`; rank 0 logs o
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import random
 import sys
@@ -149,7 +150,8 @@ class Checkpointer:
     """Writes the train state as checkpoints (rank 0 alone writes; every rank takes part) and resumes from one."""
 
     def __init__(self, spec: ParallelTrainingJobSpec, *, rank: int, world_size: int, job: str, directory: Path,
-                 run: str | None = None, holder: checkpoint_owner.Lease | None = None, by_examples: bool = False):
+                 run: str | None = None, holder: checkpoint_owner.Lease | None = None, by_examples: bool = False,
+                 wait: Callable[[dist.Work], None] = dist.Work.wait):
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
@@ -163,6 +165,8 @@ class Checkpointer:
         self.by_examples = by_examples
         """An elastic job's: a resumed position counts the examples of its epoch consumed (Position.epoch_start),
         never micro-batches of a layout."""
+        self.wait = wait
+        """How the gathering of each rank's state is waited for (an elastic job's: abandoned when a peer stalls)."""
         self.seconds: float | None = None
         """On rank 0, the wall time of the latest save, from its start (the mode's preparation, gathering each rank's
         state) until the file is complete on disk: what a graceful preemption costs (status.preemptionCost)."""
@@ -179,9 +183,8 @@ class Checkpointer:
         position = state.position
         with state.mode.for_checkpoint(position.step, state.optimizer, final=final) as replica:
             self.metrics = evaluate() if evaluate is not None else {}
-            per_rank = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(state.rank_state_dict(replica), per_rank, dst=0)
-            if self.rank != 0:
+            per_rank = gather_to_first(state.rank_state_dict(replica), world_size=self.world_size, wait=self.wait)
+            if per_rank is None:
                 return None
             trainer = self.spec.trainer
             manifest = checkpoint.build_manifest(
@@ -218,17 +221,16 @@ class Checkpointer:
                 state.load_rank_state_dict(per_rank[self.rank])
         else:
             reset = state.reset_rank_state(per_rank, seed=self.spec.trainer.seed, rank=self.rank)
-        if saved == self.layout and not (self.by_examples and state.position.batches_done):
-            return
-        position, consumed = state.position, None
-        if (saved.world_size, saved.batch_size) != (self.world_size, self.layout.batch_size) or self.by_examples:
+        position = state.position
+        by_examples = self.by_examples or (saved.world_size, saved.batch_size) != (self.world_size,
+                                                                                   self.layout.batch_size)
+        if by_examples:
             position.epoch_start += examples_consumed(position.batches_done, world_size=saved.world_size,
                                                       batch_size=saved.batch_size)
             position.batches_done = 0
-            consumed = position.epoch_start
         if self.rank == 0 and saved != self.layout:
-            print(resize_line(source, saved, self.layout, position, reset, consumed=consumed), file=sys.stderr,
-                  flush=True)
+            print(resize_line(source, saved, self.layout, position, reset,
+                              consumed=position.epoch_start if by_examples else None), file=sys.stderr, flush=True)
 
     def regrouped(self, *, rank: int, world_size: int) -> None:
         """An elastic job's group changed: this rank's place in the next one."""
@@ -244,6 +246,33 @@ def resize_line(source: Path, saved: Layout, layout: Layout, position: Position,
         line += (f"; epoch {position.epoch + 1} goes on after its first {consumed} examples, from the next one its "
                  "order holds")
     return f"{line}; reset: {', '.join(reset) if reset else 'nothing'}"
+
+
+def to_bytes(value: Any) -> torch.Tensor:
+    """`value` (tensors, plain values) as a checkpoint's bytes, to send to other ranks."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+
+
+def from_bytes(payload: torch.Tensor) -> Any:
+    """What `to_bytes` sent, read back with weights_only: a peer's bytes are never unpickled."""
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True)
+
+
+def gather_to_first(value: Any, *, world_size: int, wait: Callable[[dist.Work], None]) -> list[Any] | None:
+    """Every rank's `value`, in rank order, on rank 0 (None on the others), through `wait`."""
+    payload = to_bytes(value)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    wait(dist.all_gather(sizes, torch.tensor([payload.numel()]), async_op=True))
+    longest = max(int(size.item()) for size in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:payload.numel()] = payload
+    received = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)] if dist.get_rank() == 0 else None
+    wait(dist.gather(padded, received, dst=0, async_op=True))
+    if received is None:
+        return None
+    return [from_bytes(tensor[:int(size.item())]) for tensor, size in zip(received, sizes, strict=True)]
 
 
 def seed_rank(seed: int, rank: int) -> None:

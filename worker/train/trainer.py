@@ -134,7 +134,8 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
     state = TrainState(model, optimizer, scaler, schedule, mode, Position())
     checkpointer = Checkpointer(spec, rank=context.rank, world_size=context.world_size, job=context.job,
                                 directory=context.checkpoint_dir, run=context.run, holder=context.holder,
-                                by_examples=membership is not None)
+                                by_examples=membership is not None,
+                                wait=waits_for(membership))
     seed_rank(trainer.seed, context.rank)  # per-rank dropout noise; a resume restores it
     if context.resume_from is not None:
         checkpointer.resume(state, context.resume_from)
@@ -177,7 +178,8 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
         cuda = [context.device.index or 0] if context.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
             return evaluate(model, eval_set, rank=context.rank, world_size=context.world_size,
-                            device=context.device, batch_size=trainer.batch_size_per_worker)
+                            device=context.device, batch_size=trainer.batch_size_per_worker,
+                            wait=waits_for(membership))
 
     def save(final: bool = False) -> None:
         record.flush()  # brings position's bad-step counts and the running loss up to date
@@ -220,7 +222,7 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
                     if leaving:  # an elastic job's rank other than 0, stopped: its pod goes (a scale-down)
                         membership.ask_to_leave()
                     outcome = agreement.exchange(position.step, stop_requested=context.stop_requested and not leaving,
-                                                 regroup_wanted=membership is not None and membership.joiners_waiting())
+                                                 regroup_wanted=membership is not None and membership.regroup_wanted())
                 if position.step >= generation.total_steps or outcome.stop or outcome.regroup:
                     break
                 if outcome.checkpoint or (every_steps is not None and position.step % every_steps == 0):
@@ -270,6 +272,11 @@ def new_mode(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.n
                         first=membership.plan.generation == 1 and not membership.joining, previous=previous)
 
 
+def waits_for(membership: Membership | None) -> Callable[[dist.Work], None]:
+    """How this rank waits for a collective: an elastic job's rank abandons it once a member stalls."""
+    return membership.wait if membership is not None else dist.Work.wait
+
+
 @dataclass
 class Generation:
     """What the loop runs with in one generation of the group (all of a run, outside an elastic job)."""
@@ -284,8 +291,7 @@ def begin_generation(spec: ParallelTrainingJobSpec, context: RankContext, state:
                      train_set: Dataset) -> Generation:
     trainer, position, membership = spec.trainer, state.position, context.membership
     every_minutes = spec.checkpoint.every_minutes
-    wait = membership.wait if membership is not None else dist.Work.wait
-    agreement = Agreement(is_master=context.is_master, first_step=position.step + 1, wait=wait,
+    agreement = Agreement(is_master=context.is_master, first_step=position.step + 1, wait=waits_for(membership),
                           checkpoint_every_seconds=every_minutes * 60 if every_minutes is not None else None,
                           target_seconds=ELASTIC_AGREEMENT_SECONDS if membership is not None else None)
     train_step = TrainStep(trainer, state.mode, state.optimizer, state.scaler, state.schedule, context.device,
@@ -316,11 +322,11 @@ def regroup(spec: ParallelTrainingJobSpec, context: RankContext, state: TrainSta
         say(f"tandem worker: the group lost a member at step {position.step} ({why.splitlines()[0][:200]}); "
             "regrouping")
     state.optimizer.zero_grad(set_to_none=True)  # an abandoned step's
+    record.flush()  # this rank's bad-step counts onto its position, before a receiver takes the source's
     plan = membership.regroup(position.step)
     context.rank, context.world_size = membership.rank, membership.world_size
     state.mode = new_mode(spec, context, state.model, previous=state.mode)
     took = share_state(state, plan, membership.slot, membership.wait)
-    record.flush()
     checkpointer.regrouped(rank=context.rank, world_size=context.world_size)
     seconds = time.monotonic() - started
     if context.is_master:

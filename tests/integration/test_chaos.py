@@ -24,6 +24,10 @@ the first pod of a group, between its deletion of a failed group and the next gr
 started again each time); `node-lost` (the node dies: processes killed, pods Failed by the node lifecycle
 controller's emulation; back after 3 s). The same scenarios' timings against the fault-free run, at 5% and 20%
 write faults, are `bench/bench_chaos.py`.
+
+An elastic job (spec.elastic) has its own test under `api-errors` and `operator-kills` (the operator killed between
+its deletion of the failed rank's pod and the replacement's creation): its lost rank is replaced alone, in process,
+never as a restart.
 """
 
 from __future__ import annotations
@@ -278,3 +282,59 @@ def test_a_refused_call_is_a_condition_naming_the_fix_and_the_job_carries_on_onc
         wait(cluster, lambda: status(cluster, JOBS, "narrow").get("phase") == "Running"
              and refused()["status"] == "False", 60, "the ranks to run and the condition to clear")
         assert status(cluster, JOBS, "narrow")["restarts"] == 0
+
+
+ELASTIC_FAULTS = {"api-errors": API_FAULTS["api-errors"], "operator-kills": None}
+
+
+def elastic_job(go: Path) -> dict:
+    """An elastic job of two ranks pacing its steps until `go` exists."""
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": "elastic"},
+            "spec": {"workers": 2, "elastic": {"minWorkers": 1},
+                     "trainer": {"model": "userland:paced_until",
+                                 "modelArgs": {"until": str(go), "hidden": 64, "step_seconds": 0.1},
+                                 "data": "tandem.examples.digits:train_data", "epochs": 10,
+                                 "batchSizePerWorker": 16},
+                     "checkpoint": {"directory": "elastic", "everySteps": 40}}}
+
+
+@pytest.mark.parametrize("fault", list(ELASTIC_FAULTS))
+def test_an_elastic_jobs_lost_rank_is_replaced_in_process_under_faults(tmp_path: Path, fault: str):
+    """An elastic job's rank 1 killed while a tenth of the API writes fail, or with the operator SIGKILLed right
+    after it deleted the failed pod (before it created the replacement): one replacement pod is created, never
+    beside a live pod of its rank, it joins, and the job Succeeds with `restarts` 0 and rank 0's pod never
+    replaced. An API error or the operator's own restart is never mistaken for a reason to restart the group."""
+    go = tmp_path / "go"
+    with Cluster(tmp_path, extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
+        cluster.inject(ELASTIC_FAULTS[fault])
+        kills = []
+        if fault == "operator-kills":
+            kills.append(cluster.after(
+                lambda served: served.client == "operator" and served.method == "DELETE" and served.plural == "pods"
+                and served.name == "elastic-worker-1", lambda served: cluster.kill_process("operator")))
+        start_operator(cluster)
+        keeper = OperatorKeeper(cluster)
+        keeper.start()
+        try:
+            create(cluster, JOBS, elastic_job(go))
+            wait(cluster, lambda: (status(cluster, JOBS, "elastic").get("progress") or {}).get("step", 0) >= 5,
+                 DONE, "training to begin")
+            first = cluster.get("pods", NS, "elastic-worker-0")["metadata"]["uid"]
+            wait(cluster, lambda: cluster.kubelet.pid(NS, "elastic-worker-1"), 30, "rank 1's process")
+            cluster.kubelet.kill(NS, "elastic-worker-1")
+            wait(cluster, lambda: status(cluster, JOBS, "elastic").get("lastRecovery", {}).get("added") == [1], DONE,
+                 "the replacement to join")
+            go.touch()
+            final = wait(cluster, lambda: (s := status(cluster, JOBS, "elastic")).get("phase") in
+                         ("Succeeded", "Failed") and s, DONE, "the job to finish")
+        finally:
+            keeper.stop.set()
+        assert final["phase"] == "Succeeded", final["message"]
+        assert (final["restarts"], final["recoveries"]["restarts"]) == (0, 0)
+        assert final["recoveries"]["regroups"] >= 2, final["recoveries"]
+        assert all(hook.fired.is_set() for hook in kills) and keeper.starts == len(kills)
+        gangs = replay(cluster.emulator.store.log("pods"), JOB_LABEL, GROUP_LABEL, RANK_LABEL)
+        assert not gangs.overlaps, gangs.overlaps
+        assert {rank: len(uids) for (_, _, rank), uids in gangs.created.items()} == {"0": 1, "1": 2}
+        assert cluster.get("pods", NS, "elastic-worker-0")["metadata"]["uid"] == first
+        assert not [line for line in cluster.process_log("operator").splitlines() if "Traceback" in line]

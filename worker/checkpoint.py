@@ -45,6 +45,14 @@ def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / checkpoint_name(step)
 
 
+def step_of(path: Path) -> int:
+    """The step of the checkpoint at `path` (named by `checkpoint_path`)."""
+    found = _NAME.match(path.name)
+    if found is None:
+        raise CheckpointError(f"{path} is not named like a checkpoint (step-NNNNNNNN.pt)")
+    return int(found.group(1))
+
+
 def build_manifest(**fields: Any) -> dict[str, Any]:
     """The manifest saved with every checkpoint: `fields` plus the versions that wrote it."""
     return {

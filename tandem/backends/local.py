@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from tandem.api import ParallelTrainingJob, ParallelTrainingJobStatus
+from tandem.api.training import Recovery
 from tandem.backends.local_ranks import Launcher
 from tandem.backends.run_summary import Ending
 from tandem.contract import (
@@ -143,6 +144,9 @@ class LocalJob:
         """The group running now, if any."""
         self.failed: list[tuple[Launcher, GroupExit]] = []
         self.restarts = 0
+        self.restart_recovery: Recovery | None = None
+        """An elastic job's latest whole-group restart: status.lastRecovery, as the operator writes it on a cluster
+        (a regroup's is rank 0's)."""
         self.start_time: datetime | None = None
         self.stop_requested = False
 
@@ -166,6 +170,9 @@ class LocalJob:
             self.groups.append(group)
             group.start()
             self.group = group
+            if self.restart_recovery is not None and self.restart_recovery.seconds is None:
+                self.restart_recovery.seconds = round((datetime.now(UTC) - self.restart_recovery.time).total_seconds(),
+                                                      3)
             if self.stop_requested:  # asked while the group was starting
                 group.stop()
             ended = group.wait(lambda status: self.show(display, status), display.say, self.past_deadline)
@@ -184,6 +191,12 @@ class LocalJob:
             if decision.action == "fail":
                 return self.finished("Failed", decision.message), 1
             self.restarts = decision.restarts
+            resume_from = checkpoint.latest(self.checkpoint_dir)  # the run's: the directory is its alone
+            if self.spec.elastic is not None:
+                self.restart_recovery = Recovery(
+                    kind="restart", workers=self.spec.workers, time=datetime.now(UTC), message=decision.message,
+                    stopped_at_step=self.status().progress.step,
+                    resumed_at_step=checkpoint.step_of(resume_from) if resume_from is not None else 0)
             display.say(f"tandem run: Restarting: {decision.message}")
             self.show(display, self.finished("Restarting", decision.message, completed=False))
             self.back_off(decision.delay_seconds)
@@ -192,7 +205,6 @@ class LocalJob:
                                      "running it again resumes from the latest checkpoint"), INTERRUPTED_EXIT_CODE
             if self.past_deadline():
                 return self.deadline_exceeded(), 1
-            resume_from = checkpoint.latest(self.checkpoint_dir)  # the run's: the directory is its alone
 
     def report_failure(self, display: Display, group: Launcher, ended: GroupExit) -> None:
         self.failed.append((group, ended))
@@ -219,6 +231,10 @@ class LocalJob:
             else ParallelTrainingJobStatus()
         status.restarts, status.start_time = self.restarts, self.start_time.replace(microsecond=0)
         status.recoveries.restarts = self.restarts
+        last = status.last_recovery
+        if self.restart_recovery is not None and (last is None or last.time is None
+                                                  or last.time < self.restart_recovery.time):
+            status.last_recovery = self.restart_recovery
         status.workers.total, status.workers.ready = self.spec.workers, 0
         if self.groups:
             status.master.address, status.master.port = "127.0.0.1", self.groups[-1].master_port

@@ -183,6 +183,28 @@ def test_a_rank_frozen_in_a_checkpoints_evaluation_is_left_behind_within_seconds
     assert "lost a member at step 40" in stderr.read_text()
 
 
+def test_rank_0_lost_falls_back_to_a_restart_from_the_checkpoint(tmp_path, launched):
+    """Rank 0 hosts the group's store and coordinates: its loss is a whole-group restart from the latest
+    checkpoint (counted in restarts and recoveries.restarts), not a replacement of rank 0 alone."""
+    go = tmp_path / "go"
+    path = elastic_job(tmp_path, "first", go=go)
+    launcher, stderr = start_tandem_run(path, "--restart-backoff-seconds", "0")
+    launched.append(launcher)
+    wait_for_stderr(launcher, stderr, lambda text: step_of(text) >= 45)  # past the checkpoint of step 40
+    os.kill(rank_pid(launcher, 0), signal.SIGKILL)
+    wait_for_stderr(launcher, stderr, lambda text: "restart 1 of 3" in text)
+    go.touch()
+    stdout, _ = launcher.communicate(timeout=180)
+    text = stderr.read_text()
+    assert launcher.returncode == 0, text
+    assert "started a replacement" not in text
+    status = json.loads(stdout)
+    assert (status["phase"], status["restarts"], status["recoveries"]["restarts"]) == ("Succeeded", 1, 1), status
+    last = status["lastRecovery"]
+    assert (last["kind"], last["workers"], last["resumedAtStep"]) == ("restart", 2, 40), last
+    assert last["stoppedAtStep"] >= 45 and last["seconds"] >= 0, last
+
+
 def test_a_regroup_past_its_deadline_falls_back_to_a_restart_from_the_checkpoint(tmp_path, launched):
     """minWorkers 2 of 2: after rank 1's loss rank 0 must wait for the replacement, which cannot start and join
     within a deadline of 1 s: the job restarts whole from its latest checkpoint, and says why."""

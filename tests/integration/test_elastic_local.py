@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 from jobs import final_status, leftover_processes, manifest, start_tandem_run, tandem_run, wait_for_stderr
 
+from tandem import curves
+from tandem.worker import checkpoint
+
 EPOCHS = 12
 """Long enough for the interrupted run's accuracy to settle within the noise of runs: sharedGradients', the
 noisiest, spans 0.961-0.975 over four seeds uninterrupted, and 0.947-0.978 over six interrupted runs (at 6 epochs
@@ -151,6 +154,40 @@ def test_a_stopped_rank_is_left_behind_within_seconds_and_rejoins_when_it_wakes(
     status = json.loads(stdout)
     assert (status["phase"], status["restarts"], status["recoveries"]["regroups"]) == ("Succeeded", 0, 2)
     assert "started a replacement" not in stderr.read_text()
+
+
+def test_batch_per_rank_halves_the_learning_rate_with_the_group_and_restores_it(tmp_path, launched):
+    """batch perRank, lrScaling linear: while rank 1 is stopped the group of one trains at half the learning rate
+    (its global batch halved too), said in rank 0's log, and at the full rate again once the rank rejoins; rank 0's
+    TensorBoard curve train/lr shows all three phases. The checkpoint written meanwhile (step 40) records the group
+    of one that wrote it."""
+    go = tmp_path / "go"
+    path = elastic_job(tmp_path, "per-rank", go=go, batch="perRank")
+    launcher, stderr = start_tandem_run(path)
+    launched.append(launcher)
+    wait_for_stderr(launcher, stderr, lambda text: step_of(text) >= 10)
+    sleeper = rank_pid(launcher, 1)
+    os.kill(sleeper, signal.SIGSTOP)
+    try:
+        wait_for_stderr(launcher, stderr, lambda text: "regrouped: generation 2" in text)
+        alone_from = step_of(stderr.read_text())
+        wait_for_stderr(launcher, stderr, lambda text: step_of(text) >= max(alone_from + 25, 45))
+        written = checkpoint.load(checkpoint.checkpoint_path(tmp_path / "per-rank" / "checkpoints", 40))
+    finally:
+        os.kill(sleeper, signal.SIGCONT)
+    wait_for_stderr(launcher, stderr, lambda text: "regrouped: generation 3, 2 rank(s) (added rank(s) 1)" in text,
+                    timeout=180)
+    go.touch()
+    stdout, _ = launcher.communicate(timeout=180)
+    text = stderr.read_text()
+    assert launcher.returncode == 0, text
+    assert "batch perRank: global batch 16, learning rate x0.5 (lrScaling linear, 1 of 2 workers)" in text
+    assert "batch perRank: global batch 32, learning rate x1 (lrScaling linear, 2 of 2 workers)" in text
+    [run] = curves.run_folders(tmp_path / "per-rank" / "checkpoints")
+    rates = [rate for _, rate in curves.read_scalars(run)[curves.LEARNING_RATE]]
+    assert rates[0] == rates[-1] == pytest.approx(0.05), rates
+    assert pytest.approx(0.025) in rates, rates
+    assert (written["manifest"]["world_size"], len(written["per_rank"])) == (1, 1)
 
 
 def test_a_rank_frozen_in_a_checkpoints_evaluation_is_left_behind_within_seconds(tmp_path, launched):

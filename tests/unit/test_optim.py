@@ -45,3 +45,13 @@ def test_a_constant_rate_is_left_to_the_optimizer():
     assert schedule.optimizer.param_groups[0]["lr"] == 0.123
     assert schedule.describe(5) == {"kind": "constant", "warmup_steps": 0, "total_steps": 10, "base_lr": 0.5,
                                     "lr": 0.5}
+
+
+def test_an_elastic_scale_applies_and_a_return_to_full_size_restores_the_rate():
+    """batch perRank: the rate follows elastic.lrScaling's multiplier at a smaller size, and returns to optimizer.lr
+    when the group is back at spec.workers (a constant schedule, which otherwise leaves the optimizer alone)."""
+    schedule = schedule_for(10)
+    schedule.scale = 0.5
+    assert rates(schedule, 2) == pytest.approx([0.25, 0.25])
+    schedule.scale = 1.0
+    assert rates(schedule, 2) == pytest.approx([0.5, 0.5])

@@ -45,6 +45,8 @@ class LearningRateSchedule:
         self.constant = self.warmup == 0 and not self.cosine
         self.scale = 1.0
         """An elastic job's batch perRank at another size than spec.workers: elastic.lrScaling's multiplier."""
+        self._applied_scale = 1.0
+        """The scale of the rate last set on the optimizer (it starts at optimizer.lr: scale 1)."""
 
     def factor(self, step: int) -> float:
         """The multiplier of optimizer.lr for the optimizer step that follows `step` finished steps."""
@@ -66,8 +68,9 @@ class LearningRateSchedule:
 
     def apply(self, step: int) -> None:
         """Set the rate for the optimizer step that follows `step` finished steps."""
-        if self.constant and self.scale == 1.0:
+        if self.constant and self.scale == self._applied_scale:
             return
         lr = self.rate(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self._applied_scale = self.scale

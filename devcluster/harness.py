@@ -15,6 +15,11 @@ On entering: the emulator serves on a real TCP port of 127.0.0.1 (`url`), `kubec
 event loop in a background thread. `shutdown()` (on leaving) kills every process (pods' and spawned ones), stops the
 server and the loop and joins the thread, so nothing is left between tests.
 
+Nodes: one, `tandem-node`, by default; `Cluster(nodes=N)` registers N, `tandem-node`, `tandem-node-2`, ...
+`tandem-node-N`, each with `capacity` and `node_labels` (and its own `kubernetes.io/hostname`), all run by the one
+kubelet (`cluster.kubelet.node(name)`, `cluster.kubelet.nodes`). A pod's node is its `spec.nodeName`; the scheduler
+puts a pod on the Ready node where it fits with the fewest pods (scheduling.py), so pods of equal requests spread.
+
 Kueue (kueue.py): `Cluster(kueue=True)` also installs Kueue's CRDs (`KUEUE_CRDS`: Workload, ClusterQueue,
 LocalQueue, ResourceFlavor, WorkloadPriorityClass, kueue.x-k8s.io/v1beta2) and runs `cluster.kueue`, an emulation of
 Kueue's admission (quota, queue order, preemption, the Workload's conditions) beside the kubelet; its `history` lists
@@ -42,8 +47,9 @@ Faults (faults.py), per test: `kubeconfig_for(client)` (a kubeconfig whose beare
 latency, hung requests, ended or cut watches, 410 on resume, for the named clients), counted in `emulator.injected`;
 `after(predicate, action)` (a `Hook` called once after a served request, e.g. to `kill_process(name)`, a SIGKILL of
 the process's group, between two of its writes; `spawn` it again under the same name, its log appended to);
-`lose_node(down_seconds)` (the node's machine dies: pods' processes killed, the Node NotReady, its unfinished pods
-Failed with NodeLost, nothing scheduled; it comes back after `down_seconds`, `node_ready()`; see `Kubelet.lose`).
+`lose_node(down_seconds, node=None)` (a node's machine dies, the first node's unless `node` names another: its
+pods' processes killed, the Node NotReady, its unfinished pods Failed with NodeLost, nothing scheduled on it; the
+other nodes' pods run on; it comes back after `down_seconds`, `node_ready(node)`; see `Kubelet.lose`).
 
 For Deployments and Services: `deployment_pods(namespace, name)` (the pods a Deployment owns, oldest first; each
 pod's own address is `pod["status"]["podIP"]`, where a server told to bind 0.0.0.0 listens: network.py) and
@@ -92,15 +98,15 @@ class Cluster:
                  capacity: Mapping[str, Any] | None = None, node_labels: Mapping[str, str] | None = None,
                  images: Iterable[str] = ("*",), extra_env: Mapping[str, str] | None = None,
                  namespaces: Iterable[str] = ("default",), kubelet: bool = True, deployments: bool = True,
-                 kueue: bool = False) -> None:
-        """`capacity` (cpu, memory, nvidia.com/gpu...), `node_labels`, `images` (the allow-list's patterns) and
-        `extra_env` (added to every pod's process) configure the kubelet; `kubelet=False` serves the API alone (pods
-        then stay Pending, unscheduled), as a benchmark of the operator may want; `deployments=False` runs no
-        Deployment controller (a Deployment then makes no pods); `kueue=True` installs KUEUE_CRDS (besides `crds`)
-        and runs the emulated Kueue admission (`self.kueue`, kueue.py)."""
+                 kueue: bool = False, nodes: int = 1) -> None:
+        """`nodes` (how many), `capacity` (cpu, memory, nvidia.com/gpu..., each node's), `node_labels`, `images`
+        (the allow-list's patterns) and `extra_env` (added to every pod's process) configure the kubelet;
+        `kubelet=False` serves the API alone (pods then stay Pending, unscheduled), as a benchmark of the operator may
+        want; `deployments=False` runs no Deployment controller (a Deployment then makes no pods); `kueue=True`
+        installs KUEUE_CRDS (besides `crds`) and runs the emulated Kueue admission (`self.kueue`, kueue.py)."""
         self._workdir, self._crds, self._namespaces = workdir, crds, list(namespaces)
         self._with_kubelet, self._with_deployments, self._with_kueue = kubelet, deployments, kueue
-        self._kubelet_options = {"capacity": capacity, "labels": node_labels, "images": images,
+        self._kubelet_options = {"nodes": nodes, "capacity": capacity, "labels": node_labels, "images": images,
                                  "extra_env": extra_env}
         self._processes: dict[str, tuple[subprocess.Popen, Path]] = {}
         self.kubelet: Kubelet | None = None
@@ -434,17 +440,18 @@ class Cluster:
         loop: keep them quick (`kill_process` is)."""
         return self.emulator.hooks.add(predicate, action)
 
-    def lose_node(self, down_seconds: float = 5.0) -> None:
-        """The node dies and comes back after `down_seconds` (Kubelet.lose): returns once it is down, pods' processes
-        killed, the Node NotReady (Unknown) and its unfinished pods Failed (NodeLost); see `node_ready`."""
+    def lose_node(self, down_seconds: float = 5.0, node: str | None = None) -> None:
+        """The node (by name; None: the first, `tandem-node`) dies and comes back after `down_seconds`
+        (Kubelet.lose): returns once it is down, its pods' processes killed, the Node NotReady (Unknown) and its
+        unfinished pods Failed (NodeLost); see `node_ready`."""
         if self.kubelet is None:
             raise RuntimeError("this cluster runs no kubelet")
-        self._call(self.kubelet.lose(down_seconds))
+        self._call(self.kubelet.lose(down_seconds, node))
 
-    def node_ready(self) -> bool:
-        """Whether the node is up and Ready (after `lose_node`, once it recovered)."""
-        if self.kubelet is None or self.kubelet.down:
+    def node_ready(self, node: str | None = None) -> bool:
+        """Whether the node (by name; None: the first) is up and Ready (after `lose_node`, once it recovered)."""
+        if self.kubelet is None or not self.kubelet.node(node).ready:
             return False
-        node = self.get("nodes", None, self.kubelet.node.name) or {}
+        stored = self.get("nodes", None, self.kubelet.node(node).name) or {}
         return any(c.get("type") == "Ready" and c.get("status") == "True"
-                   for c in (node.get("status") or {}).get("conditions") or [])
+                   for c in (stored.get("status") or {}).get("conditions") or [])

@@ -1,9 +1,12 @@
-"""A test kubelet, and the scheduler of its one node: runs each pod's FIRST container as a local process.
+"""A test kubelet, and the scheduler of its nodes: runs each pod's FIRST container as a local process.
 
-It lists and watches pods through the API like a kubelet (its own aiohttp client, on the emulator's event loop):
+One kubelet stands for every node (one, `tandem-node`, by default; with `nodes=N` they are `tandem-node`,
+`tandem-node-2`, ... `tandem-node-N`, each with the same capacity and labels): the pods of all of them are local
+processes on this machine, on one pod network, and a pod's node is its `spec.nodeName`. It lists and watches pods
+through the API like a kubelet (its own aiohttp client, on the emulator's event loop):
 
-- scheduling (scheduling.py): an unscheduled pod with the default scheduler that fits the node's capacity is bound
-  (`pods/NAME/binding`); one that does not stays Pending with PodScheduled=False, reason Unschedulable and the
+- scheduling (scheduling.py): an unscheduled pod with the default scheduler that fits a node's capacity is bound to
+  one (`pods/NAME/binding`); one that fits none stays Pending with PodScheduled=False, reason Unschedulable and the
   scheduler's message; a persistentVolumeClaim must exist (it is Bound on first use, as WaitForFirstConsumer);
 - images: an allow-list of patterns (default: everything); another image stays Pending, waiting with ErrImagePull
   and then ImagePullBackOff, the message naming the image;
@@ -22,16 +25,18 @@ It lists and watches pods through the API like a kubelet (its own aiohttp client
   after SIGTERM, as the kubelet gives. Meanwhile the pod stays Running and readiness is still probed. Then the pod
   is deleted for good (gracePeriodSeconds=0); a pod removed at once (force deletion) is killed at once, no hook;
 - output: each container run's stdout+stderr in a log file (`log_path`, `logs`, and the API's `pods/NAME/log`);
-- a node lost (`lose`, `Cluster.lose_node`): every pod's process group is SIGKILLed at once and the kubelet stops
-  (no status, no Events; it ignores its watch); the node lifecycle controller and PodGC are emulated on a compressed
-  clock (the Node's Ready Unknown, unfinished pods Failed with reason NodeLost and a DisruptionTarget condition);
-  the scheduler binds nothing to the node while it is not Ready (Unschedulable, "1 node(s) were not ready"). After
-  `down_seconds` the kubelet comes back (same node, capacity free, Ready): it deletes for good (grace 0) the pods
-  bound to it that were marked for deletion, leaves finished ones, and runs new ones;
+- a node lost (`lose`, `Cluster.lose_node`): the process group of every pod bound to it is SIGKILLed at once and its
+  kubelet stops (no status, no Events for its pods; it ignores what its watch says of them), while the other nodes'
+  pods run on; the node lifecycle controller and PodGC are emulated on a compressed clock (the Node's Ready Unknown,
+  its unfinished pods Failed with reason NodeLost and a DisruptionTarget condition); the scheduler binds nothing to
+  the node while it is not Ready (Unschedulable, "1 node(s) were not ready"). After `down_seconds` its kubelet comes
+  back (same node, capacity free, Ready): it deletes for good (grace 0) the pods bound to it that were marked for
+  deletion, leaves finished ones, and runs new ones;
 - shutdown: every process group is killed; processes also die with this thread (PR_SET_PDEATHSIG), so none is
   orphaned; a process's end is awaited through a pidfd on the event loop, so no waiter thread outlives a test.
 
-Accessors for tests (any thread): `log_path`, `logs`, `claim_dir`, `pod_dir`, `pid`, and `kill` (a crash).
+Accessors for tests (any thread): `node(name)` (a scheduling.Node; `nodes` by name), `log_path`, `logs`,
+`claim_dir`, `pod_dir`, `pid`, and `kill` (a crash).
 `restart_backoff` and `pull_backoff` (seconds) may be set at any time.
 Not emulated: init containers, sidecars and any container but the first, postStart hooks, grpc probes, resource
 limits (nothing is throttled or OOM-killed), image pulls, node pressure and eviction.
@@ -65,30 +70,37 @@ logger = logging.getLogger(__name__)
 
 
 class Kubelet:
-    def __init__(self, url: str, root: Path, kubeconfig: Path, *, node_name: str = "tandem-node",
+    def __init__(self, url: str, root: Path, kubeconfig: Path, *, nodes: int = 1,
                  capacity: Mapping[str, Any] | None = None, labels: Mapping[str, str] | None = None,
                  images: Iterable[str] = ("*",), extra_env: Mapping[str, str] | None = None,
                  pull_backoff: float = 0.3, restart_backoff: float = 1.0) -> None:
         self.api, self.root, self.kubeconfig = Api(url, token="client-kubelet"), Path(root), Path(kubeconfig)
-        self.node, self.network = Node(node_name, capacity, labels), Network()
+        if nodes < 1:
+            raise ValueError(f"a kubelet needs at least one node, not {nodes}")
+        names = ["tandem-node", *(f"tandem-node-{number}" for number in range(2, nodes + 1))]
+        self.nodes = {name: Node(name, capacity, labels) for name in names}  # in the scheduler's order
+        self.network = Network()
         self.images, self.extra_env = list(images), dict(extra_env or {})
         self.pull_backoff, self.restart_backoff = pull_backoff, restart_backoff
         self.informer = Informer(self.api, "/api/v1/pods", self._observe)
         self.pods: dict[str, dict[str, Any]] = self.informer.objects  # every pod by uid
-        self.runs: dict[str, PodRun] = {}  # the pods on this node, by uid
+        self.runs: dict[str, PodRun] = {}  # the pods on the nodes, by uid
         self.done: dict[tuple[str, str], PodRun] = {}  # the last run of each removed pod, for its logs
-        self.scheduler = Scheduler(self.api, self.node, self.pods)
+        self.scheduler = Scheduler(self.api, list(self.nodes.values()), self.pods)
         self.writer: Any = None  # the emulator's Writer (set by the harness): `lose` writes the controllers' part
         self.pod_paths: dict[str, list[tuple[str, str]]] = {}  # pod token -> (local directory, mount path)
         self._tasks: list[asyncio.Task] = []
         self._lock = threading.Lock()
         self._probes: aiohttp.ClientSession | None = None  # probes' and hooks' HTTP client
-        self._events: set[asyncio.Task] = set()  # Events being written
-        self.down = False  # the node is lost (`lose`): the kubelet neither runs nor reports anything
+        self._events: dict[asyncio.Task, str] = {}  # Events being written, to the node of the pod they are about
         self.grace_for_node_monitor = 0.2  # seconds between the loss and the node lifecycle controller's marks
-        self._recovery: asyncio.Task | None = None
+        self._recoveries: list[asyncio.Task] = []  # of the nodes lost
 
     # -- accessors for tests (any thread) -------------------------------------------------------------------------
+    def node(self, name: str | None = None) -> Node:
+        """The node of that name (KeyError if there is none); None: the first, `tandem-node`."""
+        return self.nodes[name] if name is not None else next(iter(self.nodes.values()))
+
     def _find(self, namespace: str, name: str) -> PodRun | None:
         with self._lock:
             for run in self.runs.values():
@@ -132,30 +144,31 @@ class Kubelet:
     # -- start and stop -------------------------------------------------------------------------------------------
     async def start(self) -> None:
         await self.api.open()
-        path = f"/api/v1/nodes/{self.node.name}"
-        if await self.api.get(path) is None:
-            await self.api.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {
-                "name": self.node.name, "labels": self.node.labels}})
-        await self.api.patch_status(path, self.node.manifest())
+        for node in self.nodes.values():
+            path = f"/api/v1/nodes/{node.name}"
+            if await self.api.get(path) is None:
+                await self.api.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {
+                    "name": node.name, "labels": node.labels}})
+            await self.api.patch_status(path, node.manifest())
         self._probes = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))  # no keep-alive
         await self.informer.start()
         self._tasks = [asyncio.create_task(self.scheduler.run(), name="scheduler")]
 
     async def stop(self) -> None:
-        await self._end_runs(*self._tasks, *([self._recovery] if self._recovery else []))
+        with self._lock:
+            runs = list(self.runs.values())
+        await self._end_runs(runs, *self._tasks, *self._recoveries, *self._events)
         await self.informer.stop()
         if self._probes is not None:
             await self._probes.close()
         await self.api.close()
 
-    async def _end_runs(self, *tasks: asyncio.Task) -> None:
-        """SIGKILL every pod's process group and cancel the pods' tasks, the Events being written and `tasks`;
-        returns once every process has ended."""
-        with self._lock:
-            runs = list(self.runs.values())
+    async def _end_runs(self, runs: list[PodRun], *tasks: asyncio.Task) -> None:
+        """SIGKILL the runs' process groups and cancel their tasks and `tasks`; returns once every process has
+        ended."""
         for run in runs:
             self._kill(run, signal.SIGKILL)
-        tasks = (*tasks, *self._events, *(run.task for run in runs if run.task))
+        tasks = (*tasks, *(run.task for run in runs if run.task))
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -164,31 +177,37 @@ class Kubelet:
                 await run.process.wait()
 
     # -- a node lost ----------------------------------------------------------------------------------------------
-    async def lose(self, down_seconds: float = 5.0) -> None:
-        """The node's machine dies and comes back after `down_seconds` (a reboot, or a replacement under the same
-        name). Returns once it is down; the recovery runs in the background (`recovered`).
+    async def lose(self, down_seconds: float = 5.0, node: str | None = None) -> None:
+        """The node's machine (`node`, by name; None: the first, `tandem-node`) dies and comes back after
+        `down_seconds` (a reboot, or a replacement under the same name). Returns once it is down; the recovery runs
+        in the background (`Node.ready` again).
 
-        At once: every pod's process group is SIGKILLed and the kubelet stops (no status, no Events; it ignores what
-        its watch says). Then, on a compressed clock (`grace_for_node_monitor`, 40 s on a cluster), the part of
-        kube-controller-manager emulated here: the node lifecycle controller sets the Node's Ready condition to
-        Unknown (NodeStatusUnknown), and PodGC marks each pod bound to it that had not finished Failed, reason
-        NodeLost, with a DisruptionTarget condition (DeletionByPodGC) and Ready False (it does not delete them here).
-        The scheduler binds nothing to the node while it is not Ready: new pods stay Pending, Unschedulable."""
-        if self.down:
-            raise RuntimeError(f"node {self.node.name} is already down")
-        self.down, self.node.ready = True, False
-        await self._end_runs()
+        At once: the process group of every pod bound to it is SIGKILLed and its kubelet stops (no status, no Events
+        for its pods; it ignores what its watch says of them); the other nodes' pods are not touched. Then, on a
+        compressed clock (`grace_for_node_monitor`, 40 s on a cluster), the part of kube-controller-manager emulated
+        here: the node lifecycle controller sets the Node's Ready condition to Unknown (NodeStatusUnknown), and PodGC
+        marks each pod bound to it that had not finished Failed, reason NodeLost, with a DisruptionTarget condition
+        (DeletionByPodGC) and Ready False (it does not delete them here). The scheduler binds nothing to the node
+        while it is not Ready: a new pod that fits on no other node stays Pending, Unschedulable."""
+        lost = self.node(node)
+        if not lost.ready:
+            raise RuntimeError(f"node {lost.name} is already down")
+        lost.ready = False
+        with self._lock:
+            runs = [run for run in self.runs.values() if run.pod["spec"]["nodeName"] == lost.name]
+        await self._end_runs(runs, *(task for task, on in self._events.items() if on == lost.name))
         await asyncio.sleep(self.grace_for_node_monitor)  # any status write already sent is served before the marks
-        self._mark_node_lost()
+        self._mark_node_lost(lost.name)
         self.scheduler.kick.set()
-        self._recovery = asyncio.create_task(self._recover_after(down_seconds), name="node recovery")
+        self._recoveries.append(asyncio.create_task(self._recover_after(lost, down_seconds),
+                                                    name=f"recovery of {lost.name}"))
 
-    def _mark_node_lost(self) -> None:
+    def _mark_node_lost(self, name: str) -> None:
         """kube-controller-manager's node lifecycle controller and PodGC, written straight into the store."""
         writer = self.writer
         now = podstatus.timestamp()
         nodes = writer.catalog.lookup("nodes")
-        key = writer.key(nodes, None, self.node.name)
+        key = writer.key(nodes, None, name)
         node = writer.store.get(key)
         if node is not None:
             status = node.get("status") or {}
@@ -198,32 +217,32 @@ class Kubelet:
         pods = writer.catalog.lookup("pods")
         for key in writer.store.keys(pods.resource):
             pod = writer.store.get(key)
-            if pod is None or (pod.get("spec") or {}).get("nodeName") != self.node.name \
+            if pod is None or (pod.get("spec") or {}).get("nodeName") != name \
                     or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                 continue
-            pod["status"] = faults.node_lost_status(pod, self.node.name, now)
+            pod["status"] = faults.node_lost_status(pod, name, now)
             with quietly(kmock.KubernetesError):
                 writer.update(pods, key, pod, subresource="status", system=True)
 
-    async def _recover_after(self, down_seconds: float) -> None:
+    async def _recover_after(self, node: Node, down_seconds: float) -> None:
         await asyncio.sleep(down_seconds)
         while True:
             try:
-                await self._recover()
+                await self._recover(node)
                 return
             except (ApiError, aiohttp.ClientError) as error:  # faults injected for the kubelet, say
-                logger.warning("kubelet: recovering the node: %s; trying again", error)
+                logger.warning("kubelet: recovering node %s: %s; trying again", node.name, error)
                 await asyncio.sleep(0.5)
 
-    async def _recover(self) -> None:
-        """The kubelet starts again: Ready, capacity free, each pod bound to the node looked at once more (those
-        marked for deletion meanwhile are removed for good, finished ones left as they are, new ones run)."""
-        for uid in list(self.node.allocated):
-            self.node.release(uid)
-        await self.api.patch_status(f"/api/v1/nodes/{self.node.name}", self.node.manifest())
-        selector = {"fieldSelector": f"spec.nodeName={self.node.name}"}
+    async def _recover(self, node: Node) -> None:
+        """The node's kubelet starts again: Ready, capacity free, each pod bound to the node looked at once more
+        (those marked for deletion meanwhile are removed for good, finished ones left as they are, new ones run)."""
+        for uid in list(node.allocated):
+            node.release(uid)
+        await self.api.patch_status(f"/api/v1/nodes/{node.name}", node.manifest())
+        selector = {"fieldSelector": f"spec.nodeName={node.name}"}
         listing = await self.api.request("GET", "/api/v1/pods", params=selector)
-        self.down, self.node.ready = False, True
+        node.ready = True
         for pod in listing["items"]:
             meta = pod["metadata"]
             if meta.get("deletionTimestamp"):
@@ -237,10 +256,6 @@ class Kubelet:
             elif (held := self.pods.get(meta["uid"])) is not None:
                 self._observe("MODIFIED", held)
         self.scheduler.kick.set()
-
-    @property
-    def recovered(self) -> bool:
-        return not self.down
 
     # -- the pods, as the API tells (`informer` holds them in `pods`) ----------------------------------------------
     def _observe(self, type_: str, pod: dict[str, Any]) -> None:
@@ -259,18 +274,22 @@ class Kubelet:
                 self.scheduler.pending[uid] = None
             return
         self.scheduler.pending.pop(uid, None)
-        if self.down:
-            return  # the node is lost: its kubelet hears nothing (the scheduler above still does)
+        node = self.nodes.get(spec["nodeName"])
+        if node is None or not node.ready:
+            return  # not a node of ours, or one lost: its kubelet hears nothing (the scheduler above still does)
         if run is not None:
             run.pod = pod
             run.changed.set()
-        elif spec["nodeName"] == self.node.name and pod.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
+        elif pod.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
             run = PodRun(uid, pod)
             with self._lock:
                 self.runs[uid] = run
             run.task = asyncio.create_task(self._run(run), name=f"pod {meta['namespace']}/{meta['name']}")
 
     # -- one pod --------------------------------------------------------------------------------------------------
+    def _node_of(self, run: PodRun) -> Node:
+        return self.nodes[run.pod["spec"]["nodeName"]]
+
     async def _run(self, run: PodRun) -> None:
         try:
             await self._lifecycle(run)
@@ -280,7 +299,7 @@ class Kubelet:
             logger.exception("kubelet: pod %s failed in the test kubelet", run.path)
         finally:
             self._kill(run, signal.SIGKILL)
-            self.node.release(run.uid)
+            self._node_of(run).release(run.uid)
             self.network.release(run.uid)
             self.scheduler.kick.set()
             with self._lock:
@@ -291,7 +310,7 @@ class Kubelet:
     async def _lifecycle(self, run: PodRun) -> None:
         container = run.pod["spec"]["containers"][0]
         ip = self.network.address_for_pod(run.pod)
-        run.book = podstatus.StatusBook(run.pod, self.node.name, ip)
+        run.book = podstatus.StatusBook(run.pod, self._node_of(run).name, ip)
         image = container.get("image", "")
         if not run.deleting and not any(fnmatch.fnmatchcase(image, pattern) for pattern in self.images):
             await self._report(run, podstatus.waiting("ErrImagePull", f'failed to pull and unpack image "{image}": '
@@ -315,7 +334,7 @@ class Kubelet:
             if run.deleting or policy == "Never" or (policy == "OnFailure" and code == 0):
                 await self._report(run, state, phase="Succeeded" if code == 0 else "Failed", restarts=restarts,
                                    last_state=last_state)
-                self.node.release(run.uid)
+                self._node_of(run).release(run.uid)
                 self.scheduler.kick.set()
                 await self._pause(run, float("inf"))
                 break
@@ -339,8 +358,8 @@ class Kubelet:
         dirs = await sandbox.volumes(get, self.root, pod)
         termination = sandbox.termination_message_file(container, sandbox.pod_dir(self.root, pod))
         mapped = sorted([*sandbox.mounts(container, dirs), termination], key=lambda m: -len(m[0]))
-        own = await sandbox.environment(get, pod, container, ip=ip, node=self.node.name,
-                                        allocatable=self.node.capacity)
+        node = self._node_of(run)
+        own = await sandbox.environment(get, pod, container, ip=ip, node=node.name, allocatable=node.capacity)
         known = await self._known_names()
         env, master = {}, None
         for key, value in own.items():
@@ -351,7 +370,7 @@ class Kubelet:
             env["MASTER_PORT"] = str(self.network.group_port(master, env["MASTER_PORT"], run.uid))
         home = sandbox.pod_dir(self.root, pod)
         kubeconfig = self._pod_kubeconfig(run, home, mapped)
-        env = {**sandbox.base_environment(pod, home / "home", kubeconfig, self.node.gpus.get(run.uid, [])),
+        env = {**sandbox.base_environment(pod, home / "home", kubeconfig, node.gpus.get(run.uid, [])),
                **self.extra_env, **env, "KUBECONFIG": str(kubeconfig)}
         for variable in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
             env.pop(variable, None)
@@ -523,17 +542,17 @@ class Kubelet:
     def _event(self, run: PodRun, type_: str, reason: str, message: str) -> None:
         """A core/v1 Event about the pod's container, as the kubelet writes them (in the background)."""
         meta, container = run.pod["metadata"], run.pod["spec"]["containers"][0]["name"]
-        now = podstatus.timestamp()
+        node, now = self._node_of(run).name, podstatus.timestamp()
         event = {"metadata": {"generateName": f"{meta['name']}."}, "type": type_, "reason": reason,
                  "message": message, "count": 1, "firstTimestamp": now, "lastTimestamp": now,
                  "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": meta["namespace"],
                                     "name": meta["name"], "uid": meta["uid"],
                                     "fieldPath": f"spec.containers{{{container}}}"},
-                 "source": {"component": "kubelet", "host": self.node.name},
-                 "reportingComponent": "kubelet", "reportingInstance": self.node.name}
+                 "source": {"component": "kubelet", "host": node},
+                 "reportingComponent": "kubelet", "reportingInstance": node}
         task = asyncio.get_running_loop().create_task(self._post_event(meta["namespace"], event))
-        self._events.add(task)
-        task.add_done_callback(self._events.discard)
+        self._events[task] = node
+        task.add_done_callback(self._events.pop)
 
     async def _post_event(self, namespace: str, event: dict[str, Any]) -> None:
         try:

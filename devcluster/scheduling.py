@@ -1,16 +1,23 @@
-"""The one node's capacity and the scheduler's verdicts, with the scheduler's own messages.
+"""The nodes' capacity and the scheduler's verdicts, with the scheduler's own messages.
 
-A pod fits when, for each resource it asks for (the sum over its containers of `requests`, or `limits` where a
-request is absent, as the API server defaults them), what is free on the node (capacity less what the pods bound to
-it and not finished asked for) covers it; extended resources (`nvidia.com/gpu`) the node lacks count as 0. A pod that
-does not fit stays Pending with condition PodScheduled=False, reason Unschedulable and a message shaped like the
-scheduler's: `0/1 nodes are available: 1 Insufficient nvidia.com/gpu.` A nodeSelector the node's labels do not
-satisfy, a persistentVolumeClaim that does not exist, and a node that is not Ready (lost, see `Kubelet.lose`) are
-reported the same way. GPUs are whole devices: a pod
-is assigned device indices (its CUDA_VISIBLE_DEVICES).
+Every node (one by default; `Kubelet(nodes=N)`) has the same capacity and labels, besides its own
+`kubernetes.io/hostname`. A pod fits on a node when, for each resource it asks for (the sum over its containers of
+`requests`, or `limits` where a request is absent, as the API server defaults them), what is free on that node
+(capacity less what the pods bound to it and not finished asked for) covers it; extended resources (`nvidia.com/gpu`)
+the node lacks count as 0. A node that is not Ready (lost, see `Kubelet.lose`) or whose labels do not satisfy the
+pod's nodeSelector does not take it either. The pod goes on the Ready node where it fits with the fewest pods bound
+to it and not finished, ties to the first in order (`tandem-node`, `tandem-node-2`, ...): pods of equal requests
+spread over the nodes as kube-scheduler's default scoring spreads them. A pod that fits nowhere stays Pending with
+condition PodScheduled=False, reason Unschedulable and a message shaped like the scheduler's, each node's reason
+counted over the nodes: `0/1 nodes are available: 1 Insufficient nvidia.com/gpu.`, `0/2 nodes are available:
+1 Insufficient cpu, 1 node(s) were not ready.` A persistentVolumeClaim that does not exist is told for the pod as a
+whole (`0/2 nodes are available: persistentvolumeclaim "data" not found.`, as kube-scheduler's PreFilter tells it),
+once some node is Ready (while none is, the message counts the nodes not ready). GPUs are whole devices, numbered
+per node: a pod is assigned device indices (its CUDA_VISIBLE_DEVICES).
 
 Defaults are generous (64 CPUs, 256Gi, 0 GPUs) so that only a test that sets a capacity sees it bite.
-Not emulated: init containers' requests, node affinity expressions, taints, priorities and preemption.
+Not emulated: init containers' requests, node affinity expressions, taints, priorities and preemption, and any
+scoring but the spreading above.
 """
 
 from __future__ import annotations
@@ -18,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import defaultdict
-from collections.abc import Mapping
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
@@ -54,7 +61,8 @@ class Node:
         self.labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", **(labels or {})}
         self.allocated: dict[str, dict[str, Decimal]] = {}
         self.gpus: dict[str, list[int]] = {}
-        self.ready = True  # False while the node is lost (Kubelet.lose): nothing is bound to it
+        # False while the node is lost (Kubelet.lose): nothing is bound to it, and its kubelet hears nothing
+        self.ready = True
 
     def manifest(self) -> dict[str, Any]:
         """The Node object's status: capacity and allocatable (the same here), Ready."""
@@ -72,21 +80,16 @@ class Node:
                 used[name] += amount
         return {name: self.capacity.get(name, Decimal(0)) - used[name] for name in {*self.capacity, *used}}
 
-    def unschedulable(self, pod: Mapping[str, Any], missing_claims: list[str]) -> str | None:
-        """The scheduler's message when the pod cannot go on this node; None when it fits."""
+    def unfit(self, pod: Mapping[str, Any]) -> list[str]:
+        """The scheduler's reasons why the pod cannot go on this node (none when it fits)."""
         if not self.ready:
-            return "0/1 nodes are available: 1 node(s) were not ready."
-        if missing_claims:
-            return f'0/1 nodes are available: persistentvolumeclaim "{missing_claims[0]}" not found.'
+            return ["node(s) were not ready"]
         selector = pod.get("spec", {}).get("nodeSelector") or {}
         if any(self.labels.get(key) != value for key, value in selector.items()):
-            return "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector."
+            return ["node(s) didn't match Pod's node affinity/selector"]
         free = self.free()
         short = sorted(name for name, amount in requests_of(pod).items() if amount > free.get(name, Decimal(0)))
-        if short:
-            reasons = ", ".join(f"1 Insufficient {name}" if name != "pods" else "1 Too many pods" for name in short)
-            return f"0/1 nodes are available: {reasons}."
-        return None
+        return [f"Insufficient {name}" if name != "pods" else "Too many pods" for name in short]
 
     def assign(self, uid: str, pod: Mapping[str, Any]) -> None:
         if uid in self.allocated:
@@ -102,12 +105,29 @@ class Node:
         self.gpus.pop(uid, None)
 
 
-class Scheduler:
-    """The default scheduler of the one node: binds the pending pods that fit (in arrival order), and tells those
-    that do not why; pending pods are tried again on every change and every second."""
+def schedule(nodes: Sequence[Node], pod: Mapping[str, Any], missing_claims: list[str]) -> Node | str:
+    """The node the pod goes on (see the module's docstring), or the scheduler's message when it fits on none: each
+    reason counted over the nodes, the counted reasons sorted as kube-scheduler sorts them (as strings)."""
+    if missing_claims and any(node.ready for node in nodes):
+        return f'0/{len(nodes)} nodes are available: persistentvolumeclaim "{missing_claims[0]}" not found.'
+    reasons: Counter[str] = Counter()
+    fitting = []
+    for node in nodes:
+        unfit = node.unfit(pod)
+        reasons.update(unfit)
+        if not unfit:
+            fitting.append(node)
+    if fitting:
+        return min(fitting, key=lambda node: len(node.allocated))
+    return f"0/{len(nodes)} nodes are available: {', '.join(sorted(f'{n} {why}' for why, n in reasons.items()))}."
 
-    def __init__(self, api: Api, node: Node, pods: Mapping[str, dict[str, Any]]) -> None:
-        self.api, self.node, self.pods = api, node, pods
+
+class Scheduler:
+    """The default scheduler of the kubelet's nodes: binds the pending pods that fit (in arrival order), and tells
+    those that do not why; pending pods are tried again on every change and every second."""
+
+    def __init__(self, api: Api, nodes: Sequence[Node], pods: Mapping[str, dict[str, Any]]) -> None:
+        self.api, self.nodes, self.pods = api, nodes, pods
         self.pending: dict[str, None] = {}  # uids, in arrival order
         self.kick = asyncio.Event()
 
@@ -129,21 +149,22 @@ class Scheduler:
     async def _try_to_bind(self, uid: str, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
-        message = self.node.unschedulable(pod, await self._missing_claims(pod))
-        if message:
+        verdict = schedule(self.nodes, pod, await self._missing_claims(pod))
+        if isinstance(verdict, str):
             scheduled = [c for c in pod.get("status", {}).get("conditions") or [] if c["type"] == "PodScheduled"]
-            if not scheduled or scheduled[0].get("message") != message:
+            if not scheduled or scheduled[0].get("message") != verdict:
                 await self.api.patch_status(path, {"phase": "Pending", "conditions": [{
-                    "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
+                    "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": verdict,
                     "lastProbeTime": None, "lastTransitionTime": timestamp()}]})
             return
-        self.node.assign(uid, pod)
+        node = verdict
+        node.assign(uid, pod)
         try:
             await self.api.request("POST", f"{path}/binding", {
                 "apiVersion": "v1", "kind": "Binding", "metadata": {"name": meta["name"]},
-                "target": {"apiVersion": "v1", "kind": "Node", "name": self.node.name}})
+                "target": {"apiVersion": "v1", "kind": "Node", "name": node.name}})
         except ApiError:
-            self.node.release(uid)  # deleted, or bound by someone else, meanwhile
+            node.release(uid)  # deleted, or bound by someone else, meanwhile
         self.pending.pop(uid, None)
 
     async def _missing_claims(self, pod: dict[str, Any]) -> list[str]:

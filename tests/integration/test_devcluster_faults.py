@@ -1,6 +1,6 @@
 """Fault injection in the test cluster (devcluster/faults.py): each fault as a real client sees it (the `kubernetes`
 client configured with `Cluster.kubeconfig_for`, raw HTTP, aiohttp as kopf uses it), hooks at chosen moments, a
-spawned process killed and started again, and a node lost and back."""
+spawned process killed and started again, and a node lost and back (the only one, and one of two)."""
 
 from __future__ import annotations
 
@@ -295,11 +295,11 @@ def test_a_lost_node_fails_its_pods_schedules_nothing_and_comes_back(cluster):
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert not cluster.node_ready()
-    node = cluster.get("nodes", None, cluster.kubelet.node.name)
+    node = cluster.get("nodes", None, "tandem-node")
     assert condition(node, "Ready")["status"] == "Unknown" and condition(node, "Ready")["reason"] == "NodeStatusUnknown"
     lost = cluster.get("pods", NS, "lost-running")
     assert lost["status"]["phase"] == "Failed" and lost["status"]["reason"] == "NodeLost"
-    assert lost["status"]["message"] == f"Node {cluster.kubelet.node.name} which was running pod lost-running is " \
+    assert lost["status"]["message"] == "Node tandem-node which was running pod lost-running is " \
                                         "unresponsive"
     assert condition(lost, "DisruptionTarget")["status"] == "True"
     assert condition(lost, "DisruptionTarget")["reason"] == "DeletionByPodGC"
@@ -323,6 +323,56 @@ def test_a_lost_node_fails_its_pods_schedules_nothing_and_comes_back(cluster):
     assert cluster.get("pods", NS, "lost-running") is None
     assert cluster.get("pods", NS, "lost-done")["status"]["phase"] == "Succeeded"
 
+
+
+def test_one_of_two_nodes_lost_fails_only_its_pods_while_the_other_node_runs_on(tmp_path):
+    def one_cpu(name: str, code: str) -> dict:
+        spec = pod(name, code)
+        spec["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "1"}}
+        return spec
+
+    def scheduled(name: str) -> dict:
+        return condition(two.get("pods", NS, name), "PodScheduled")
+
+    with Cluster(tmp_path, crds=None, deployments=False, images=["python:*"], nodes=2, capacity={"cpu": "1"}) as two:
+        assert sorted(n["metadata"]["labels"]["kubernetes.io/hostname"] for n in two.list("nodes")) == [
+            "tandem-node", "tandem-node-2"]
+        for name in ("spread-a", "spread-b"):
+            two.core.create_namespaced_pod(NS, one_cpu(name, "import time; time.sleep(600)"))
+        pids = {name: two.wait_for(lambda n=name: two.kubelet.pid(NS, n), 15, f"{name} to run")
+                for name in ("spread-a", "spread-b")}
+        lost, kept = (two.get("pods", NS, name)["spec"]["nodeName"] for name in ("spread-a", "spread-b"))
+        assert sorted([lost, kept]) == ["tandem-node", "tandem-node-2"]  # one cpu each: one pod per node
+
+        two.lose_node(down_seconds=3, node=lost)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pids["spread-a"], 0)
+        assert two.kubelet.pid(NS, "spread-b") == pids["spread-b"]
+        assert two.get("pods", NS, "spread-b")["status"]["phase"] == "Running"
+        assert not two.node_ready(lost) and two.node_ready(kept)
+        assert condition(two.get("nodes", None, lost), "Ready")["status"] == "Unknown"
+        failed = two.get("pods", NS, "spread-a")["status"]
+        assert (failed["phase"], failed["reason"]) == ("Failed", "NodeLost")
+        assert failed["message"] == f"Node {lost} which was running pod spread-a is unresponsive"
+
+        two.core.create_namespaced_pod(NS, one_cpu("spread-c", "print('ran on the recovered node')"))
+        two.wait_for(lambda: scheduled("spread-c").get("reason") == "Unschedulable", 5, "spread-c's verdict")
+        assert scheduled("spread-c")["message"] == \
+            "0/2 nodes are available: 1 Insufficient cpu, 1 node(s) were not ready."
+        two.core.create_namespaced_pod(NS, pod("beside", "print('ran during the outage')"))  # no cpu asked for
+        two.wait_for(lambda: two.get("pods", NS, "beside")["status"].get("phase") == "Succeeded", 10,
+                     "a pod to run on the node left while the other is down")
+        assert two.get("pods", NS, "beside")["spec"]["nodeName"] == kept
+        assert not two.get("pods", NS, "spread-c")["spec"].get("nodeName")
+
+        two.wait_for(lambda: two.node_ready(lost), 10, f"{lost} to come back")
+        two.wait_for(lambda: two.get("pods", NS, "spread-c")["status"].get("phase") == "Succeeded", 15,
+                     "spread-c to run on the recovered node")
+        assert two.get("pods", NS, "spread-c")["spec"]["nodeName"] == lost
+        assert "ran on the recovered node" in two.logs(NS, "spread-c")
+        assert two.kubelet.pid(NS, "spread-b") == pids["spread-b"]
+        assert two.get("pods", NS, "spread-a")["status"]["phase"] == "Failed"
+    assert not two.emulator.bugs, two.emulator.bugs
 
 OPERATOR = '''
 import kopf

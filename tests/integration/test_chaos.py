@@ -338,3 +338,38 @@ def test_an_elastic_jobs_lost_rank_is_replaced_in_process_under_faults(tmp_path:
         assert {rank: len(uids) for (_, _, rank), uids in gangs.created.items()} == {"0": 1, "1": 2}
         assert cluster.get("pods", NS, "elastic-worker-0")["metadata"]["uid"] == first
         assert not [line for line in cluster.process_log("operator").splitlines() if "Traceback" in line]
+
+
+def test_an_elastic_job_that_loses_a_node_trains_on_and_its_replacement_joins(tmp_path: Path):
+    """Two nodes, an elastic job's ranks spread over them; rank 1's node is lost (its processes killed, the pod
+    Failed with reason NodeLost by the node lifecycle controller's emulation): rank 0 trains on alone in the same
+    process, the operator replaces rank 1's pod alone (on the node still up), the replacement joins, and the job
+    Succeeds with `restarts` 0. The emulated loss closes the lost processes' connections (they share this machine's
+    kernel); a peer that goes silent instead is caught by its heartbeat (test_elastic_local.py's stopped ranks)."""
+    go = tmp_path / "go"
+    with Cluster(tmp_path, nodes=2, extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
+        start_operator(cluster)
+        create(cluster, JOBS, elastic_job(go))
+        wait(cluster, lambda: (status(cluster, JOBS, "elastic").get("progress") or {}).get("step", 0) >= 5,
+             DONE, "training to begin")
+        first, second = (cluster.get("pods", NS, f"elastic-worker-{index}") for index in (0, 1))
+        assert first["spec"]["nodeName"] != second["spec"]["nodeName"], "the ranks spread over the nodes"
+        survivor = cluster.kubelet.pid(NS, "elastic-worker-0")
+        cluster.lose_node(down_seconds=3.0, node=second["spec"]["nodeName"])
+        joined = wait(cluster, lambda: (s := status(cluster, JOBS, "elastic")).get("lastRecovery", {}).get("added")
+                      == [1] and s, DONE, "the replacement to join")
+        assert (joined["phase"], joined["recoveries"]["regroups"]) == ("Running", 2)
+        assert "regrouped: generation 2, 1 rank(s) (lost rank(s) 1)" in cluster.logs(NS, "elastic-worker-0")
+        replacement = cluster.get("pods", NS, "elastic-worker-1")
+        assert replacement["metadata"]["uid"] != second["metadata"]["uid"]
+        assert cluster.kubelet.pid(NS, "elastic-worker-0") == survivor, "rank 0's process trained on"
+        go.touch()
+        final = wait(cluster, lambda: (s := status(cluster, JOBS, "elastic")).get("phase") in ("Succeeded", "Failed")
+                     and s, DONE, "the job to finish")
+        assert final["phase"] == "Succeeded", final["message"]
+        assert (final["restarts"], final["recoveries"]) == (0, {"regroups": 2, "restarts": 0})
+        assert cluster.get("pods", NS, "elastic-worker-0")["metadata"]["uid"] == first["metadata"]["uid"]
+        replaced = [e["message"] for e in cluster.list("events", NS)
+                    if e["involvedObject"]["name"] == "elastic" and e["reason"] == "ReplacingRank"]
+        assert replaced and "NodeLost" in replaced[0], replaced
+        wait(cluster, lambda: cluster.node_ready(second["spec"]["nodeName"]), 30, "the lost node to come back")

@@ -21,7 +21,7 @@ from tandem.worker.train.data import (
 from tandem.worker.train.elastic import lr_scale, step_examples
 from tandem.worker.train.membership import GroupLost, Plan, is_group_failure, plan_generation
 from tandem.worker.train.modes import ExchangedSharedGradientsMode
-from tandem.worker.train.state import Position
+from tandem.worker.train.state import Position, seed_rank
 
 # (name, previous members, registered slot -> step, joiners slot -> incarnation, min, max,
 #  expected members, source, lost, added, fallback substring or "")
@@ -193,3 +193,15 @@ def test_a_checkpoint_of_the_other_exchange_keeps_the_threshold_and_this_ranks_b
     same = ExchangedSharedGradientsMode(torch.nn.Linear(3, 2), 2, lambda work: work.wait(), spec)
     same.load_state_dict(saved.state_dict())
     assert same.compression.state_dict()["residuals"][0].equal(torch.ones(8))
+
+
+def test_a_joiner_draws_its_own_random_numbers_not_a_peers_nor_step_0s_again():
+    """A rank joining at step 46 takes its peers' model and position, not their generators: its dropout noise is
+    its own, and not the stream its rank drew from step 0 (which it would replay)."""
+    def draws(rank: int, step: int = 0) -> torch.Tensor:
+        seed_rank(7, rank, step=step)
+        return torch.rand(4)
+
+    fresh, joiner, peer = draws(1), draws(1, step=46), draws(0, step=46)
+    assert not joiner.equal(fresh) and not joiner.equal(peer)
+    assert joiner.equal(draws(1, step=46)), "seeded, so a run is repeatable"

@@ -275,12 +275,13 @@ def gather_to_first(value: Any, *, world_size: int, wait: Callable[[dist.Work], 
     return [from_bytes(tensor[:int(size.item())]) for tensor, size in zip(received, sizes, strict=True)]
 
 
-def seed_rank(seed: int, rank: int) -> None:
+def seed_rank(seed: int, rank: int, step: int = 0) -> None:
     """This rank's generators as a fresh run seeds them: Python's and NumPy's from the job's seed, torch's (dropout
-    noise) per rank."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed + 1_000_003 * rank)
+    noise) per rank. `step`: a rank joining an elastic job there, which takes its peers' model but not their
+    generators (a copy of one would repeat that peer's dropout noise), nor step 0's (it would replay them)."""
+    random.seed(seed + step)
+    np.random.seed((seed + step) % 2**32)
+    torch.manual_seed(seed + 1_000_003 * rank + 1_000_000_007 * step)
 
 
 def spec_hash(spec: ParallelTrainingJobSpec) -> str:

@@ -140,8 +140,8 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
     if context.resume_from is not None:
         checkpointer.resume(state, context.resume_from)
     position = state.position
-    if membership is not None:
-        share_state(state, membership.plan, membership.slot, membership.wait)
+    if membership is not None and share_state(state, membership.plan, membership.slot, membership.wait):
+        seed_rank(trainer.seed, context.rank, step=position.step)  # a joiner: its own noise from the step it joins
     schedule.total_steps = total_steps = planned_steps(trainer, loader=loader, position=position) \
         if membership is None else elastic_planned_steps(spec, len(train_set), position, context.world_size)
     reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps,

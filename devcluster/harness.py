@@ -48,8 +48,10 @@ latency, hung requests, ended or cut watches, 410 on resume, for the named clien
 `after(predicate, action)` (a `Hook` called once after a served request, e.g. to `kill_process(name)`, a SIGKILL of
 the process's group, between two of its writes; `spawn` it again under the same name, its log appended to);
 `lose_node(down_seconds, node=None)` (a node's machine dies, the first node's unless `node` names another: its
-pods' processes killed, the Node NotReady, its unfinished pods Failed with NodeLost, nothing scheduled on it; the
-other nodes' pods run on; it comes back after `down_seconds`, `node_ready(node)`; see `Kubelet.lose`).
+pods' processes frozen (SIGSTOP: their connections stay open and silent, as a dead machine's), the Node NotReady,
+its unfinished pods Failed with NodeLost, nothing scheduled on it; the other nodes' pods run on; it comes back after
+`down_seconds`, its frozen processes SIGKILLed first (or when the cluster stops), `node_ready(node)`; see
+`Kubelet.lose`).
 
 For Deployments and Services: `deployment_pods(namespace, name)` (the pods a Deployment owns, oldest first; each
 pod's own address is `pod["status"]["podIP"]`, where a server told to bind 0.0.0.0 listens: network.py) and
@@ -442,8 +444,9 @@ class Cluster:
 
     def lose_node(self, down_seconds: float = 5.0, node: str | None = None) -> None:
         """The node (by name; None: the first, `tandem-node`) dies and comes back after `down_seconds`
-        (Kubelet.lose): returns once it is down, its pods' processes killed, the Node NotReady (Unknown) and its
-        unfinished pods Failed (NodeLost); see `node_ready`."""
+        (Kubelet.lose): returns once it is down, its pods' processes frozen (SIGSTOP: their connections stay open
+        and silent; SIGKILLed when the node comes back, or when the cluster stops), the Node NotReady (Unknown) and
+        its unfinished pods Failed (NodeLost); see `node_ready`."""
         if self.kubelet is None:
             raise RuntimeError("this cluster runs no kubelet")
         self._call(self.kubelet.lose(down_seconds, node))

@@ -25,15 +25,19 @@ through the API like a kubelet (its own aiohttp client, on the emulator's event 
   after SIGTERM, as the kubelet gives. Meanwhile the pod stays Running and readiness is still probed. Then the pod
   is deleted for good (gracePeriodSeconds=0); a pod removed at once (force deletion) is killed at once, no hook;
 - output: each container run's stdout+stderr in a log file (`log_path`, `logs`, and the API's `pods/NAME/log`);
-- a node lost (`lose`, `Cluster.lose_node`): the process group of every pod bound to it is SIGKILLed at once and its
-  kubelet stops (no status, no Events for its pods; it ignores what its watch says of them), while the other nodes'
-  pods run on; the node lifecycle controller and PodGC are emulated on a compressed clock (the Node's Ready Unknown,
-  its unfinished pods Failed with reason NodeLost and a DisruptionTarget condition); the scheduler binds nothing to
-  the node while it is not Ready (Unschedulable, "1 node(s) were not ready"). After `down_seconds` its kubelet comes
-  back (same node, capacity free, Ready): it deletes for good (grace 0) the pods bound to it that were marked for
-  deletion, leaves finished ones, and runs new ones;
-- shutdown: every process group is killed; processes also die with this thread (PR_SET_PDEATHSIG), so none is
-  orphaned; a process's end is awaited through a pidfd on the event loop, so no waiter thread outlives a test.
+- a node lost (`lose`, `Cluster.lose_node`): the process group of every pod bound to it is frozen at once (SIGSTOP),
+  so its connections stay open and silent, as a dead machine's do (no FIN or RST: its peers see nothing until their
+  own timeouts, not the instant close that a SIGKILL on this shared kernel would give), and its kubelet stops (no
+  status, no probes, no restarts, no Events for its pods; it ignores what its watch says of them), while the other
+  nodes' pods run on; the frozen processes are SIGKILLed when the node comes back (its machine rebooted) or when
+  the kubelet stops, whichever is first. The node lifecycle controller and PodGC are emulated on a compressed
+  clock (the Node's Ready Unknown, its unfinished pods Failed with reason NodeLost and a DisruptionTarget
+  condition); the scheduler binds nothing to the node while it is not Ready (Unschedulable, "1 node(s) were not
+  ready"). After `down_seconds` its kubelet comes back (same node, capacity free, Ready): it deletes for good
+  (grace 0) the pods bound to it that were marked for deletion, leaves finished ones, and runs new ones;
+- shutdown: every process group is killed (a lost node's frozen ones too); processes also die with this thread
+  (PR_SET_PDEATHSIG), so none is orphaned; a process's end is awaited through a pidfd on the event loop, so no
+  waiter thread outlives a test.
 
 Accessors for tests (any thread): `node(name)` (a scheduling.Node; `nodes` by name), `log_path`, `logs`,
 `claim_dir`, `pod_dir`, `pid`, and `kill` (a crash).
@@ -95,6 +99,7 @@ class Kubelet:
         self._events: dict[asyncio.Task, str] = {}  # Events being written, to the node of the pod they are about
         self.grace_for_node_monitor = 0.2  # seconds between the loss and the node lifecycle controller's marks
         self._recoveries: list[asyncio.Task] = []  # of the nodes lost
+        self._frozen: dict[str, PodRun] = {}  # the runs of the pods on lost nodes, by uid: SIGSTOPped, not yet killed
 
     # -- accessors for tests (any thread) -------------------------------------------------------------------------
     def node(self, name: str | None = None) -> Node:
@@ -156,7 +161,7 @@ class Kubelet:
 
     async def stop(self) -> None:
         with self._lock:
-            runs = list(self.runs.values())
+            runs = [*self.runs.values(), *self._frozen.values()]  # SIGKILL ends a stopped process too
         await self._end_runs(runs, *self._tasks, *self._recoveries, *self._events)
         await self.informer.stop()
         if self._probes is not None:
@@ -182,8 +187,12 @@ class Kubelet:
         `down_seconds` (a reboot, or a replacement under the same name). Returns once it is down; the recovery runs
         in the background (`Node.ready` again).
 
-        At once: the process group of every pod bound to it is SIGKILLed and its kubelet stops (no status, no Events
-        for its pods; it ignores what its watch says of them); the other nodes' pods are not touched. Then, on a
+        At once: the process group of every pod bound to it is frozen (SIGSTOP), not killed: its connections stay
+        open and silent, so its peers on the other nodes see no FIN or RST, only silence until their own timeouts
+        (heartbeats, keep-alives), as with a dead machine; and its kubelet stops (its pods' run tasks and pending
+        Events cancelled: no status, no probes, no restarts; it ignores what its watch says of them); the other
+        nodes' pods are not touched. The frozen processes are SIGKILLed (and waited for) when the node comes back,
+        its machine rebooted, before its kubelet starts again, or when the kubelet stops, whichever is first. Then, on a
         compressed clock (`grace_for_node_monitor`, 40 s on a cluster), the part of kube-controller-manager emulated
         here: the node lifecycle controller sets the Node's Ready condition to Unknown (NodeStatusUnknown), and PodGC
         marks each pod bound to it that had not finished Failed, reason NodeLost, with a DisruptionTarget condition
@@ -195,7 +204,14 @@ class Kubelet:
         lost.ready = False
         with self._lock:
             runs = [run for run in self.runs.values() if run.pod["spec"]["nodeName"] == lost.name]
-        await self._end_runs(runs, *(task for task, on in self._events.items() if on == lost.name))
+            self._frozen.update((run.uid, run) for run in runs)  # before the tasks end: `_run` then kills nothing
+        for run in runs:
+            self._kill(run, signal.SIGSTOP)
+        tasks = [*(run.task for run in runs if run.task),
+                 *(task for task, on in self._events.items() if on == lost.name)]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.sleep(self.grace_for_node_monitor)  # any status write already sent is served before the marks
         self._mark_node_lost(lost.name)
         self.scheduler.kick.set()
@@ -226,6 +242,7 @@ class Kubelet:
 
     async def _recover_after(self, node: Node, down_seconds: float) -> None:
         await asyncio.sleep(down_seconds)
+        await self._kill_frozen(node)  # the machine rebooted: what ran on it is gone
         while True:
             try:
                 await self._recover(node)
@@ -233,6 +250,17 @@ class Kubelet:
             except (ApiError, aiohttp.ClientError) as error:  # faults injected for the kubelet, say
                 logger.warning("kubelet: recovering node %s: %s; trying again", node.name, error)
                 await asyncio.sleep(0.5)
+
+    async def _kill_frozen(self, node: Node) -> None:
+        """SIGKILL the process groups frozen when `node` was lost, wait for them to end, and release what they held."""
+        with self._lock:
+            runs = [run for run in self._frozen.values() if run.pod["spec"]["nodeName"] == node.name]
+        await self._end_runs(runs)
+        with self._lock:
+            for run in runs:
+                self._frozen.pop(run.uid, None)
+        for run in runs:
+            node.release(run.uid)
 
     async def _recover(self, node: Node) -> None:
         """The node's kubelet starts again: Ready, capacity free, each pod bound to the node looked at once more
@@ -298,8 +326,15 @@ class Kubelet:
         except Exception:
             logger.exception("kubelet: pod %s failed in the test kubelet", run.path)
         finally:
-            self._kill(run, signal.SIGKILL)
-            self._node_of(run).release(run.uid)
+            if run.uid not in self._frozen:
+                self._kill(run, signal.SIGKILL)
+                self._node_of(run).release(run.uid)
+            # A frozen run (its node lost) keeps its process and its node's allocation until `_kill_frozen`, but not
+            # its MASTER_PORT group: a new group must get a fresh port, not the one a frozen rank 0's store may still
+            # listen on (free_port binds every interface, so the kernel hands out no port a frozen process holds).
+            # Its address is no problem either: a replacement pod with its hostname and subdomain gets the same
+            # one (network.py keeps it by DNS name), which is harmless, as ranks listen on ephemeral ports and the
+            # store, on rank 0 only, listens on the group's port on every interface anyway.
             self.network.release(run.uid)
             self.scheduler.kick.set()
             with self._lock:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import sys
 import textwrap
 import time
@@ -48,6 +49,14 @@ def pod(name: str, code: str, **spec) -> dict:
 
 def condition(obj: dict, type_: str) -> dict:
     return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter in /proc (R, S, T for stopped...); None once it is gone."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
 
 
 # -- write errors -------------------------------------------------------------------------------------------------
@@ -287,13 +296,12 @@ def test_a_lost_node_fails_its_pods_schedules_nothing_and_comes_back(cluster):
     for name in ("lost-running", "lost-terminating"):
         cluster.wait_for(lambda n=name: cluster.kubelet.pid(NS, n), 15, f"{name} to run")
     cluster.wait_for(lambda: cluster.get("pods", NS, "lost-done")["status"].get("phase") == "Succeeded", 15)
-    pid = cluster.kubelet.pid(NS, "lost-running")
+    pids = [cluster.kubelet.pid(NS, name) for name in ("lost-running", "lost-terminating")]
     cluster.core.delete_namespaced_pod("lost-terminating", NS)  # it ignores SIGTERM: Terminating for 60 s
     cluster.wait_for(lambda: cluster.get("pods", NS, "lost-terminating")["metadata"].get("deletionTimestamp"), 5)
 
     cluster.lose_node(down_seconds=3)
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    assert [process_state(pid) for pid in pids] == ["T", "T"]  # frozen, not killed: a dead machine's processes
     assert not cluster.node_ready()
     node = cluster.get("nodes", None, "tandem-node")
     assert condition(node, "Ready")["status"] == "Unknown" and condition(node, "Ready")["reason"] == "NodeStatusUnknown"
@@ -316,6 +324,9 @@ def test_a_lost_node_fails_its_pods_schedules_nothing_and_comes_back(cluster):
     assert cluster.get("pods", NS, "lost-terminating") is not None  # its deletion waits for the kubelet
 
     cluster.wait_for(cluster.node_ready, 10, "the node to come back")
+    for pid in pids:  # killed (and reaped) as the node came back: its machine rebooted
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
     cluster.wait_for(lambda: cluster.get("pods", NS, "lost-new")["status"].get("phase") == "Succeeded", 15,
                      "lost-new to run after the outage")
     assert "ran after the outage" in cluster.logs(NS, "lost-new")
@@ -325,7 +336,21 @@ def test_a_lost_node_fails_its_pods_schedules_nothing_and_comes_back(cluster):
 
 
 
+SERVER = """
+import socket, sys
+server = socket.create_server((sys.argv[1], 0))
+print(server.getsockname()[1], flush=True)
+peers = []
+while True:
+    peer, _ = server.accept()
+    peer.sendall(b"hi")
+    peers.append(peer)
+"""
+
+
 def test_one_of_two_nodes_lost_fails_only_its_pods_while_the_other_node_runs_on(tmp_path):
+    """The lost node's pod, a TCP server, is frozen: its process stopped, a connection to it open and silent (no
+    EOF) while the node is down; the connection ends only when the process is killed, as the node comes back."""
     def one_cpu(name: str, code: str) -> dict:
         spec = pod(name, code)
         spec["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "1"}}
@@ -337,16 +362,23 @@ def test_one_of_two_nodes_lost_fails_only_its_pods_while_the_other_node_runs_on(
     with Cluster(tmp_path, crds=None, deployments=False, images=["python:*"], nodes=2, capacity={"cpu": "1"}) as two:
         assert sorted(n["metadata"]["labels"]["kubernetes.io/hostname"] for n in two.list("nodes")) == [
             "tandem-node", "tandem-node-2"]
-        for name in ("spread-a", "spread-b"):
-            two.core.create_namespaced_pod(NS, one_cpu(name, "import time; time.sleep(600)"))
+        server = one_cpu("spread-a", SERVER)
+        server["spec"]["containers"][0]["args"] = ["0.0.0.0"]  # the pod's own address (network.bind_to_pod)
+        two.core.create_namespaced_pod(NS, server)
+        two.core.create_namespaced_pod(NS, one_cpu("spread-b", "import time; time.sleep(600)"))
         pids = {name: two.wait_for(lambda n=name: two.kubelet.pid(NS, n), 15, f"{name} to run")
                 for name in ("spread-a", "spread-b")}
         lost, kept = (two.get("pods", NS, name)["spec"]["nodeName"] for name in ("spread-a", "spread-b"))
         assert sorted([lost, kept]) == ["tandem-node", "tandem-node-2"]  # one cpu each: one pod per node
+        port = int(two.wait_for(lambda: two.logs(NS, "spread-a").strip(), 10, "spread-a to listen"))
+        peer = socket.create_connection((two.get("pods", NS, "spread-a")["status"]["podIP"], port), timeout=5)
+        assert peer.recv(16) == b"hi"
 
         two.lose_node(down_seconds=3, node=lost)
-        with pytest.raises(ProcessLookupError):
-            os.kill(pids["spread-a"], 0)
+        assert process_state(pids["spread-a"]) == "T"  # frozen, not killed: a dead machine's process
+        peer.settimeout(0.5)
+        with pytest.raises(TimeoutError):  # silence: no FIN, no RST, as from a machine gone
+            peer.recv(16)
         assert two.kubelet.pid(NS, "spread-b") == pids["spread-b"]
         assert two.get("pods", NS, "spread-b")["status"]["phase"] == "Running"
         assert not two.node_ready(lost) and two.node_ready(kept)
@@ -366,6 +398,10 @@ def test_one_of_two_nodes_lost_fails_only_its_pods_while_the_other_node_runs_on(
         assert not two.get("pods", NS, "spread-c")["spec"].get("nodeName")
 
         two.wait_for(lambda: two.node_ready(lost), 10, f"{lost} to come back")
+        assert process_state(pids["spread-a"]) is None  # killed as its machine rebooted: the connection ends now
+        peer.settimeout(5)
+        assert peer.recv(16) == b""  # FIN: it had nothing unread
+        peer.close()
         two.wait_for(lambda: two.get("pods", NS, "spread-c")["status"].get("phase") == "Succeeded", 15,
                      "spread-c to run on the recovered node")
         assert two.get("pods", NS, "spread-c")["spec"]["nodeName"] == lost

@@ -6,6 +6,7 @@ back to a whole-group restart from the latest checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -169,6 +170,35 @@ def test_a_stopped_rank_is_left_behind_within_seconds_and_rejoins_when_it_wakes(
     assert rates[0] == rates[-1] == pytest.approx(0.05), rates
     assert pytest.approx(0.025) in rates, rates
     assert (written["manifest"]["world_size"], len(written["per_rank"])) == (1, 1)
+
+
+def test_a_rank_frozen_in_the_final_checkpoint_leaves_the_others_to_write_it(tmp_path, launched):
+    """Rank 1 stops (SIGSTOP) inside the evaluation of the final checkpoint (the job's only one): rank 0 regroups
+    alone and writes it itself; the job Succeeds without a restart. Woken, rank 1 finds the training over."""
+    stopped = tmp_path / "stopped"
+    path = manifest(tmp_path, "final", elastic={"minWorkers": 1},
+                    trainer={"model": "userland:freezes_in_evaluation",
+                             "modelArgs": {"until": str(tmp_path / "go"), "stopped": str(stopped),
+                                           "step_seconds": 0.0},
+                             "epochs": 2, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
+                    checkpoint={"directory": str(tmp_path / "final" / "checkpoints"), "everySteps": 1000})
+    launcher, stderr = start_tandem_run(path)
+    launched.append(launcher)
+    wait_for_stderr(launcher, stderr, lambda text: stopped.exists())
+    sleeper = rank_pid(launcher, 1)
+    try:
+        wait_for_stderr(launcher, stderr, timeout=60, done=lambda text: "Succeeded" in text)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # gone if the group was restarted
+            os.kill(sleeper, signal.SIGCONT)
+    stdout, _ = launcher.communicate(timeout=120)
+    text = stderr.read_text()
+    assert launcher.returncode == 0, text
+    assert "heartbeat stalled" in text and "regrouped: generation 2, 1 rank(s) (lost rank(s) 1)" in text
+    status = json.loads(stdout)
+    assert (status["phase"], status["restarts"]) == ("Succeeded", 0), status
+    assert status["progress"]["step"] == status["progress"]["totalSteps"] == 90
+    assert status["checkpoint"]["latest"].endswith("step-00000090.pt") and "accuracy" in status["metrics"]
 
 
 def test_a_rank_frozen_in_a_checkpoints_evaluation_is_left_behind_within_seconds(tmp_path, launched):

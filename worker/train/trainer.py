@@ -234,6 +234,11 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
         try:
             outcome = run_steps()
             if outcome.stop or not outcome.regroup:
+                # In the loop: an elastic job's member lost while the final checkpoint is written regroups, and the
+                # survivors write it again.
+                generation.agreement.close()
+                save(final=True)
+                communication = communication_totals(state.mode, wait=waits_for(membership))
                 break
             generation.agreement.close()
             lost_at = None
@@ -247,13 +252,10 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
             say(f"tandem worker: {left}, as asked (its pod is going)")
             return None
         total_steps = generation.total_steps
-    generation.agreement.close()
-    save(final=True)
     if scalars is not None:
         scalars.close()
 
     metrics = checkpointer.metrics  # the final checkpoint's evaluation: the trained model's
-    communication = communication_totals(state.mode)
     if membership is not None:
         membership.finish()
     if reporter is None:
@@ -386,10 +388,10 @@ def elastic_planned_steps(spec: ParallelTrainingJobSpec, epoch_size: int, positi
     return total if trainer.max_steps is None else min(total, trainer.max_steps)
 
 
-def communication_totals(mode: TrainingMode) -> tuple[int, int]:
+def communication_totals(mode: TrainingMode, *, wait: Callable[[dist.Work], None]) -> tuple[int, int]:
     """(bytes sent, dense bytes) summed over ranks."""
     totals = torch.tensor([float(n) for n in mode.communication()], dtype=torch.float64)
-    dist.all_reduce(totals)
+    wait(dist.all_reduce(totals, async_op=True))
     return int(totals[0]), int(totals[1])
 
 

@@ -252,15 +252,14 @@ class Kubelet:
                 await asyncio.sleep(0.5)
 
     async def _kill_frozen(self, node: Node) -> None:
-        """SIGKILL the process groups frozen when `node` was lost, wait for them to end, and release what they held."""
+        """SIGKILL the process groups frozen when `node` was lost and wait for them to end (what they held of the
+        node, `_recover` releases with the rest)."""
         with self._lock:
             runs = [run for run in self._frozen.values() if run.pod["spec"]["nodeName"] == node.name]
         await self._end_runs(runs)
         with self._lock:
             for run in runs:
                 self._frozen.pop(run.uid, None)
-        for run in runs:
-            node.release(run.uid)
 
     async def _recover(self, node: Node) -> None:
         """The node's kubelet starts again: Ready, capacity free, each pod bound to the node looked at once more

@@ -172,20 +172,27 @@ def test_a_stopped_rank_is_left_behind_within_seconds_and_rejoins_when_it_wakes(
     assert (written["manifest"]["world_size"], len(written["per_rank"])) == (1, 1)
 
 
-def test_a_rank_frozen_in_the_final_checkpoint_leaves_the_others_to_write_it(tmp_path, launched):
-    """Rank 1 stops (SIGSTOP) inside the evaluation of the final checkpoint (the job's only one): rank 0 regroups
-    alone and writes it itself; the job Succeeds without a restart. Woken, rank 1 finds the training over."""
+def start_frozen_in_evaluation(tmp_path: Path, name: str, launched: list, *, go: Path, step_seconds: float,
+                               epochs: int, every_steps: int) -> tuple[subprocess.Popen, Path, int]:
+    """`tandem run` of an elastic job whose rank 1 stops itself in its first evaluation (userland's
+    freezes_in_evaluation), returned once it has: the launcher, its stderr file, and the stopped rank's pid."""
     stopped = tmp_path / "stopped"
-    path = manifest(tmp_path, "final", elastic={"minWorkers": 1},
+    path = manifest(tmp_path, name, elastic={"minWorkers": 1},
                     trainer={"model": "userland:freezes_in_evaluation",
-                             "modelArgs": {"until": str(tmp_path / "go"), "stopped": str(stopped),
-                                           "step_seconds": 0.0},
-                             "epochs": 2, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
-                    checkpoint={"directory": str(tmp_path / "final" / "checkpoints"), "everySteps": 1000})
+                             "modelArgs": {"until": str(go), "stopped": str(stopped), "step_seconds": step_seconds},
+                             "epochs": epochs, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
+                    checkpoint={"directory": str(tmp_path / name / "checkpoints"), "everySteps": every_steps})
     launcher, stderr = start_tandem_run(path)
     launched.append(launcher)
     wait_for_stderr(launcher, stderr, lambda text: stopped.exists())
-    sleeper = rank_pid(launcher, 1)
+    return launcher, stderr, rank_pid(launcher, 1)
+
+
+def test_a_rank_frozen_in_the_final_checkpoint_leaves_the_others_to_write_it(tmp_path, launched):
+    """Rank 1 stops (SIGSTOP) inside the evaluation of the final checkpoint (the job's only one): rank 0 regroups
+    alone and writes it itself; the job Succeeds without a restart. Woken, rank 1 finds the training over."""
+    launcher, stderr, sleeper = start_frozen_in_evaluation(tmp_path, "final", launched, go=tmp_path / "go",
+                                                           step_seconds=0.0, epochs=2, every_steps=1000)
     try:
         wait_for_stderr(launcher, stderr, timeout=60, done=lambda text: "Succeeded" in text)
     finally:
@@ -206,16 +213,9 @@ def test_a_rank_frozen_in_a_checkpoints_evaluation_is_left_behind_within_seconds
     abandons the checkpoint once rank 1's heartbeat stalls (not at the group's timeout, 300 s) and goes on alone;
     woken, rank 1 rejoins. A checkpoint's collectives (the evaluation's totals, each rank's state gathered to rank
     0) are waited on as a step's are."""
-    go, stopped = tmp_path / "go", tmp_path / "stopped"
-    path = manifest(tmp_path, "frozen", elastic={"minWorkers": 1},
-                    trainer={"model": "userland:freezes_in_evaluation",
-                             "modelArgs": {"until": str(go), "stopped": str(stopped), "step_seconds": 0.1},
-                             "epochs": 4, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
-                    checkpoint={"directory": str(tmp_path / "frozen" / "checkpoints"), "everySteps": 40})
-    launcher, stderr = start_tandem_run(path)
-    launched.append(launcher)
-    wait_for_stderr(launcher, stderr, lambda text: stopped.exists())
-    sleeper = rank_pid(launcher, 1)
+    go = tmp_path / "go"
+    launcher, stderr, sleeper = start_frozen_in_evaluation(tmp_path, "frozen", launched, go=go, step_seconds=0.1,
+                                                           epochs=4, every_steps=40)
     try:
         wait_for_stderr(launcher, stderr, timeout=60,
                         done=lambda text: "heartbeat stalled" in text and "regrouped: generation 2" in text)

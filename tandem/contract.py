@@ -120,6 +120,14 @@ PERMANENT_FAILURE_EXIT_CODE = 78
 """A rank's exit code for a permanent failure (sysexits.h's EX_CONFIG). The job fails at once with its reason,
 spending no `backoffLimit`; the rank's output ends with the report (`permanent_failure_report`), which the job's
 message leads with."""
+GROUP_RESTART_EXIT_CODE = 75
+"""An elastic job's rank's exit code when its group cannot regroup (sysexits.h's EX_TEMPFAIL: the coordinator gone,
+or a fallback it planned): the whole group restarts from its latest checkpoint; the rank is not replaced alone."""
+
+
+class GroupMustRestart(RuntimeError):
+    """An elastic job's group cannot go on in process (worker/train/membership.py's RegroupFailed): the rank exits
+    with GROUP_RESTART_EXIT_CODE."""
 
 
 class PermanentFailure(ValueError):

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.api import ParallelTrainingJobSpec
-from tandem.contract import WorkerContract
+from tandem.contract import GROUP_RESTART_EXIT_CODE, PERMANENT_FAILURE_EXIT_CODE, WorkerContract
 
 TRAIN_COMMAND = [sys.executable, "-m", "tandem.worker", "train"]
+COORDINATOR_COMMAND = [sys.executable, "-m", "tandem.worker", "coordinator"]
 POLL_SECONDS = 0.2
 LOG_TAIL_LINES = 30
 _PR_SET_PDEATHSIG = 1
@@ -76,7 +77,7 @@ class LocalGroup:
     def __init__(self, command: list[str], contracts: list[WorkerContract], *, environ: Mapping[str, str],
                  log_dir: Path, echo: bool = False, own_sessions: bool = True,
                  parent_death_signal: int = signal.SIGTERM, grace_seconds: float | None = 30.0,
-                 replaces_lost: bool = False):
+                 coordinator: Mapping[str, str] | None = None):
         self.command = command
         self.contracts = contracts
         self.environ = dict(environ)
@@ -92,10 +93,13 @@ class LocalGroup:
         self.exits: list[tuple[int, int]] = []
         """(index in `contracts`, exit code) in the order the ranks exited: the first to fail is the cause, not the
         ranks that failed because it did (a rank whose peer is gone fails too, often within the same poll)."""
-        self.replaces_lost = replaces_lost
-        """An elastic job's (spec.elastic, recovery regroup): a rank other than 0 that fails is replaced by a new
-        process in its place, which joins the survivors' group; rank 0's failure stops the group as ever (it hosts
-        the group's store)."""
+        self.coordinator_environ = coordinator
+        """An elastic job's (spec.elastic, recovery regroup): its coordinator's contract (MASTER_PORT, WORLD_SIZE,
+        TANDEM_SPEC), started before the ranks (worker/train/coordinator.py: the job's store and planner). A rank that
+        fails is then replaced by a new process in its place, which joins the survivors' group, unless it says the
+        group must restart (GROUP_RESTART_EXIT_CODE) or its failure is permanent; the coordinator's exit 0 ends the
+        training."""
+        self.coordinator: subprocess.Popen | None = None
         self.replaced: list[tuple[int, int]] = []
         """(index in `contracts`, exit code) of each rank replaced, in order."""
         self._replaceable: list[tuple[int, int]] = []
@@ -104,8 +108,18 @@ class LocalGroup:
         self._exited = threading.Event()
         """Set when a rank exits: `wait` reacts at once, before the failed rank's peers fail in their turn."""
 
+    @property
+    def replaces_lost(self) -> bool:
+        return self.coordinator_environ is not None
+
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.coordinator_environ is not None:
+            with open(self.log_dir / "coordinator.log", "wb") as output:
+                self.coordinator = subprocess.Popen(
+                    COORDINATOR_COMMAND, env={**self.environ, **self.coordinator_environ}, stdout=output,
+                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=self.own_sessions,
+                    preexec_fn=_on_parent_death(signal.SIGKILL))
         for index, contract in enumerate(self.contracts):
             self.logs.append(self.log_dir / f"rank-{contract.rank}.log")
             self.processes.append(self._launch(index, mode="wb"))
@@ -140,7 +154,7 @@ class LocalGroup:
 
     def _watch(self, index: int, process: subprocess.Popen) -> None:
         code = process.wait()
-        replaceable = self.replaces_lost and code != 0 and self.contracts[index].rank != 0
+        replaceable = self.replaces_lost and code not in (0, GROUP_RESTART_EXIT_CODE, PERMANENT_FAILURE_EXIT_CODE)
         (self._replaceable if replaceable else self.exits).append((index, code))
         self._exited.set()
 
@@ -150,7 +164,7 @@ class LocalGroup:
         started it ends."""
         while self._replaceable:
             index, code = self._replaceable.pop(0)
-            if self.stopping_since is None and not self._ending and not self.exits:
+            if self.stopping_since is None and not self._ending and not self.exits and self.coordinator.poll() is None:
                 self.replaced.append((index, code))
                 self.processes[index] = self._launch(index, mode="ab")
             else:
@@ -169,15 +183,15 @@ class LocalGroup:
                 process.send_signal(signal.SIGTERM)
 
     def kill_all(self) -> None:
-        """SIGKILL to each rank (to its whole session, where it has one), then reap the ranks."""
+        """SIGKILL to each rank (to its whole session, where it has one) and the coordinator, then reap them."""
         self._ending = True
-        for process in self.processes:
+        for process in [*self.processes, *([self.coordinator] if self.coordinator is not None else [])]:
             with contextlib.suppress(ProcessLookupError, PermissionError):  # the rank and all it started are gone
                 if self.own_sessions:
                     os.killpg(process.pid, signal.SIGKILL)
                 elif process.poll() is None:
                     process.kill()
-        for process in self.processes:
+        for process in [*self.processes, *([self.coordinator] if self.coordinator is not None else [])]:
             process.wait()
 
     def wait(self, *, on_poll: Callable[[], None] = lambda: None,
@@ -189,9 +203,10 @@ class LocalGroup:
             self._replace_lost()
             exits = list(self.exits)
             failed = [(index, code) for index, code in exits if code != 0]
-            if self.replaces_lost and self._first_rank_succeeded(exits):
-                # Rank 0 ends an elastic job's training, after the last collective: the others are done, or are
-                # replacements that have nothing to join (stopped).
+            if self.replaces_lost and (self.coordinator.poll() == 0 or any(code == 0 for _, code in exits)):
+                # An elastic job's training is over (the coordinator ends once the ranks mark it finished; a rank
+                # exits 0 only after): the others are done, or are ranks woken too late and replacements that have
+                # nothing to join (stopped).
                 failed = []
                 if not self._ending:
                     self._ending = True
@@ -212,9 +227,6 @@ class LocalGroup:
                 return GroupExit()
             self._exited.wait(POLL_SECONDS)
             self._exited.clear()
-
-    def _first_rank_succeeded(self, exits: list[tuple[int, int]]) -> bool:
-        return any(self.contracts[index].rank == 0 and code == 0 for index, code in exits)
 
     def _exit(self, index: int, code: int) -> GroupExit:
         contract = self.contracts[index]

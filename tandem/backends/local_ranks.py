@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tandem.api import ParallelTrainingJob, ParallelTrainingJobStatus
-from tandem.contract import WorkerContract
+from tandem.contract import JOB, MASTER_PORT, SPEC, WORLD_SIZE, WorkerContract
 from tandem.worker.local_group import GroupExit, LocalGroup, rank_command
 from tandem.worker.train.process_group import free_port
 from tandem.worker.train.reporting import read_status_file
@@ -42,10 +42,13 @@ class Launcher(LocalGroup):
         ) for rank in range(spec.workers)]
         super().__init__(rank_command(spec), contracts,
                          environ={**os.environ, **{e.name: e.value or "" for e in spec.env}}, log_dir=run_dir,
-                         grace_seconds=grace_seconds, replaces_lost=spec.regroups)
+                         grace_seconds=grace_seconds,
+                         coordinator={MASTER_PORT: str(self.master_port), WORLD_SIZE: str(spec.workers),
+                                      SPEC: str(spec_path), JOB: job.metadata.name} if spec.regroups else None)
         self.status: ParallelTrainingJobStatus | None = None
         """Rank 0's latest."""
-        self._shown_up_to = 0
+        self._shown_up_to = [0] * spec.workers
+        self._shown: set[str] = set()
         self._replacements_shown = 0
 
     def start(self) -> None:
@@ -72,15 +75,20 @@ class Launcher(LocalGroup):
                 "(elastic: they regroup without it meanwhile)")
 
     def _new_lines(self) -> list[str]:
-        """Rank 0's complete log lines written since the last call."""
-        if not self.logs:
-            return []
-        try:
-            with open(self.logs[0], "rb") as log:
-                log.seek(self._shown_up_to)
-                text = log.read()
-        except OSError:
-            return []
-        complete = text[:text.rfind(b"\n") + 1]
-        self._shown_up_to += len(complete)
-        return complete.decode(errors="replace").splitlines()
+        """The complete log lines written since the last call: rank 0's; an elastic job's, every rank's not shown
+        before (rank 0 moves to another rank when it is lost, and every rank prints the same warnings)."""
+        lines = []
+        for index, log in enumerate(self.logs if self.replaces_lost else self.logs[:1]):
+            try:
+                with open(log, "rb") as output:
+                    output.seek(self._shown_up_to[index])
+                    text = output.read()
+            except OSError:
+                continue
+            complete = text[:text.rfind(b"\n") + 1]
+            self._shown_up_to[index] += len(complete)
+            for line in complete.decode(errors="replace").splitlines():
+                if not self.replaces_lost or line not in self._shown:
+                    self._shown.add(line)
+                    lines.append(line)
+        return lines

@@ -1,8 +1,9 @@
 """Elastic training under `tandem run` (spec.elastic, recovery regroup) with real rank processes: a rank killed or
 stopped costs the step in flight, not a restart. The survivor keeps its process and goes on alone, the launcher's
 replacement joins and takes the state from it, and across every size change each example of an epoch is trained
-on once (each rank logs what it took: TANDEM_EXAMPLES_LOG). Rank 0's loss, and a regroup past its deadline, fall
-back to a whole-group restart from the latest checkpoint."""
+on once (each rank logs what it took: TANDEM_EXAMPLES_LOG). Rank 0 is replaced like the others: the coordinator (the
+job's store and planner) is a process of its own; its loss, and a regroup past its deadline, fall back to a
+whole-group restart from the latest checkpoint."""
 
 from __future__ import annotations
 
@@ -29,16 +30,20 @@ EPOCH_SIZE = 1438  # tandem.examples.digits:train_data
 STEP_EXAMPLES = 32  # workers 2 x batchSizePerWorker 16: the global batch, kept at every size
 
 
-def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
-    """The pid of the rank process `rank` that `launcher` (`tandem run`) started, if one runs."""
+def rank_pid(launcher: subprocess.Popen, rank: int | str) -> int | None:
+    """The pid of the rank process `rank` that `launcher` (`tandem run`) started, if one runs; "coordinator": the
+    elastic job's coordinator's."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
                 environ = (entry / "environ").read_bytes().split(b"\0")
+                command = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if parent == launcher.pid and f"RANK={rank}".encode() in environ:
+            if parent != launcher.pid:
+                continue
+            if rank == "coordinator" and b"coordinator" in command or f"RANK={rank}".encode() in environ:
                 return int(entry.name)
     return None
 
@@ -130,6 +135,49 @@ def test_a_rank_killed_mid_epoch_is_replaced_without_a_restart(tmp_path, monkeyp
     assert abs(accuracy - uninterrupted) <= 0.03, (accuracy, uninterrupted)
 
 
+def test_rank_0_killed_is_replaced_alone_and_its_duties_follow_rank_0(tmp_path, monkeypatch, launched):
+    """SIGKILL of rank 0 mid-epoch (slot 0: the status, the checkpoints, the curves): rank 1 (same pid) becomes rank
+    0 of the next generation at once and takes them on, training on alone; slot 0's replacement joins and is rank 0
+    again. `restarts` stays 0, every example of every epoch is trained on once, the checkpoints go on in the run's
+    record, the status keeps its history, and the curves go on in the same run folder (a new event file)."""
+    go, log = tmp_path / "go", tmp_path / "examples.log"
+    monkeypatch.setenv("TANDEM_EXAMPLES_LOG", str(log))
+    path = elastic_job(tmp_path, "first", go=go)
+    launcher, stderr = start_tandem_run(path)
+    launched.append(launcher)
+    wait_for_stderr(launcher, stderr, lambda text: step_of(text) >= 45)  # past the checkpoint of step 40
+    survivor = rank_pid(launcher, 1)
+    os.kill(rank_pid(launcher, 0), signal.SIGKILL)
+    wait_for_stderr(launcher, stderr, lambda text: "regrouped: generation 2, 1 rank(s) (lost rank(s) 0)" in text)
+    wait_for_stderr(launcher, stderr, lambda text: "regrouped: generation 3, 2 rank(s) (added rank(s) 0)" in text,
+                    timeout=180)
+    assert rank_pid(launcher, 1) == survivor, "the survivor kept its process"
+    go.touch()
+    stdout, _ = launcher.communicate(timeout=180)
+    text = stderr.read_text()
+    assert launcher.returncode == 0, text
+    assert "rank 0 exited with code -9 (killed by SIGKILL): started a replacement" in text
+    status = json.loads(stdout)
+    assert (status["phase"], status["restarts"]) == ("Succeeded", 0), text
+    assert status["recoveries"] == {"regroups": 2, "restarts": 0}
+    last = status["lastRecovery"]
+    assert (last["kind"], last["added"], last["workers"]) == ("regroup", [0], 2), last
+    assert status["progress"]["step"] == status["progress"]["totalSteps"]
+    history = [record["step"] for record in status["checkpoint"]["history"]]
+    expected = [*range(40, status["progress"]["step"], 40), status["progress"]["step"]]
+    assert history == expected[-len(history):], history  # one record each, none lost across the takeovers
+    epochs = examples_by_epoch(log)
+    assert all(max(epoch.values()) == 1 for epoch in epochs), "no example twice in an epoch"
+    assert sum(EPOCH_SIZE - len(epoch) for epoch in epochs) == 0, "each example of each epoch once"
+    directory = tmp_path / "first" / "checkpoints"
+    assert checkpoint.latest(directory).name == f"step-{status['progress']['step']:08d}.pt"
+    [run] = curves.run_folders(directory)
+    assert len(list(run.glob("events.out.tfevents.*"))) == 3, "slot 0, then slot 1, then slot 0's replacement"
+    steps = [step for step, _ in curves.read_scalars(run)[curves.LOSS]]
+    assert steps == sorted(set(steps)) and steps[-1] >= status["progress"]["step"] - 10, steps
+    assert leftover_processes("first") == []
+
+
 def test_a_stopped_rank_is_left_behind_within_seconds_and_rejoins_when_it_wakes(tmp_path, launched):
     """SIGSTOP of rank 1: its connections stay open, so no collective fails; its heartbeat stalls and rank 0
     abandons the step in flight and goes on alone. Woken (SIGCONT), the same process finds its group gone and joins
@@ -162,7 +210,7 @@ def test_a_stopped_rank_is_left_behind_within_seconds_and_rejoins_when_it_wakes(
     assert launcher.returncode == 0, text
     status = json.loads(stdout)
     assert (status["phase"], status["restarts"], status["recoveries"]["regroups"]) == ("Succeeded", 0, 2)
-    assert "started a replacement" not in text
+    assert "code 75: started a replacement" not in text, "a rank that says the group must restart is not replaced"
     assert "batch perRank: global batch 16, learning rate x0.5 (lrScaling linear, 1 of 2 workers)" in text
     assert "batch perRank: global batch 32, learning rate x1 (lrScaling linear, 2 of 2 workers)" in text
     [run] = curves.run_folders(tmp_path / "stopped" / "checkpoints")
@@ -232,15 +280,15 @@ def test_a_rank_frozen_in_a_checkpoints_evaluation_is_left_behind_within_seconds
 
 
 @pytest.mark.parametrize(("lost", "elastic", "why"), [
-    (0, {}, "rank 0 exited with code -9"),
+    ("coordinator", {}, "RegroupFailed: the job's coordinator (its store) is gone"),
     (1, {"minWorkers": 2, "regroupDeadlineSeconds": 1},
      "RegroupFailed: 1 rank(s) left, fewer than elastic.minWorkers (2) within elastic.regroupDeadlineSeconds (1s)"),
-], ids=["rank 0 lost", "regroup past its deadline"])
+], ids=["coordinator lost", "regroup past its deadline"])
 def test_a_loss_the_group_cannot_regroup_from_falls_back_to_a_restart_from_the_checkpoint(tmp_path, launched, lost,
                                                                                          elastic, why):
-    """Rank 0 lost (it hosts the group's store and coordinates), or rank 1 lost with minWorkers 2 of 2 and a
-    replacement that cannot start and join within a deadline of 1 s: the job restarts whole from its latest
-    checkpoint, says why, and counts it (restarts, recoveries.restarts, lastRecovery a restart); rank 0 is never
+    """The coordinator lost (the job's store and planner), or rank 1 lost with minWorkers 2 of 2 and a replacement
+    that cannot start and join within a deadline of 1 s: the job restarts whole from its latest checkpoint, says why,
+    and counts it (restarts, recoveries.restarts, lastRecovery a restart); the ranks that say so (exit code 75) are not
     replaced alone."""
     go = tmp_path / "go"
     path = elastic_job(tmp_path, "fallback", go=go, **elastic)
@@ -254,7 +302,7 @@ def test_a_loss_the_group_cannot_regroup_from_falls_back_to_a_restart_from_the_c
     text = stderr.read_text()
     assert launcher.returncode == 0, text
     assert why in text
-    assert "rank 0 exited with code -9 (killed by SIGKILL): started a replacement" not in text
+    assert "code 75: started a replacement" not in text, "a rank that says the group must restart is not replaced"
     status = json.loads(stdout)
     assert (status["phase"], status["restarts"], status["recoveries"]["restarts"]) == ("Succeeded", 1, 1), status
     last = status["lastRecovery"]

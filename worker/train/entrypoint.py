@@ -9,12 +9,19 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import NoReturn
 
 from tandem.api import ParallelTrainingJob
-from tandem.contract import PERMANENT_FAILURE_EXIT_CODE, PermanentFailure, WorkerContract
+from tandem.contract import (
+    GROUP_RESTART_EXIT_CODE,
+    PERMANENT_FAILURE_EXIT_CODE,
+    GroupMustRestart,
+    PermanentFailure,
+    WorkerContract,
+)
 from tandem.worker import checkpoint_owner as owner
 from tandem.worker.process_exit import exit_without_teardown
 from tandem.worker.train.invalid import InvalidModelOrData, custom_command_problem, report
@@ -68,37 +75,35 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
     from tandem.worker.train.membership import JobFinished
     from tandem.worker.train.preflight import check_fit, load_inputs
     from tandem.worker.train.process_group import join_elastic_group, join_group, shutdown_process_group
-    from tandem.worker.train.reporting import ConsoleSink, StatusFileSink
-    from tandem.worker.train.status_sink import KubernetesStatusSink
-    from tandem.worker.train.trainer import RankContext, seed_everything, train
+    from tandem.worker.train.trainer import RankContext, TakenDuties, seed_everything, train
 
     spec, trainer = job.spec, job.spec.trainer
     seed_everything(trainer.seed, trainer.deterministic)  # the same initial weights on every rank and every run
     model, train_set, eval_set = load_inputs(trainer)
     if env.is_master:  # before joining: the others wait at the rendezvous, and the job fails with this rank's word
         check_fit(model, train_set, eval_set)
-    checkpoint_dir = env.checkpoint_dir or _checkpoint_dir(job)
-    # Without a launcher holding the checkpoint directory for it (on a cluster, by hand), rank 0 makes it the run's,
-    # before joining: the others look for a checkpoint to resume only once it is.
-    keeper, run = _claim_directory(env, job, checkpoint_dir) if env.is_master and env.run_id is None \
-        else (None, env.run_id)
-    # Rank 0 writes under that lease (its own, or the launcher's it finds): once another holds it, no checkpoint.
-    holder = (keeper.lease if keeper is not None else owner.read_lease(checkpoint_dir)) if env.is_master else None
+    duties = RankZeroDuties(env, job, env.checkpoint_dir or _checkpoint_dir(job))
     membership = None
     if spec.regroups:
         device, membership = join_elastic_group(env, spec)
+        if env.is_master and not membership.joining:
+            duties.claim()
+        if not membership.joining:  # generation 1 formed: rank 0 has claimed the directory
+            membership.start()
     else:
+        # Without a launcher holding the checkpoint directory for it (on a cluster, by hand), rank 0 makes it the
+        # run's, before joining: the others look for a checkpoint to resume only once it is.
+        if env.is_master:
+            duties.claim()
         device = join_group(env, gpus=spec.gpus_per_worker, require_gpu=trainer.require_gpu)
     joining = membership is not None and membership.joining
-    sinks = []
-    if env.is_master:
-        sinks = [StatusFileSink(env.status_file)] if env.status_file else [ConsoleSink(env.job)]
-        if env.namespace:  # on a cluster: the job's status subresource too
-            sinks.append(KubernetesStatusSink(env.job, env.namespace))
+    first = duties.take() if env.is_master and not joining else TakenDuties([], None, env.run_id, None)
     context = RankContext(
-        rank=env.rank, world_size=env.world_size, device=device, job=env.job, checkpoint_dir=checkpoint_dir,
-        resume_from=None if joining else env.resume_from or (latest(checkpoint_dir) if env.resume_latest else None),
-        run=run, holder=holder, sinks=sinks, membership=membership, regroups_before=env.regroups_before,
+        rank=env.rank, world_size=env.world_size, device=device, job=env.job, checkpoint_dir=duties.checkpoint_dir,
+        resume_from=None if joining else env.resume_from or (latest(duties.checkpoint_dir) if env.resume_latest
+                                                              else None),
+        run=first.run, holder=first.holder, sinks=first.sinks, membership=membership,
+        regroups_before=env.regroups_before, duties=duties if membership is not None else None,
         share_listeners=[examples_log(env.examples_log, env.rank)] if env.examples_log and membership else [],
     )
     stop_signals.attach(context)
@@ -113,13 +118,60 @@ def train_rank(env: WorkerContract, job: ParallelTrainingJob) -> int:
             _record_failure(env, error)
         raise
     finally:
-        if keeper is not None:
-            keeper.release()
+        duties.release()
     del model, train_set, eval_set
     shutdown_process_group()
     if membership is not None:
         membership.close()
     return 0
+
+
+class RankZeroDuties:
+    """What rank 0 holds beside training: the status sinks, and the checkpoint directory's lease and run (its own,
+    claimed, where no launcher holds the directory for the job: on a cluster, by hand; else the launcher's, read).
+
+    In an elastic job they follow rank 0 of each generation (trainer.take_rank_zero): a rank takes them on when it
+    becomes it (slot 0 lost: the lowest slot left), at once since the lease is the same job's, and hands them on when
+    it stops being it (slot 0's replacement joined)."""
+
+    def __init__(self, env: WorkerContract, job: ParallelTrainingJob, checkpoint_dir: Path):
+        self.env, self.job, self.checkpoint_dir = env, job, checkpoint_dir
+        self.keeper: owner.LeaseKeeper | None = None
+        self.run = env.run_id
+        self.sinks: list = []
+
+    def claim(self) -> None:
+        if self.env.run_id is None:
+            self.keeper, self.run = _claim_directory(self.env, self.job, self.checkpoint_dir)
+
+    def take(self):
+        from tandem.worker.train.reporting import ConsoleSink, StatusFileSink, read_status_file
+        from tandem.worker.train.status_sink import KubernetesStatusSink
+        from tandem.worker.train.trainer import TakenDuties
+
+        env = self.env
+        if self.keeper is None:
+            self.claim()
+        self.sinks = [StatusFileSink(env.status_file)] if env.status_file else [ConsoleSink(env.job)]
+        if env.namespace:  # on a cluster: the job's status subresource too
+            self.sinks.append(KubernetesStatusSink(env.job, env.namespace))
+        # Rank 0 writes under that lease (its own, or the launcher's it finds): once another holds it, no checkpoint.
+        holder = self.keeper.lease if self.keeper is not None else owner.read_lease(self.checkpoint_dir)
+        previous = read_status_file(env.status_file) if env.status_file else None
+        return TakenDuties(list(self.sinks), holder, self.run, previous)
+
+    def hand_on(self) -> None:
+        """Rank 0 no more: the sinks closed (on a thread: the last status is the new rank 0's to send; a sink under
+        API faults must not hold the group), the lease released for the new rank 0 to take (it may have already)."""
+        sinks, self.sinks = self.sinks, []
+        threading.Thread(target=lambda: [sink.close() for sink in sinks], name="tandem-sinks-handed-on",
+                         daemon=True).start()
+        self.release()
+
+    def release(self) -> None:
+        if self.keeper is not None:
+            self.keeper.release()
+            self.keeper = None
 
 
 def examples_log(path: Path, slot: int):
@@ -177,6 +229,9 @@ def cli() -> NoReturn:
         traceback.print_exc()
         print(report(error), file=sys.stderr, flush=True)  # the output's last lines: the job's message
         code = PERMANENT_FAILURE_EXIT_CODE
+    except GroupMustRestart:  # an elastic job's group that cannot regroup: it restarts whole
+        traceback.print_exc()
+        code = GROUP_RESTART_EXIT_CODE
     except Exception:
         traceback.print_exc()
         code = 1

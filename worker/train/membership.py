@@ -1,19 +1,19 @@
-"""Who trains together in an elastic job (spec.elastic, recovery regroup), generation after generation.
+"""Who trains together in an elastic job (spec.elastic, recovery regroup), generation after generation: each rank's
+side (the coordinator, coordinator.py, hosts the job's TCP store and plans the generations).
 
-Every rank has a slot, its number in the job (RANK: on a cluster its pod's index). Slot 0 hosts the job's TCP store
-and plans each generation; a generation is a process group over some slots, built on the store under its own
-prefix (`g<n>/`), so that several generations of the group follow one another in the same processes. Generation 1
-is every slot. When a member is lost (its connection closes: the collective raises; or its heartbeat stalls past
+Every rank has a slot, its number in the job (RANK: on a cluster its pod's index). A generation is a process group
+over some slots, built on the store under its own prefix (`g<n>/`), so that several generations of the group follow
+one another in the same processes; its rank 0 (the lowest slot among its members) reports the status and writes the
+checkpoints. When a member is lost (its connection closes: the collective raises; or its heartbeat stalls past
 STALL_SECONDS: the wait in flight is abandoned), each survivor leaves the broken group and registers for the next
-generation with the step it stands at; slot 0 waits for the survivors (all of the old members, or SETTLE_SECONDS
-past the last to register) and for the ranks asking to join (a replacement process for a lost slot, started by the
-launcher or the operator), and writes the plan: the members, and the source whose state every member takes (the
-survivor furthest on). A growth (a replacement waiting to join) takes the same path at an agreed step boundary.
+generation with the step it stands at, and waits for the coordinator's plan: the members, and the source whose state
+every member takes (the survivor furthest on). A replacement process for a lost slot (started by the launcher or the
+operator), slot 0's too, asks to join; rank 0 sees it waiting, and the ranks regroup at an agreed step boundary to
+take it in. A scale-down's leavers go the same way.
 
-What it cannot survive is the loss of slot 0: the store goes with it, and the job falls back to a whole-group
-restart from its latest checkpoint, as it does when a regroup cannot gather `minWorkers` ranks within
-`regroupDeadlineSeconds`, or when the group was lost REPEATS_BEFORE_RESTART times at the same step (a rank that
-fails the same way wherever its examples go).
+What a rank cannot survive is the coordinator's loss (the store goes with it): the job falls back to a whole-group
+restart from its latest checkpoint, as it does when the coordinator finds no generation can form
+(`RegroupFailed`).
 
 This module knows nothing of models: it hands out generations, and waits on collectives with an eye on the
 members' heartbeats.
@@ -21,15 +21,19 @@ members' heartbeats.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from tandem.contract import GroupMustRestart
 
 BEAT_SECONDS = 0.2
 """How often each member bumps its heartbeat counter in the store."""
@@ -37,11 +41,9 @@ STALL_SECONDS = 1.5
 """A member whose counter has not moved for this long is lost (a stopped process, a lost node: its connections stay
 open, and a collective would wait for it until the group's timeout)."""
 SETTLE_SECONDS = 0.5
-"""Slot 0 plans a generation once every old member has registered, or this long after the last one did: the lost
-never register, and a survivor notices the loss within STALL_SECONDS at worst."""
+"""The coordinator plans a generation once every old member has registered, or this long after the last one did:
+the lost never register, and a survivor notices the loss within STALL_SECONDS at worst."""
 JOIN_POLL_SECONDS = 0.05
-REPEATS_BEFORE_RESTART = 3
-"""Regroups in a row at the same step before the job falls back to a whole-group restart."""
 GROUP_FAILURE_MARKS = ("gloo/", "NCCL", "Connection closed", "Connection reset", "Broken pipe")
 """What the message of a collective that failed because a peer went says (gloo and NCCL raise RuntimeError)."""
 
@@ -59,7 +61,7 @@ class JobFinished(Exception):
     """A process waiting to join found the job's training over: it has nothing to do."""
 
 
-class RegroupFailed(Exception):
+class RegroupFailed(GroupMustRestart):
     """No generation could be formed (too few ranks within the deadline, the coordinator lost, the same step lost
     again and again): the job falls back to a whole-group restart from its latest checkpoint."""
 
@@ -128,15 +130,23 @@ def plan_generation(generation: int, previous: list[int], registered: dict[int, 
     return Plan(generation, members, source, steps, lost, left, added)
 
 
+@contextlib.contextmanager
+def coordinator_needed() -> Iterator[None]:
+    """Talking to the store alone: an error is the coordinator's loss (RegroupFailed: the group restarts whole)."""
+    try:
+        yield
+    except dist.DistError as error:
+        raise RegroupFailed(f"the job's coordinator (its store) is gone: {error}") from error
+
+
 class Membership:
     """One rank's side: its slot, the store, the current generation and its process group, the heartbeats."""
 
-    def __init__(self, *, slot: int, workers: int, min_workers: int, max_workers: int, addr: str, port: int,
-                 backend: str, deadline_seconds: float, timeout: timedelta = timedelta(seconds=300)):
-        self.slot, self.workers = slot, workers
-        self.min_workers, self.max_workers = min_workers, max_workers
+    def __init__(self, *, slot: int, addr: str, port: int, backend: str, deadline_seconds: float,
+                 timeout: timedelta = timedelta(seconds=300)):
+        self.slot = slot
         self.backend, self.deadline_seconds, self.timeout = backend, deadline_seconds, timeout
-        self.store = dist.TCPStore(addr, port, is_master=slot == 0, wait_for_workers=False, timeout=timeout)
+        self.store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
         self._beat_store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=5))
         self.incarnation = int(self.store.add(f"incarnation/{slot}", 1))
         """1 for a slot's first process; a replacement's is higher, and it joins instead of starting."""
@@ -147,8 +157,6 @@ class Membership:
         """The generation this rank was found left out of (the store names a later one: this rank stalled, and the
         others went on; its own connections to them may stay open)."""
         self.coordinator_lost = False
-        self._joins_taken = 0
-        self._regroups_at: list[int] = []
         self._watched: list[int] = []
         self._abandoned: list[dist.ProcessGroup] = []
         """The process groups of the generations left behind."""
@@ -169,36 +177,37 @@ class Membership:
         return self.incarnation > 1
 
     def start(self) -> Plan:
-        """Generation 1 (the slots slot 0 started with) for their first processes; for a replacement, or a slot
+        """Generation 1 (the slots the job started with) for their first processes; for a replacement, or a slot
         added later (a scale-up), the generation that takes it in."""
-        if self.slot == 0:
-            plan = Plan(1, list(range(self.workers)), 0, dict.fromkeys(range(self.workers), 0))
-            self.store.set("plan/1", plan.to_json())
-            self.store.set("generation", "1")
-            return self._form(plan)
-        first = Plan.from_json(self.store.get("plan/1"))  # waits for slot 0 to write it
+        first = Plan.from_json(self.store.get("plan/1"))  # waits for the coordinator to write it
         if self.joining or self.slot not in first.members or int(self.store.get("generation")) > 1:
             return self.join()
         return self._form(first)
 
     def join(self) -> Plan:
         """Ask to join, and wait for the generation that takes this slot in."""
-        self.store.delete_key(f"leave/{self.slot}")  # a slot that left before and is asked back
-        index = int(self.store.add("joins", 1))
-        self.store.set(f"join/{index}", json.dumps({"slot": self.slot, "incarnation": self.incarnation}))
-        while True:
-            if self.store.check(["generation"]):
-                generation = int(self.store.get("generation"))
-                plan = Plan.from_json(self.store.get(f"plan/{generation}"))
-                if plan.added.get(self.slot) == self.incarnation and not plan.fallback:
-                    return self._form(plan)
-            if self.store.check(["finished"]):
-                raise JobFinished()
-            time.sleep(JOIN_POLL_SECONDS)
+        with coordinator_needed():
+            self.store.delete_key(f"leave/{self.slot}")  # a slot that left before and is asked back
+            index = int(self.store.add("joins", 1))
+            self.store.set(f"join/{index}", json.dumps({"slot": self.slot, "incarnation": self.incarnation}))
+            while True:
+                if self.store.check(["generation"]):
+                    generation = int(self.store.get("generation"))
+                    plan = Plan.from_json(self.store.get(f"plan/{generation}"))
+                    if plan.added.get(self.slot) == self.incarnation and not plan.fallback:
+                        break
+                if self.store.check(["finished"]):
+                    raise JobFinished()
+                time.sleep(JOIN_POLL_SECONDS)
+        return self._form(plan)
 
     def regroup_wanted(self) -> bool:
-        """Slot 0: whether a rank asks to join or to leave (the group should regroup at the next agreed step)."""
-        return self.slot == 0 and (int(self.store.add("joins", 0)) > self._joins_taken or bool(self._leaving()))
+        """Rank 0: whether a rank asks to join or to leave (the group should regroup at the next agreed step)."""
+        if self.rank != 0:
+            return False
+        if int(self.store.add("joins", 0)) > int(self.store.get("joins/planned")):
+            return True
+        return any(self.store.check([f"leave/{slot}"]) for slot in self.plan.members)
 
     def ask_to_leave(self) -> None:
         """This rank is going (its pod deleted: a scale-down): the group regroups without it at an agreed step."""
@@ -211,12 +220,7 @@ class Membership:
         current = self.plan
         generation = current.generation + 1
         self.store.set(f"alive/{generation}/{self.slot}", str(step))
-        if self.slot == 0:
-            plan = self._plan(current, generation, step)
-            self.store.set(f"plan/{generation}", plan.to_json())
-            self.store.set("generation", str(generation))
-        else:
-            plan = self._wait_for_plan(generation)
+        plan = self._wait_for_plan(generation)
         if plan.fallback:
             raise RegroupFailed(plan.fallback)
         if self.slot in plan.left:
@@ -239,7 +243,7 @@ class Membership:
 
     def check(self) -> None:
         if self.coordinator_lost:
-            raise RegroupFailed("slot 0 (the job's store and coordinator) is gone")
+            raise RegroupFailed("the job's coordinator (its store) is gone")
         if self.lost_peer is not None:
             raise GroupLost(f"rank {self.lost_peer}'s heartbeat stalled for over {STALL_SECONDS:g}s")
         if self.plan is not None and self.left_behind == self.plan.generation:
@@ -260,12 +264,15 @@ class Membership:
         dist.destroy_process_group()
 
     def finish(self) -> None:
-        """Slot 0, training over: a process still waiting to join exits (JobFinished)."""
-        if self.slot == 0:
-            self.store.set("finished", "1")
+        """Training over (every member says so, after the last collective: whichever is left): a process still
+        waiting to join exits (JobFinished), and the coordinator ends once the members close."""
+        self.store.set("finished", "1")
 
     def close(self) -> None:
+        """This process is done with the group (the coordinator waits for the members to close before it ends)."""
         self._stop.set()
+        with contextlib.suppress(RuntimeError, dist.DistError):  # the coordinator gone already
+            self.store.set(f"closed/{self.slot}", "1")
 
     def _form(self, plan: Plan) -> Plan:
         """Build `plan`'s process group."""
@@ -278,56 +285,15 @@ class Membership:
         self._watched = [slot for slot in plan.members if slot != self.slot]
         return plan
 
-    def _plan(self, current: Plan, generation: int, step: int) -> Plan:
-        """Slot 0: wait for the old members and the joiners, then plan (or fall back past the deadline)."""
-        self._regroups_at = [*self._regroups_at[-(REPEATS_BEFORE_RESTART - 1):], step]
-        if len(self._regroups_at) == REPEATS_BEFORE_RESTART and len(set(self._regroups_at)) == 1:
-            return Plan(generation, [], -1, fallback=f"the group was lost {REPEATS_BEFORE_RESTART} times at step "
-                                                     f"{step}: restarting it whole from its latest checkpoint")
-        started = time.monotonic()
-        registered: dict[int, int] = {}
-        last_change = started
-        while True:
-            for slot in current.members:
-                if slot not in registered and self.store.check([f"alive/{generation}/{slot}"]):
-                    registered[slot] = int(self.store.get(f"alive/{generation}/{slot}"))
-                    last_change = time.monotonic()
-            joiners, asked = self._joiners()
-            everyone = len(registered) == len(current.members)
-            settled = time.monotonic() - last_change >= SETTLE_SECONDS
-            plan = plan_generation(generation, current.members, registered, joiners, min_workers=self.min_workers,
-                                   max_workers=self.max_workers, leaving=self._leaving())
-            if (everyone or settled) and not plan.fallback:
-                self._joins_taken = asked
-                return plan
-            if time.monotonic() - started > self.deadline_seconds:
-                return replace(plan, source=-1, fallback=f"{plan.fallback or 'the regroup did not complete'} "
-                                                         f"within elastic.regroupDeadlineSeconds "
-                                                         f"({self.deadline_seconds:g}s)")
-            time.sleep(JOIN_POLL_SECONDS)
-
-    def _leaving(self) -> frozenset[int]:
-        """The members asking to leave."""
-        members = self.plan.members if self.plan is not None else []
-        return frozenset(slot for slot in members if slot != 0 and self.store.check([f"leave/{slot}"]))
-
-    def _joiners(self) -> tuple[dict[int, int], int]:
-        """The slots asking to join since the last generation was planned, each with its latest incarnation; and the
-        count of requests read."""
-        slots, asked = {}, int(self.store.add("joins", 0))
-        for index in range(self._joins_taken + 1, asked + 1):
-            request = json.loads(self.store.get(f"join/{index}"))
-            slots[request["slot"]] = request["incarnation"]
-        return slots, asked
-
     def _wait_for_plan(self, generation: int) -> Plan:
         deadline = time.monotonic() + self.deadline_seconds + SETTLE_SECONDS + 5
         key = f"plan/{generation}"
-        while not self.store.check([key]):
-            if time.monotonic() > deadline or self.coordinator_lost:
-                raise RegroupFailed(f"no plan for generation {generation} from slot 0")
-            time.sleep(JOIN_POLL_SECONDS / 5)
-        return Plan.from_json(self.store.get(key))
+        with coordinator_needed():
+            while not self.store.check([key]):
+                if time.monotonic() > deadline or self.coordinator_lost:
+                    raise RegroupFailed(f"no plan for generation {generation} from the coordinator")
+                time.sleep(JOIN_POLL_SECONDS / 5)
+            return Plan.from_json(self.store.get(key))
 
     def _heartbeat(self) -> None:
         """Bump this slot's counter; watch the members', noting the first that stops moving."""
@@ -336,7 +302,7 @@ class Membership:
             try:
                 self._beat_store.add(f"beat/{self.slot}", 1)
                 plan = self.plan
-                if plan is not None and self.slot != 0 and int(self._beat_store.get("generation")) > plan.generation:
+                if plan is not None and int(self._beat_store.get("generation")) > plan.generation:
                     self.left_behind = plan.generation
                 now = time.monotonic()
                 for slot in list(self._watched):
@@ -348,5 +314,4 @@ class Membership:
                         self.lost_peer = slot
                 seen = {slot: value for slot, value in seen.items() if slot in self._watched}
             except (RuntimeError, dist.DistError):
-                if self.slot != 0:
-                    self.coordinator_lost = True
+                self.coordinator_lost = True

@@ -89,14 +89,12 @@ def take_device(env: WorkerContract, *, gpus: int, require_gpu: bool) -> torch.d
 
 
 def join_elastic_group(env: WorkerContract, spec: ParallelTrainingJobSpec) -> tuple[torch.device, Membership]:
-    """join_group for an elastic job's rank: its place in the job (its slot; slot 0 hosts the store, membership.py),
-    its first generation formed when training starts (`Membership.start`, from `train`)."""
+    """join_group for an elastic job's rank: its place in the job (its slot, on the store of the job's coordinator at
+    MASTER_ADDR:MASTER_PORT, membership.py), its first generation formed when training starts (`Membership.start`,
+    from `train`)."""
     device = take_device(env, gpus=spec.gpus_per_worker, require_gpu=spec.trainer.require_gpu)
-    if not env.is_master:
-        wait_for_master(env.master_addr, env.master_port, GROUP_TIMEOUT_SECONDS)
-    membership = Membership(slot=env.rank, workers=env.world_size, min_workers=spec.elastic.min_workers,
-                            max_workers=spec.elastic.max_workers or sys.maxsize, addr=env.master_addr,
-                            port=env.master_port, backend=backend_for(device),
+    wait_for_master(env.master_addr, env.master_port, GROUP_TIMEOUT_SECONDS)
+    membership = Membership(slot=env.rank, addr=env.master_addr, port=env.master_port, backend=backend_for(device),
                             deadline_seconds=spec.elastic.regroup_deadline_seconds,
                             timeout=timedelta(seconds=GROUP_TIMEOUT_SECONDS))
     return device, membership

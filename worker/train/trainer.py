@@ -17,6 +17,7 @@ from collections.abc import Callable, Generator
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ from tandem.worker.train.elastic import (
     step_examples,
 )
 from tandem.worker.train.evaluation import evaluate
-from tandem.worker.train.membership import LeftGroup, Membership, is_group_failure
+from tandem.worker.train.membership import LeftGroup, Membership, Plan, is_group_failure
 from tandem.worker.train.modes import TrainingMode, optimizer_settings, training_mode
 from tandem.worker.train.nonfinite import StepRecord
 from tandem.worker.train.optim import LearningRateSchedule, build_optimizer
@@ -59,6 +60,27 @@ ELASTIC_AGREEMENT_SECONDS = 0.25
 """How often an elastic job's ranks agree (rank_agreement.py): a rank asking to join or leave is taken in at the
 exchange after the one that heard it, so 4 small all-reduces a second make a join wait about half a second, not
 one to two."""
+
+
+@dataclass(frozen=True)
+class TakenDuties:
+    sinks: list[Sink]
+    holder: Lease | None
+    """The checkpoint directory's lease this rank writes under now."""
+    run: str | None
+    previous: ParallelTrainingJobStatus | None
+    """The status the rank 0 before it published, where it can be read back (None: it goes on from its own)."""
+
+
+class RankZeroDuties(Protocol):
+    """What rank 0 holds beside training (the status sinks, the checkpoint directory's lease), which in an elastic job
+    follow rank 0 of each generation (worker/train/entrypoint.py has them)."""
+
+    def take(self) -> TakenDuties:
+        """This rank becomes rank 0."""
+
+    def hand_on(self) -> None:
+        """This rank is rank 0 no more: its sinks closed, the lease let go."""
 
 
 @dataclass
@@ -87,6 +109,8 @@ class RankContext:
     """An elastic job's regroups in the groups before this one (status.recoveries.regroups counts on from it)."""
     share_listeners: list[Callable[[int, list[int]], None]] = field(default_factory=list)
     """Elastic jobs: called after each step this rank completes with (step, the indices of the examples it took)."""
+    duties: RankZeroDuties | None = None
+    """Elastic jobs: taken on when this rank becomes a generation's rank 0, handed on when it stops being it."""
 
     @property
     def is_master(self) -> bool:
@@ -121,10 +145,13 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
     seed_everything(trainer.seed, trainer.deterministic)
     model.to(context.device)
     optimizer = build_optimizer(model.parameters(), optimizer_settings(spec))
+    joined_in = 0.0
     if membership is not None and membership.plan is None:
         # A replacement joins only now: what it can do alone (the first fused optimizer of a process takes about a
         # second) the group does not wait for.
+        joined_in = time.monotonic()
         membership.start()
+        joined_in = time.monotonic() - joined_in
         context.rank, context.world_size = membership.rank, membership.world_size
     mode = new_mode(spec, context, model)
     loader = training_loader(train_set, rank=context.rank, world_size=context.world_size,
@@ -144,9 +171,18 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
         seed_rank(trainer.seed, context.rank, step=position.step)  # a joiner: its own noise from the step it joins
     schedule.total_steps = total_steps = planned_steps(trainer, loader=loader, position=position) \
         if membership is None else elastic_planned_steps(spec, len(train_set), position, context.world_size)
-    reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps,
-                        compression=mode.compression_report) if context.is_master else None
-    if reporter is not None:
+    reporter = scalars = None
+    if context.is_master and membership is not None and membership.plan.generation > 1:
+        # A process that joined (slot 0's replacement, say) as its generation's rank 0: it reports the regroup that
+        # took it in.
+        reporter, scalars = take_rank_zero(spec, context, state, checkpointer, total_steps)
+        say(regroup_line(membership.plan, stopped_at=position.step, seconds=joined_in, took_state=True))
+        say(f"tandem worker: {batch_line(spec, context.world_size)}")
+        reporter.regrouped(membership.plan, workers=context.world_size, stopped_at=position.step, seconds=joined_in,
+                           total_steps=total_steps)
+    elif context.is_master:
+        reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps,
+                            compression=mode.compression_report)
         reporter.status.recoveries.regroups = context.regroups_before
     if context.resume_from is not None:
         done = nothing_left(context.resume_from, position, trainer, total_steps)
@@ -159,8 +195,9 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
             return None if reporter is None else reporter.final(
                 "Succeeded", done, epoch=epoch_shown(position), metrics=checkpointer.metrics, bytes_sent=0,
                 dense_bytes=0)
-    scalars = ScalarLog(run_directory(context.checkpoint_dir, context.run or context.job), position=position,
-                        schedule=schedule, mode=mode) if context.is_master else None
+    if context.is_master and scalars is None:
+        scalars = ScalarLog(run_directory(context.checkpoint_dir, context.run or context.job), position=position,
+                            schedule=schedule, mode=mode)
     record = StepRecord(position, max_consecutive_bad_steps=trainer.max_consecutive_bad_steps,
                         counts_bad_steps=trainer.mixed_precision != "fp16",
                         on_read=scalars.losses if scalars is not None else None)
@@ -218,7 +255,7 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
                 report_progress()
                 if position.step == agreement.next_step:
                     record.flush()
-                    leaving = context.stop_requested and membership is not None and membership.slot != 0
+                    leaving = context.stop_requested and membership is not None and not context.is_master
                     if leaving:  # an elastic job's rank other than 0, stopped: its pod goes (a scale-down)
                         membership.ask_to_leave()
                     outcome = agreement.exchange(position.step, stop_requested=context.stop_requested and not leaving,
@@ -246,12 +283,25 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
             if membership is None or not is_group_failure(error):
                 raise
             lost_at = f"{type(error).__name__}: {error}"
+        was_rank_zero = context.is_master
         try:
-            generation = regroup(spec, context, state, loader, train_set, checkpointer, reporter, record, why=lost_at)
+            generation, regrouped = regroup(spec, context, state, loader, train_set, checkpointer, record,
+                                            why=lost_at)
         except LeftGroup as left:
             say(f"tandem worker: {left}, as asked (its pod is going)")
             return None
         total_steps = generation.total_steps
+        if was_rank_zero and not context.is_master:  # slot 0's replacement joined: rank 0 again
+            scalars.close()
+            reporter = scalars = None
+            context.duties.hand_on()
+        elif context.is_master and not was_rank_zero:  # the rank 0 before this generation is lost
+            reporter, scalars = take_rank_zero(spec, context, state, checkpointer, total_steps)
+        if reporter is not None:
+            reporter.regrouped(regrouped.plan, workers=context.world_size, stopped_at=regrouped.stopped_at,
+                               seconds=regrouped.seconds, total_steps=total_steps)
+            scalars.mode = state.mode
+        record.on_read = scalars.losses if scalars is not None else None
     if scalars is not None:
         scalars.close()
 
@@ -272,6 +322,24 @@ def new_mode(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.n
         return training_mode(spec, model, context.device, context.world_size)
     return elastic_mode(spec, model, context.world_size, membership.wait,
                         first=membership.plan.generation == 1 and not membership.joining, previous=previous)
+
+
+def take_rank_zero(spec: ParallelTrainingJobSpec, context: RankContext, state: TrainState, checkpointer: Checkpointer,
+                   total_steps: int) -> tuple[Reporter, ScalarLog]:
+    """This rank becomes its generation's rank 0 (an elastic job's): it takes on the sinks and the checkpoint
+    directory's lease, goes on with the status the rank 0 before it published (where it can be read back), its next
+    regroup counted by the caller, and writes the TensorBoard curves on in the same run folder (a new event file)."""
+    taken = context.duties.take()
+    context.sinks, context.holder, context.run = taken.sinks, taken.holder, taken.run
+    checkpointer.holder, checkpointer.run = taken.holder, taken.run
+    reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps,
+                        compression=state.mode.compression_report)
+    if taken.previous is not None:
+        reporter.status = taken.previous.model_copy(update={"phase": "Running"})
+    reporter.status.recoveries.regroups = context.regroups_before + context.membership.plan.generation - 2
+    scalars = ScalarLog(run_directory(context.checkpoint_dir, context.run or context.job), position=state.position,
+                        schedule=state.schedule, mode=state.mode)
+    return reporter, scalars
 
 
 def waits_for(membership: Membership | None) -> Callable[[dist.Work], None]:
@@ -313,9 +381,18 @@ def begin_generation(spec: ParallelTrainingJobSpec, context: RankContext, state:
     return Generation(train_step, agreement, steps, total_steps)
 
 
+@dataclass(frozen=True)
+class Regrouped:
+    """How a regroup went: the generation's plan, the step this rank stopped at, and the seconds it took."""
+
+    plan: Plan
+    stopped_at: int
+    seconds: float
+
+
 def regroup(spec: ParallelTrainingJobSpec, context: RankContext, state: TrainState, loader: DataLoader,
-            train_set: Dataset, checkpointer: Checkpointer, reporter: Reporter | None, record: StepRecord, *,
-            why: str | None) -> Generation:
+            train_set: Dataset, checkpointer: Checkpointer, record: StepRecord, *,
+            why: str | None) -> tuple[Generation, Regrouped]:
     """Enter the next generation (a member lost: `why`; or a join agreed at this step) and rebuild the loop's
     parts for its size; the members behind the generation's source take its state."""
     membership, position = context.membership, state.position
@@ -334,11 +411,7 @@ def regroup(spec: ParallelTrainingJobSpec, context: RankContext, state: TrainSta
     if context.is_master:
         say(regroup_line(plan, stopped_at=stopped_at, seconds=seconds, took_state=took))
         say(f"tandem worker: {batch_line(spec, context.world_size)}")
-    generation = begin_generation(spec, context, state, loader, train_set)
-    if reporter is not None:
-        reporter.regrouped(plan, workers=context.world_size, stopped_at=stopped_at, seconds=seconds,
-                           total_steps=generation.total_steps)
-    return generation
+    return begin_generation(spec, context, state, loader, train_set), Regrouped(plan, stopped_at, seconds)
 
 
 def epoch_shown(position: Position) -> int:

@@ -13,7 +13,10 @@ and by hand. The names are torchrun's where torchrun has one:
                                 GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK (torchrun's meaning)
     MASTER_ADDR, MASTER_PORT    where rank 0 hosts the group's rendezvous (default 127.0.0.1:29500). On a cluster,
                                 rank 0's own DNS name, <pod hostname>.<headless service>: a Service name that
-                                selects every rank would round-robin
+                                selects every rank would round-robin. An elastic job's (spec.elastic, recovery
+                                regroup) rendezvous is its coordinator's (`tandem worker coordinator`, configured
+                                by MASTER_PORT, WORLD_SIZE and TANDEM_SPEC): under `tandem run` a process beside
+                                the ranks, on a cluster the pod <job>-coordinator
     TANDEM_JOB                  the ParallelTrainingJob's name (default "tandem")
     TANDEM_NAMESPACE            its namespace, on a cluster
     TANDEM_SPEC                 path of the job as JSON (the whole resource, or its spec): required

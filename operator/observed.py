@@ -49,10 +49,12 @@ def read_resource(body: dict[str, Any]) -> ParsedResource:
 
 @dataclass(frozen=True)
 class RankPod:
-    """One rank pod, as far as the job's state goes."""
+    """One rank pod, as far as the job's state goes; an elastic job's coordinator pod is read the same way (the
+    reconciler tells it apart by its role label, training_objects.is_coordinator)."""
 
     index: int
-    """Its index among the job's rank pods (ranks index x ranksPerPod on)."""
+    """Its index among the job's rank pods (ranks index x ranksPerPod on); -1 for the coordinator's pod (it hosts
+    no rank)."""
     name: str
     group: int
     phase: str

@@ -23,14 +23,17 @@ operator removes once the job is not Running (training_plan.eta_removal). The ru
    job to apply them); a changed `workers` (`kubectl scale`) or `ranksPerPod` restarts it regrouped from the latest
    checkpoint.
 6. A rank that fails (in a pod of several, its launcher ends the pod and names it), a rank pod deleted or evicted,
-   or rank 0 silent past `heartbeatTimeoutSeconds`, fails the group: every pod is deleted, and once they are gone
+   or rank 0 silent past `heartbeatTimeoutSeconds`, fails the group (an elastic job's, recovery regroup: its
+   coordinator failed, deleted or gone, or a rank that cannot be replaced alone; any other rank's pod is replaced
+   alone while the others regroup): every pod is deleted, and once they are gone
    and the backoff has passed a new group starts from `status.checkpoint.latest` (tandem/restart_policy.py), until
    `backoffLimit` restarts are spent: Failed. A rank that met a permanent failure (its exit code and report say so:
    a model or data that cannot work, InvalidModelOrData; a checkpoint directory not the run's to write,
    CheckpointDirectoryTaken) fails the job at once with that reason, its report leading the message: a restart
    would fail the same way.
-7. Otherwise the phase follows the pods (workers / ranksPerPod of them): Pending (with the scheduler's or the
-   kubelet's reason), Running once every pod runs, Succeeded when every pod exited 0.
+7. Otherwise the phase follows the pods (workers / ranksPerPod of them, and an elastic job's coordinator): Pending
+   (with the scheduler's or the kubelet's reason), Running once every pod runs, Succeeded when every rank pod exited
+   0, or an elastic job's coordinator did (it ends once the training is over).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import Any
 
 from tandem.api import ParallelTrainingJob
 from tandem.api.training import TRAINING_PHASES
-from tandem.contract import RESUME_LATEST, PermanentFailureReport
+from tandem.contract import GROUP_RESTART_EXIT_CODE, RESUME_LATEST, PermanentFailureReport
 from tandem.operator import queueing
 from tandem.operator.observed import (
     ParsedResource,
@@ -55,11 +58,14 @@ from tandem.operator.training_objects import (
     MASTER_PORT,
     applied_job,
     changed_fields,
+    coordinator_name,
+    coordinator_pod,
+    group_master,
     group_objects,
-    master_address,
+    is_coordinator,
     pod_name,
+    rank_selector_string,
     running_group,
-    selector_string,
     worker_pod,
 )
 from tandem.operator.training_plan import Plan, Queueing, Settings, eta_removal
@@ -117,8 +123,13 @@ class _Reconciler(QueueRules):
         self.restarts = int(self.status.get("restarts") or 0)
         self.recovery_read = self.status.get("lastRecovery")
         """rank 0 writes a regroup's: the operator sends lastRecovery only when it changed it (a restart)."""
-        self.pods = sorted((observe_pod(p) for p in pods), key=lambda p: p.index)
-        self.live = [p for p in self.pods if p.live]
+        self.pods = sorted((observe_pod(p) for p in pods if not is_coordinator(p)), key=lambda p: p.index)
+        """The rank pods."""
+        self.coordinator = next((observe_pod(p) for p in pods if is_coordinator(p)), None)
+        """An elastic job's coordinator pod (spec.regroups), once created."""
+        self.children = self.pods + ([self.coordinator] if self.coordinator is not None else [])
+        """Every pod of the group: what a teardown deletes and waits for."""
+        self.live = [p for p in self.children if p.live]
         self.config_map = config_map
         self.result = Plan()
 
@@ -143,12 +154,16 @@ class _Reconciler(QueueRules):
             self._resume()
         elif self.phase == "Restarting":
             self._restart_when_ready()
-        elif not self.pods:
+        elif not self.children:
             self._start_group(self.job, "Created", f"starting {self.spec.workers} ranks")
         elif (resize := self._resize()) is not None and not self.spec.regroups:
             self._tear_down("Resizing", resize)
+        elif self._coordinator_done():
+            self._succeeded("the group's coordinator exited 0: training complete")
         elif self.spec.regroups and self._follow_elastic_ranks():
             pass
+        elif (lost := self._coordinator_lost()) is not None:
+            self._group_failed(lost, False, None)
         elif self._cause_on_its_way():
             self.result.requeue_after = WAIT_SECONDS
         elif (failure := self._failure()) is not None:
@@ -181,23 +196,23 @@ class _Reconciler(QueueRules):
                 self.result.requeue_after = left
 
     def _suspend(self) -> None:
-        self._delete(p for p in self.pods if not p.terminating)
+        self._delete(p for p in self.children if not p.terminating)
         self.result.stop_first = True
         waiting = [p for p in self.pods if not p.finished]
         message = f"suspended: {len(waiting)} rank(s) stopping" if waiting else "suspended"
         if self.queue is not None:
             message += f" (out of queue {self.queue} until resumed)"
-            if not self.pods and self.queued.workload is not None:
+            if not self.children and self.queued.workload is not None:
                 self.result.delete_workload = self.queued.workload["metadata"]["name"]
         self._set_phase("Suspended", "Suspended", message)
-        if waiting:
+        if any(not p.finished for p in self.children):
             self.result.requeue_after = WAIT_SECONDS
 
     def _resume(self) -> None:
         """`suspend: false` again, or admitted by Kueue: once the stopped ranks are gone, a group starts with the spec
         as it is now."""
-        if self.pods:
-            self._delete(p for p in self.pods if not p.terminating)
+        if self.children:
+            self._delete(p for p in self.children if not p.terminating)
             self.result.requeue_after = WAIT_SECONDS
             return
         if self.phase == "Queued":
@@ -209,8 +224,8 @@ class _Reconciler(QueueRules):
     def _held(self, phase: str, reason: str, message: str) -> bool:
         """Stop the group if it runs (as a suspension does: SIGTERM, the ranks checkpoint) and wait in `phase`."""
         stopping = [p for p in self.pods if not p.finished]
-        if self.pods:
-            self._delete(p for p in self.pods if not p.terminating)
+        if self.children:
+            self._delete(p for p in self.children if not p.terminating)
             self.result.stop_first = True
             self.result.requeue_after = WAIT_SECONDS
         if stopping:
@@ -225,7 +240,7 @@ class _Reconciler(QueueRules):
         """The spec the next group runs: while a group runs or restarts (after a failure or for a resize), the
         running group's (a refused change stays refused) at the size and layout the job asks for; otherwise (a first
         group, one resumed or admitted) the job as it is now."""
-        running = running_group(self.config_map) if self.pods or self.phase == "Restarting" else None
+        running = running_group(self.config_map) if self.children or self.phase == "Restarting" else None
         if running is None or running.runs(self.job):
             return self.job
         applied = applied_job(self.config_map)  # read back only when the job's spec has drifted from the group's
@@ -235,8 +250,8 @@ class _Reconciler(QueueRules):
     def _restart_when_ready(self) -> None:
         """The group is torn down after a failure or for a resize: start the next once every pod is gone and the
         backoff has passed."""
-        self._delete(p for p in self.pods if not p.terminating)
-        if self.pods:
+        self._delete(p for p in self.children if not p.terminating)
+        if self.children:
             self.result.requeue_after = WAIT_SECONDS
             return
         restarting = condition(self.conditions, "Restarting") or {}
@@ -272,20 +287,23 @@ class _Reconciler(QueueRules):
         return None
 
     def _follow_elastic_ranks(self) -> bool:
-        """An elastic job's (recovery regroup) rank pods, but rank 0's: one that failed, was deleted or is gone is
-        replaced alone (deleted if it failed, created again once gone) while the other ranks regroup without it and
-        train on; a size changed by `kubectl scale` is followed in process, pods created (they join at a step
+        """An elastic job's (recovery regroup) rank pods, rank 0's as any other: one that failed, was deleted or is
+        gone is replaced alone (deleted if it failed, created again once gone) while the other ranks regroup without
+        it and train on; a size changed by `kubectl scale` is followed in process, pods created (they join at a step
         boundary) or deleted (their ranks leave at one). The phase stays as it was. False when there is nothing to
-        do, or rank 0's pod is not running (rank 0 hosts the group's store: its loss is a whole-group restart)."""
-        first = next((p for p in self.pods if p.index == 0), None)
-        if first is None or not first.live:
+        do, when the coordinator's pod is not running (it hosts the group's store and plans the regroups: its loss
+        is the group's, _coordinator_lost), or when a failed rank cannot be replaced alone (_replaceable): the rules
+        for the whole group decide then."""
+        if self.coordinator is None or not self.coordinator.live:
             return False
         excess = [p for p in self.pods if p.index >= self.spec.pods]  # followed until gone
         kept = [p for p in self.pods if p.index < self.spec.pods]
-        failed = [p for p in kept if p.index != 0 and p.phase == "Failed" and not p.terminating]
-        going = [p for p in kept if p.index != 0 and p.terminating]
+        failed = [p for p in kept if p.phase == "Failed" and not p.terminating]
+        if not all(map(self._replaceable, failed)):
+            return False
+        going = [p for p in kept if p.terminating]
         indices = {p.index for p in self.pods}
-        missing = [index for index in range(1, self.spec.pods) if index not in indices]
+        missing = [index for index in range(self.spec.pods) if index not in indices]
         if not (excess or failed or going or missing):
             return False
         running = running_group(self.config_map)
@@ -316,6 +334,37 @@ class _Reconciler(QueueRules):
             self.result.create += [self._pod(running_job, index) for index in missing]
         self.result.requeue_after = WAIT_SECONDS
         return True
+
+    @staticmethod
+    def _replaceable(pod: RankPod) -> bool:
+        """Whether a failed rank of an elastic job is replaced alone: not when it met a permanent failure (its
+        replacement would meet it too, endlessly: the job fails, as without elastic), nor when it exited with
+        GROUP_RESTART_EXIT_CODE (its group cannot regroup, the coordinator said: the whole group restarts)."""
+        return pod.permanent_failure is None and pod.exit_code != GROUP_RESTART_EXIT_CODE
+
+    def _coordinator_done(self) -> bool:
+        """Whether an elastic job's coordinator exited 0 on its own (not deleted): the ranks marked the training
+        finished, after the last step and the final checkpoint, and the last generation closed. The ranks still
+        there are done, or replacements with nothing to join (deleted, as for any finished job)."""
+        pod = self.coordinator
+        return pod is not None and pod.phase == "Succeeded" and not pod.terminating
+
+    def _coordinator_lost(self) -> str | None:
+        """Why an elastic job's group lost its coordinator, if it did: failed (its fallback to a restart, planned,
+        exits 1), deleted or evicted, or gone once the group ran. The ranks cannot regroup without its store: the
+        whole group restarts, as for rank 0's loss without a coordinator. Gone before (an interrupted creation),
+        _follow_pods creates it."""
+        if not self.spec.regroups:
+            return None
+        pod = self.coordinator
+        if pod is None:
+            gone = coordinator_name(self.job.metadata.name)
+            return f"the group's coordinator's pod {gone} is gone" if self.phase == "Running" else None
+        if pod.phase == "Failed":
+            return self._pod_failure(pod, detail=True)
+        if pod.terminating:
+            return f"the group's coordinator's pod {pod.name} was deleted or evicted"
+        return None
 
     def _ranks_named(self, indices: list[int]) -> str:
         """The ranks of the pods `indices`, in words: `rank 1`, `rank 1, rank 3`."""
@@ -357,14 +406,16 @@ class _Reconciler(QueueRules):
         return None
 
     def _pod_failure(self, pod: RankPod, *, detail: bool) -> str:
-        """A failed pod's cause: its rank(s), how they ended and, with `detail`, the end of its termination message."""
+        """A failed pod's cause: its rank(s) (or the coordinator), how they ended and, with `detail`, the end of its
+        termination message."""
         said = f": {pod.termination_message}" if detail and pod.termination_message else ""
         if pod.failed_rank is not None:  # named by the pod's launcher
             rank, local_rank, how = pod.failed_rank
             return f"rank {rank} (pod {pod.name}, local rank {local_rank}) {how}{said}"
+        hosted = "the group's coordinator" if pod is self.coordinator else self._ranks(pod.index)
         if pod.exit_code is None:  # it never exited: its node was lost, say (the pod's reason says so)
-            return f"{self._ranks(pod.index)} (pod {pod.name}) failed{said}"
-        return f"{self._ranks(pod.index)} (pod {pod.name}) exited with code {pod.exit_code}{said}"
+            return f"{hosted} (pod {pod.name}) failed{said}"
+        return f"{hosted} (pod {pod.name}) exited with code {pod.exit_code}{said}"
 
     def _group_failed(self, cause: str, hung: bool, permanent: PermanentFailureReport | None) -> None:
         self.result.kill_at_once = hung
@@ -385,43 +436,43 @@ class _Reconciler(QueueRules):
         self._tear_down("Restarting", decision.message, warning=True)
 
     def _tear_down(self, reason: str, message: str, warning: bool = False) -> None:
-        self._delete(p for p in self.pods if not p.terminating)
+        self._delete(p for p in self.children if not p.terminating)
         self._set_phase("Restarting", reason, message, warning=warning)
         self.result.requeue_after = WAIT_SECONDS
 
     def _follow_pods(self) -> None:
         indices = {p.index for p in self.pods}
         missing = [index for index in range(self.spec.pods) if index not in indices]
-        if missing:  # a group whose creation was interrupted (the operator restarted): finish it
+        if missing or (self.spec.regroups and self.coordinator is None):
+            # a group whose creation was interrupted (the operator restarted): finish it
             running = self._next_group()
             self.result.create += [self._pod(running, index) for index in missing]
+            if self.coordinator is None:
+                self.result.create += self._coordinator(running)
+        coordinator_runs = not self.spec.regroups or (self.coordinator is not None
+                                                      and self.coordinator.phase == "Running")
         if len(self.pods) == self.spec.pods and all(p.phase == "Succeeded" for p in self.pods):
-            self._set_phase("Succeeded", "Succeeded", "every rank exited 0: training complete")
-            self.status["completionTime"] = isoformat(self.now)
-        elif self.spec.regroups and any(p.index == 0 and p.phase == "Succeeded" for p in self.pods):
-            # Rank 0 ends an elastic job's training, after the last collective and the final checkpoint: the
-            # others are done, or replacements that have nothing to join (deleted, as for any finished job).
-            self._set_phase("Succeeded", "Succeeded", "rank 0 exited 0: training complete")
-            self.status["completionTime"] = isoformat(self.now)
-        elif self.pods and not missing and all(p.phase in ("Running", "Succeeded") for p in self.pods):
+            self._succeeded("every rank exited 0: training complete")
+        elif (self.pods and not missing and coordinator_runs
+              and all(p.phase in ("Running", "Succeeded") for p in self.pods)):
             self._restart_measured()
             self._set_phase("Running", "Running", f"{self.spec.workers} ranks running" + (
                 f" in {self.spec.pods} pods" if self.spec.ranks_per_pod > 1 else ""))
             self.result.requeue_after = WATCH_SECONDS
-        elif self.spec.regroups and self.phase == "Running" and any(p.index == 0 and p.phase == "Running"
-                                                                    for p in self.pods):
-            # An elastic job's replacement on its way: the others train on meanwhile.
+        elif self.spec.regroups and self.phase == "Running" and coordinator_runs:
+            # An elastic job's replacement on its way: the group still trains (its coordinator runs) meanwhile.
             pending = next(p for p in self.pods if p.phase != "Running")
             self.status["message"] = (f"{self._ranks(pending.index)}'s replacement (pod {pending.name}) is "
                                       f"{pending.pending_reason or pending.phase}; the other ranks train on")
             self.result.requeue_after = WATCH_SECONDS
         else:
-            pending = next((p for p in self.pods if p.phase == "Pending"), None)
+            pending = next((p for p in self.children if p.phase == "Pending"), None)
             if pending is None:
                 message = "waiting for the rank pods to be created"
             else:
                 detail = f": {pending.pending_message}" if pending.pending_message else ""
-                message = f"{self._ranks(pending.index)} (pod {pending.name}): {pending.pending_reason}{detail}"
+                hosted = "the group's coordinator" if pending is self.coordinator else self._ranks(pending.index)
+                message = f"{hosted} (pod {pending.name}): {pending.pending_reason}{detail}"
             self._set_phase("Pending", pending.pending_reason if pending else "Creating", message)
             self.result.requeue_after = WATCH_SECONDS
 
@@ -429,7 +480,7 @@ class _Reconciler(QueueRules):
 
     def _start_group(self, job: ParallelTrainingJob, reason: str, message: str) -> None:
         self.result.create += group_objects(self.body, job)
-        self.result.create += [self._pod(job, index) for index in range(job.spec.pods)]
+        self.result.create += self._coordinator(job) + [self._pod(job, index) for index in range(job.spec.pods)]
         durable = job.spec.checkpoint.persistent_volume_claim is not None
         self.conditions = with_condition(
             self.conditions, "CheckpointsDurable", durable, "PersistentVolumeClaim" if durable else "EmptyDir",
@@ -445,9 +496,19 @@ class _Reconciler(QueueRules):
         self.result.requeue_after = WAIT_SECONDS
 
     def _pod(self, job: ParallelTrainingJob, index: int) -> dict[str, Any]:
-        pod = worker_pod(self.body, job, index, group=self.restarts, resume_from=self._resume_from(job),
-                         default_image=self.settings.worker_image,
-                         regroups_before=regroups_reported(self.status))
+        return self._placed(worker_pod(self.body, job, index, group=self.restarts,
+                                       resume_from=self._resume_from(job), default_image=self.settings.worker_image,
+                                       regroups_before=regroups_reported(self.status)))
+
+    def _coordinator(self, job: ParallelTrainingJob) -> list[dict[str, Any]]:
+        """The group's coordinator pod, for an elastic job (recovery regroup); none otherwise."""
+        if not job.spec.regroups:
+            return []
+        return [self._placed(coordinator_pod(self.body, job, group=self.restarts,
+                                             default_image=self.settings.worker_image))]
+
+    def _placed(self, pod: dict[str, Any]) -> dict[str, Any]:
+        """A pod of the group where Kueue's admission puts the group (its flavours' nodes)."""
         return queueing.placed(pod, self.queued.placement) if self.queue is not None else pod
 
     def _ranks(self, index: int) -> str:
@@ -471,6 +532,10 @@ class _Reconciler(QueueRules):
         if last.get("kind") == "restart" and last.get("seconds") is None and self.phase != "Running":
             since = timestamp(last.get("time")) or self.now
             self.status["lastRecovery"] = {**last, "seconds": round((self.now - since).total_seconds(), 3)}
+
+    def _succeeded(self, message: str) -> None:
+        self._set_phase("Succeeded", "Succeeded", message)
+        self.status["completionTime"] = isoformat(self.now)
 
     def _fail(self, reason: str, message: str) -> None:
         self._delete(p for p in self.live)
@@ -498,6 +563,7 @@ class _Reconciler(QueueRules):
 
     def _finish(self) -> Plan:
         name = self.job.metadata.name
+        master, address = group_master(self.job)
         ready_pods = sum(1 for p in self.pods if p.ready and p.phase == "Running")
         ready = ready_pods * self.spec.ranks_per_pod
         self.result.status = {
@@ -505,14 +571,14 @@ class _Reconciler(QueueRules):
             "conditions": self.conditions,
             "workers": {"ready": ready, "total": self.spec.workers, "summary": f"{ready}/{self.spec.workers}",
                         "readyPods": ready_pods, "pods": self.spec.pods},
-            "master": {"pod": pod_name(name, 0), "address": master_address(name), "port": MASTER_PORT},
+            "master": {"pod": master, "address": address, "port": MASTER_PORT},
             "restarts": self.restarts,
             "recoveries": {"restarts": self.restarts},
             **({"lastRecovery": self.status["lastRecovery"]}
                if self.status.get("lastRecovery") != self.recovery_read else {}),
             "message": self.status.get("message", ""),
             "observedGeneration": self.body.get("metadata", {}).get("generation"),
-            "selector": selector_string(name),
+            "selector": rank_selector_string(name),
             **{key: self.status[key] for key in ("startTime", "completionTime") if self.status.get(key)},
             **eta_removal(self.phase, self.status),
         }

@@ -6,8 +6,12 @@
   worker launch`), with all their GPUs and a /dev/shm in memory for NCCL's shared-memory transport;
 - the headless Service; a ConfigMap holding the job as JSON, mounted read-only where TANDEM_SPEC points, annotated
   with the hash of the group's spec and the group's size (a running group's drift is found from them, RunningGroup);
+- for an elastic job (recovery regroup), one more pod, `<job>-coordinator` under the same Service: the group's TCP
+  store and the planner of its regroups (`tandem worker coordinator`, CPU only), out of the ranks so that
+  losing any rank, rank 0 included, is a regroup; the ranks' MASTER_ADDR is its DNS name;
 - rank 0's ServiceAccount, Role (get and patch on this one job and its status, nothing else) and RoleBinding:
-  rank 0 reports progress, metrics and checkpoints into the job's status itself.
+  rank 0 reports progress, metrics and checkpoints into the job's status itself (in an elastic job any rank may
+  become rank 0, so every rank pod runs under them).
 
 Every object is owned by the job (ownerReferences), so deleting the job deletes them all.
 """
@@ -18,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
+from tandem import contract
 from tandem.api import GROUP, ParallelTrainingJob
+from tandem.api.common import ResourceRequirements
 from tandem.contract import RESUME_LATEST, WorkerContract
 from tandem.crd import RESOURCES
 from tandem.operator.gangs import gang_member, pod_group
@@ -42,12 +48,19 @@ POD_INDEX_LABEL = "tandem.dev/pod-index"
 """The pod's index among the job's rank pods (Kubeflow's replica-index): its ranks are index x ranksPerPod on."""
 GROUP_LABEL = "tandem.dev/group"
 """The restart generation: status.restarts when the group was created."""
+ROLE_LABEL = "tandem.dev/role"
+"""On an elastic job's coordinator pod only (COORDINATOR_ROLE): the job's pod that hosts no rank."""
+COORDINATOR_ROLE = "coordinator"
 MASTER_PORT = 29500
 SPEC_FILE = "job.json"
 CHECKPOINT_MOUNT = "/var/lib/tandem/checkpoints"
 TERMINATION_LOG = "/dev/termination-log"
 WORKER_COMMAND = ["tandem", "worker", "train"]
 LAUNCH_COMMAND = ["tandem", "worker", "launch", "--termination-log", TERMINATION_LOG]
+COORDINATOR_COMMAND = ["tandem", "worker", "coordinator"]
+COORDINATOR_REQUESTS = {"cpu": "100m", "memory": "512Mi"}
+"""The coordinator's own requests, whatever the ranks' resources: it serves a TCP store and plans regroups (torch
+imported for the store is most of its memory) and needs no GPU."""
 TERMINATION_GRACE_SECONDS = 60
 """A rank's time to write its checkpoint after SIGTERM (deletion, suspend, resize) before it is killed."""
 WORKERS_ANNOTATION = "tandem.dev/workers"
@@ -69,18 +82,46 @@ def rank0_account_name(job: str) -> str:
     return child_name(job, "rank0")
 
 
+def coordinator_name(job: str) -> str:
+    return child_name(job, "coordinator")
+
+
 def master_address(job: str) -> str:
     """Rank 0's own DNS name: its hostname under the headless Service (resolved in the job's namespace)."""
     return f"{pod_name(job, 0)}.{service_name(job)}"
 
 
+def coordinator_address(job: str) -> str:
+    """The coordinator's own DNS name, as master_address is rank 0's."""
+    return f"{coordinator_name(job)}.{service_name(job)}"
+
+
+def group_master(job: ParallelTrainingJob) -> tuple[str, str]:
+    """The pod hosting the group's store and its address, the ranks' MASTER_ADDR: an elastic job's (recovery
+    regroup) coordinator, which no rank's loss takes down; otherwise rank 0's pod."""
+    name = job.metadata.name
+    if job.spec.regroups:
+        return coordinator_name(name), coordinator_address(name)
+    return pod_name(name, 0), master_address(name)
+
+
+def is_coordinator(pod: dict[str, Any]) -> bool:
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL) == COORDINATOR_ROLE
+
+
 def selector(job: str) -> dict[str, str]:
-    """The labels every rank pod of `job` carries, and only they."""
+    """The labels every pod of `job` carries (its rank pods, and an elastic job's coordinator), and only they."""
     return {JOB_LABEL: job}
 
 
 def selector_string(job: str) -> str:
     return ",".join(f"{key}={value}" for key, value in selector(job).items())
+
+
+def rank_selector_string(job: str) -> str:
+    """The job's rank pods alone (status.selector, which the scale subresource reports: an autoscaler counts ranks,
+    not an elastic job's coordinator)."""
+    return f"{selector_string(job)},{ROLE_LABEL}!={COORDINATOR_ROLE}"
 
 
 def checkpoint_directory(job: ParallelTrainingJob) -> str:
@@ -99,9 +140,9 @@ def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, index: int, *, g
     name = job.metadata.name
     spec = job.spec
     first_rank = index * spec.ranks_per_pod
-    contract = WorkerContract(
+    worker = WorkerContract(
         rank=first_rank, world_size=spec.workers, local_rank=0, local_world_size=spec.ranks_per_pod,
-        master_addr=master_address(name), master_port=MASTER_PORT, job=name,
+        master_addr=group_master(job)[1], master_port=MASTER_PORT, job=name,
         namespace=owner["metadata"].get("namespace"), spec_path=PurePosixPath(SPEC_MOUNT) / SPEC_FILE,
         checkpoint_dir=PurePosixPath(checkpoint_directory(job)),
         resume_from=PurePosixPath(resume_from) if resume_from and resume_from != RESUME_LATEST else None,
@@ -109,14 +150,15 @@ def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, index: int, *, g
         regroups_before=regroups_before,
     )
     several = spec.ranks_per_pod > 1
-    environ = contract.pod_environ() if several else contract.to_environ()
+    environ = worker.pod_environ() if several else worker.to_environ()
     mounts, volumes = _rank_volumes(job)
     container = {"name": "worker", "command": LAUNCH_COMMAND if several else WORKER_COMMAND,
                  "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}],
                  "terminationMessagePath": TERMINATION_LOG}
+    reports = index == 0 or spec.regroups  # an elastic job's rank 0 is its generation's lowest slot: any rank
     pod = {"hostname": pod_name(name, index), "subdomain": service_name(name), "restartPolicy": "Never",
-           "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS, "automountServiceAccountToken": index == 0}
-    if index == 0:
+           "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS, "automountServiceAccountToken": reports}
+    if reports:
         pod["serviceAccountName"] = rank0_account_name(name)
     labels = {**selector(name), RANK_LABEL: str(first_rank), POD_INDEX_LABEL: str(index), GROUP_LABEL: str(group),
               "app.kubernetes.io/component": "worker"}
@@ -126,6 +168,34 @@ def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, index: int, *, g
                          spec_config_map=config_map_name(name), default_image=default_image,
                          env=[{"name": key, "value": value} for key, value in environ.items()],
                          mounts=mounts, volumes=volumes)}, job)
+
+
+def coordinator_pod(owner: dict[str, Any], job: ParallelTrainingJob, *, group: int,
+                    default_image: str) -> dict[str, Any]:
+    """An elastic job's coordinator: the group's store on MASTER_PORT and the planner of its regroups, in the rank
+    pods' image and under their Service, reading the spec file as they do. Its MASTER_ADDR is its own DNS name, the
+    ranks' MASTER_ADDR (unused by it, but a cluster emulation that gives each group one port, as the test kubelet
+    does, finds the group by it); WORLD_SIZE is the group's size at its start (generation 1's slots). No GPU, the
+    user's resources (a rank's) and volumes left out, no API token (it reports nothing); outside the gang (its
+    PodGroup counts the rank pods). It exits 0 once the training is over: the job's success."""
+    name = job.metadata.name
+    environ = {contract.WORLD_SIZE: str(job.spec.workers), contract.MASTER_ADDR: coordinator_address(name),
+               contract.MASTER_PORT: str(MASTER_PORT), contract.JOB: name,
+               contract.NAMESPACE: owner["metadata"].get("namespace"),
+               contract.SPEC: str(PurePosixPath(SPEC_MOUNT) / SPEC_FILE)}
+    settings = job.spec.model_copy(update={"resources": ResourceRequirements(requests=COORDINATOR_REQUESTS),
+                                           "volumes": [], "volume_mounts": []})
+    container = {"name": "coordinator", "command": COORDINATOR_COMMAND,
+                 "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}]}
+    pod = {"hostname": coordinator_name(name), "subdomain": service_name(name), "restartPolicy": "Never",
+           "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS, "automountServiceAccountToken": False}
+    labels = {**selector(name), ROLE_LABEL: COORDINATOR_ROLE, GROUP_LABEL: str(group),
+              "app.kubernetes.io/component": "coordinator"}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": object_metadata(owner, coordinator_name(name), labels),
+            "spec": pod_spec(settings, container=container, pod=pod, gpus=0, spec_config_map=config_map_name(name),
+                             default_image=default_image,
+                             env=[{"name": key, "value": value} for key, value in environ.items()
+                                  if value is not None])}
 
 
 def _rank_volumes(job: ParallelTrainingJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -144,8 +214,8 @@ def _checkpoint_volume(job: ParallelTrainingJob) -> dict[str, Any]:
 
 
 def headless_service(owner: dict[str, Any], job: ParallelTrainingJob) -> dict[str, Any]:
-    """DNS for the ranks (`<pod>.<service>`), published before they are ready: rank 0's name must resolve
-    while the others wait for its port."""
+    """DNS for the ranks and an elastic job's coordinator (`<pod>.<service>`: it selects every pod of the job),
+    published before they are ready: the master's name must resolve while the ranks wait for its port."""
     name = job.metadata.name
     return {
         "apiVersion": "v1", "kind": "Service",
@@ -220,7 +290,8 @@ def applied_job(config_map: dict[str, Any] | None) -> ParallelTrainingJob | None
 
 
 def rank0_access(owner: dict[str, Any], job: ParallelTrainingJob) -> list[dict[str, Any]]:
-    """Rank 0's ServiceAccount, a Role allowing exactly get and patch on this job and its status, the binding."""
+    """Rank 0's ServiceAccount (an elastic job's ranks all run under it), a Role allowing exactly get and patch on
+    this job and its status, the binding."""
     name, labels = rank0_account_name(job.metadata.name), selector(job.metadata.name)
     namespace = owner["metadata"].get("namespace")
     return [

@@ -2,7 +2,7 @@
 whether the group may run (a job outside any queue may; a queued job while Kueue admits its Workload), the Workload
 to create or replace, and what status.queue says. The pure functions over Workloads are queueing.py's.
 
-`QueueRules` is mixed into training.py's reconciler and uses its state (`body`, `job`, `spec`, `pods`, `status`,
+`QueueRules` is mixed into training.py's reconciler and uses its state (`body`, `job`, `spec`, `children`, `status`,
 `settings`, `queued`, `queue`, `queue_status`, `admitted`, `restarts`, `now`, `result`) and its actions (`_held`:
 stop the group and wait in a phase; `_next_group`: the spec the next group runs)."""
 
@@ -39,14 +39,14 @@ class QueueRules:
             return self._held("Queued", "Queued", f"queued in {self.queue}: waiting for Kueue to admit it")
         name = existing["metadata"]["name"]
         if not queueing.same_pod_set(existing, self._workload()):
-            if not self.pods:
+            if not self.children:
                 self.result.delete_workload = name
             return self._held("Queued", "PodSetChanged",
                               f"the group changed ({self.spec.pods} pods): queued again in {self.queue}")
         if admission.admitted:
             self.admitted = True
             return True
-        if admission.evicted and not self.pods and admission.holds_quota:
+        if admission.evicted and not self.children and admission.holds_quota:
             self.result.workload_status = queueing.released(existing, self.now)
             self.queue_status["evictions"] += 1
             self.result.events.append(("Normal", "Requeued", f"the ranks stopped; Kueue's quota given back, queued "

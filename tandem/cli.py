@@ -91,6 +91,10 @@ def _worker(args: argparse.Namespace) -> int:
         from tandem.worker.train.launch import launch
 
         return launch(Path(args.termination_log))
+    if args.role == "coordinator":
+        from tandem.worker.train.coordinator import cli as coordinator
+
+        return coordinator()
     from tandem.worker.train.signals import block_stop_signals
 
     block_stop_signals()  # before torch starts any thread
@@ -232,9 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--out", default="curves.png", metavar="PNG", help="where to write it (default curves.png)")
     plot.set_defaults(handler=_plot)
 
-    worker = commands.add_parser("worker", help="run one rank (train), or a pod's ranks (launch), from the worker "
-                                                "contract env (what pods run)")
-    worker.add_argument("role", choices=["train", "launch"])
+    worker = commands.add_parser("worker", help="run one rank (train), a pod's ranks (launch), or an elastic job's "
+                                                "coordinator (its store and planner), from the worker contract env "
+                                                "(what pods run)")
+    worker.add_argument("role", choices=["train", "launch", "coordinator"])
     worker.add_argument("--termination-log", default="/dev/termination-log", metavar="PATH",
                         help="launch: where a failed rank's cause is written for the pod's status "
                              "(the container's terminationMessagePath)")

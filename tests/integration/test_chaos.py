@@ -335,25 +335,28 @@ def test_an_elastic_jobs_lost_rank_is_replaced_in_process_under_faults(tmp_path:
         assert all(hook.fired.is_set() for hook in kills) and keeper.starts == len(kills)
         gangs = replay(cluster.emulator.store.log("pods"), JOB_LABEL, GROUP_LABEL, RANK_LABEL)
         assert not gangs.overlaps, gangs.overlaps
-        assert {rank: len(uids) for (_, _, rank), uids in gangs.created.items()} == {"0": 1, "1": 2}
+        # rank 1's pod replaced once; rank 0's and the coordinator's (no rank label) created once
+        assert {rank: len(uids) for (_, _, rank), uids in gangs.created.items()} == {"0": 1, "1": 2, None: 1}
         assert cluster.get("pods", NS, "elastic-worker-0")["metadata"]["uid"] == first
         assert not [line for line in cluster.process_log("operator").splitlines() if "Traceback" in line]
 
 
 def test_an_elastic_job_that_loses_a_node_trains_on_and_its_replacement_joins(tmp_path: Path):
-    """Two nodes, an elastic job's ranks spread over them; rank 1's node is lost (its processes frozen, the pod
-    Failed with reason NodeLost by the node lifecycle controller's emulation): rank 0 trains on alone in the same
-    process, the operator replaces rank 1's pod alone (on the node still up), the replacement joins, and the job
-    Succeeds with `restarts` 0. The lost rank goes silent, as on a dead machine (its connections stay open: no
-    FIN, no RST), so rank 0 catches the loss by rank 1's stalled heartbeat, not by a closed connection."""
+    """Three nodes, an elastic job's pods spread over them (its coordinator and each rank on a node of its own);
+    rank 1's node is lost (its processes frozen, the pod Failed with reason NodeLost by the node lifecycle
+    controller's emulation): rank 0 trains on alone in the same process, the operator replaces rank 1's pod alone
+    (on a node still up), the replacement joins, and the job Succeeds with `restarts` 0. The lost rank goes silent,
+    as on a dead machine (its connections stay open: no FIN, no RST), so rank 0 catches the loss by rank 1's stalled
+    heartbeat, not by a closed connection."""
     go = tmp_path / "go"
-    with Cluster(tmp_path, nodes=2, extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
+    with Cluster(tmp_path, nodes=3, extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
         start_operator(cluster)
         create(cluster, JOBS, elastic_job(go))
         wait(cluster, lambda: (status(cluster, JOBS, "elastic").get("progress") or {}).get("step", 0) >= 5,
              DONE, "training to begin")
         first, second = (cluster.get("pods", NS, f"elastic-worker-{index}") for index in (0, 1))
-        assert first["spec"]["nodeName"] != second["spec"]["nodeName"], "the ranks spread over the nodes"
+        coordinator = cluster.get("pods", NS, "elastic-coordinator")
+        assert len({p["spec"]["nodeName"] for p in (first, second, coordinator)}) == 3, "the pods spread over the nodes"
         survivor = cluster.kubelet.pid(NS, "elastic-worker-0")
         cluster.lose_node(down_seconds=3.0, node=second["spec"]["nodeName"])
         joined = wait(cluster, lambda: (s := status(cluster, JOBS, "elastic")).get("lastRecovery", {}).get("added")

@@ -144,6 +144,85 @@ def test_an_elastic_jobs_killed_rank_is_replaced_alone_while_the_others_train_on
     assert regrouped and "nothing restarted" in regrouped[-1], regrouped
 
 
+def test_an_elastic_jobs_killed_rank_0_is_replaced_alone_while_its_coordinator_keeps_the_group(cluster, tmp_path):
+    """An elastic job's rank 0 is a rank like any other (issue 38): the group's store and planner are its
+    coordinator's pod, every rank's MASTER_ADDR. Killing rank 0's process fails its pod; the operator replaces that
+    pod alone (a ReplacingRank Event), rank 1's pod keeps its uid and its process its pid and trains on as rank 0
+    (reporting the status), the replacement joins, `restarts` stays 0, and the job Succeeds with the coordinator never
+    replaced."""
+    go = tmp_path / "go"
+    create(cluster, {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": "lost-rank-0"},
+        "spec": {"workers": 2, "elastic": {"minWorkers": 1},
+                 "trainer": {"model": "userland:paced_until",
+                             "modelArgs": {"until": str(go), "hidden": 64, "step_seconds": 0.1},
+                             "data": "tandem.examples.digits:train_data", "epochs": 10, "batchSizePerWorker": 16},
+                 "checkpoint": {"directory": "elastic-rank-0", "everySteps": 40}}})
+    started = cluster.wait_for(lambda: ((s := status(cluster, "lost-rank-0")).get("progress") or {}).get("step", 0)
+                               >= 5 and s, STARTUP, "training to begin")
+    assert started["master"] == {"pod": "lost-rank-0-coordinator", "port": 29500,
+                                 "address": "lost-rank-0-coordinator.lost-rank-0-workers"}
+    uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, "lost-rank-0")}
+    assert sorted(uids) == ["lost-rank-0-coordinator", "lost-rank-0-worker-0", "lost-rank-0-worker-1"]
+    survivor = cluster.kubelet.pid(NS, "lost-rank-0-worker-1")
+    cluster.kubelet.kill(NS, "lost-rank-0-worker-0")
+    try:
+        joined = cluster.wait_for(lambda: (s := status(cluster, "lost-rank-0")).get("lastRecovery", {}).get("added")
+                                  == [0] and s, 120, "rank 0's replacement to join")
+    except TimeoutError:
+        for name in uids:
+            print(f"--- {name}:", cluster.logs(NS, name)[-3000:])
+        print(status(cluster, "lost-rank-0"))
+        raise
+    assert (joined["phase"], joined["restarts"]) == ("Running", 0), joined["message"]
+    now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, "lost-rank-0")}
+    assert now["lost-rank-0-worker-0"] != uids["lost-rank-0-worker-0"]
+    assert now["lost-rank-0-worker-1"] == uids["lost-rank-0-worker-1"]
+    assert now["lost-rank-0-coordinator"] == uids["lost-rank-0-coordinator"]
+    assert cluster.kubelet.pid(NS, "lost-rank-0-worker-1") == survivor, "rank 1's process trained on"
+    go.touch()
+    final = wait_phase(cluster, "lost-rank-0", "Succeeded", timeout=120)
+    assert (final["restarts"], final["progress"]["step"]) == (0, final["progress"]["totalSteps"])
+    assert final["recoveries"]["regroups"] >= 1 and final["recoveries"]["restarts"] == 0, final["recoveries"]
+    assert cluster.get("pods", NS, "lost-rank-0-worker-1")["metadata"]["uid"] == uids["lost-rank-0-worker-1"]
+    [replaced] = cluster.wait_for(lambda: [e["message"] for e in cluster.list("events", NS)
+                                           if e["involvedObject"]["name"] == "lost-rank-0"
+                                           and e["reason"] == "ReplacingRank"], 10, "the ReplacingRank Event")
+    assert replaced.startswith("rank 0 (pod lost-rank-0-worker-0) exited with code"), replaced
+    reasons = [e["reason"] for e in cluster.list("events", NS) if e["involvedObject"]["name"] == "lost-rank-0"]
+    assert "Restarting" not in reasons, reasons
+
+
+def test_an_elastic_jobs_killed_coordinator_restarts_the_group_from_its_checkpoint(cluster, tmp_path):
+    """The coordinator's loss is the group's (the store goes with it): killing its process restarts the whole group
+    from the latest checkpoint, counted in `restarts` and recorded as lastRecovery kind restart, the message naming
+    the coordinator; the new group comes with a new coordinator, and the job Succeeds."""
+    go = tmp_path / "go"
+    create(cluster, {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": "lost-store"},
+        "spec": {"workers": 2, "elastic": {"minWorkers": 1},
+                 "trainer": {"model": "userland:paced_until",
+                             "modelArgs": {"until": str(go), "hidden": 64, "step_seconds": 0.1},
+                             "data": "tandem.examples.digits:train_data", "epochs": 10, "batchSizePerWorker": 16},
+                 "checkpoint": {"directory": "elastic-store", "everySteps": 20}}})
+    cluster.wait_for(lambda: status(cluster, "lost-store").get("checkpoint", {}).get("latest"), STARTUP,
+                     "rank 0 to record a checkpoint")
+    first = cluster.get("pods", NS, "lost-store-coordinator")["metadata"]["uid"]
+    cluster.kubelet.kill(NS, "lost-store-coordinator")
+    restarted = cluster.wait_for(lambda: (s := status(cluster, "lost-store")).get("restarts") == 1
+                                 and s.get("phase") == "Running" and s, 120, "the group to run again")
+    assert restarted["lastRecovery"]["kind"] == "restart", restarted["lastRecovery"]
+    assert restarted["lastRecovery"]["message"].startswith(
+        "the group's coordinator (pod lost-store-coordinator) exited with code"), restarted["lastRecovery"]
+    assert cluster.get("pods", NS, "lost-store-coordinator")["metadata"]["uid"] != first
+    go.touch()
+    final = wait_phase(cluster, "lost-store", "Succeeded", timeout=120)
+    assert (final["restarts"], final["recoveries"]["restarts"]) == (1, 1)
+    assert final["progress"]["step"] == final["progress"]["totalSteps"]
+    reasons = [e["reason"] for e in cluster.list("events", NS) if e["involvedObject"]["name"] == "lost-store"]
+    assert "Restarting" in reasons and "ReplacingRank" not in reasons, reasons
+
+
 def test_kubectl_scale_grows_and_shrinks_an_elastic_job_without_a_restart(cluster, tmp_path):
     """`kubectl scale` of an elastic job in process: to 3, a pod is created and its rank joins at a step boundary;
     to 1, two pods are deleted and their ranks leave at one (exiting 0). Rank 0's pod keeps its uid throughout,
@@ -224,7 +303,7 @@ def test_a_job_becomes_exactly_its_objects_and_deleting_it_removes_them(cluster)
     assert env["TANDEM_RESUME_FROM"] == "latest", "a new job on a claim resumes from what it holds, if anything"
     assert {"name": "tandem-checkpoints", "persistentVolumeClaim": {"claimName": "objects-data"}} in \
         rank0["spec"]["volumes"]
-    assert status(cluster, "objects")["selector"] == "tandem.dev/job=objects"
+    assert status(cluster, "objects")["selector"] == "tandem.dev/job=objects,tandem.dev/role!=coordinator"
     delete(cluster, "objects")
     for resource, expected in names.items():
         for name in expected:

@@ -20,9 +20,11 @@ from tandem.operator.training_objects import (
     JOB_LABEL,
     POD_INDEX_LABEL,
     RANK_LABEL,
+    ROLE_LABEL,
     applied_job,
     changed_fields,
     child_name,
+    coordinator_pod,
     running_group,
     spec_config_map,
     worker_pod,
@@ -96,11 +98,23 @@ def pod(index: int, phase: str = "Running", *, exit_code: int | None = None, mes
     return {"metadata": metadata, "status": status}
 
 
+def coordinator(phase: str = "Running", **state: Any) -> dict[str, Any]:
+    """An elastic job's coordinator pod, in `phase` (`state`: as for `pod`)."""
+    made = pod(0, phase, **state)
+    made["metadata"].update(name="digits-coordinator", labels={JOB_LABEL: "digits", ROLE_LABEL: "coordinator",
+                                                               GROUP_LABEL: "0"})
+    return made
+
+
 def node_lost(rank: int) -> dict[str, Any]:
-    """A rank pod on a node that stopped answering, as the node lifecycle controller and PodGC leave it: Failed with
-    the reason NodeLost, its container never seen to exit."""
-    lost = pod(rank, "Failed")
-    lost["status"].update(reason="NodeLost", message=f"Node n1 which was running pod digits-worker-{rank} is "
+    """A rank pod on a node that stopped answering (on_a_lost_node)."""
+    return on_a_lost_node(pod(rank, "Failed"))
+
+
+def on_a_lost_node(lost: dict[str, Any]) -> dict[str, Any]:
+    """A Failed pod as the node lifecycle controller and PodGC leave it on a node that stopped answering: the reason
+    NodeLost, its container never seen to exit."""
+    lost["status"].update(reason="NodeLost", message=f"Node n1 which was running pod {lost['metadata']['name']} is "
                                                      "unresponsive")
     lost["status"]["conditions"].append({"type": "DisruptionTarget", "status": "True", "reason": "DeletionByPodGC"})
     return lost
@@ -121,7 +135,10 @@ def kinds(plan) -> list[str]:
 
 GROUP = ["Service/digits-workers", "ConfigMap/digits-spec", "ServiceAccount/digits-rank0", "Role/digits-rank0",
          "RoleBinding/digits-rank0", "Pod/digits-worker-0", "Pod/digits-worker-1"]
+ELASTIC_GROUP = [*GROUP[:5], "Pod/digits-coordinator", *GROUP[5:]]
 BOTH_RUNNING = [pod(0), pod(1)]
+COORDINATED = [coordinator(), pod(0), pod(1)]
+"""An elastic job's group running: its coordinator and both ranks."""
 
 # (name, job, pods, config map changes or None (none yet) or {} (as the job), expected)
 CASES = [
@@ -263,40 +280,124 @@ CASES = [
      {"phase": "Restarting", "restarts": 0, "delete": [f"digits-worker-{index}" for index in range(4)],
       "message": "regrouping the 4 ranks from 1 to 2 per pod"}),
     ("elastic: rank 1 killed: its pod alone is deleted, still Running, no restart", job(running(), elastic={}),
-     [pod(0), pod(1, "Failed", exit_code=137, reason="Error")], {},
+     [coordinator(), pod(0), pod(1, "Failed", exit_code=137, reason="Error")], {},
      {"phase": "Running", "restarts": 0, "delete": ["digits-worker-1"], "create": [], "event": "ReplacingRank",
       "message": "rank 1 being replaced; the other ranks train on", "requeue": 1.0}),
     ("elastic: a replacement already under way: the pass that repeats its decision posts no second Event",
      job(running(message="rank 1 being replaced; the other ranks train on (spec.elastic)"), elastic={}),
-     [pod(0), pod(1, "Failed", exit_code=137, reason="Error")], {},
+     [coordinator(), pod(0), pod(1, "Failed", exit_code=137, reason="Error")], {},
      {"phase": "Running", "delete": ["digits-worker-1"], "events": []}),
     ("elastic: the lost rank's pod gone: its replacement created with the same slot", job(running(), elastic={}),
-     [pod(0)], {}, {"phase": "Running", "restarts": 0, "delete": [], "create": ["Pod/digits-worker-1"]}),
+     [coordinator(), pod(0)], {}, {"phase": "Running", "restarts": 0, "delete": [],
+                                   "create": ["Pod/digits-worker-1"]}),
     ("elastic: the replacement pending: still Running, READY says 1/2", job(running(), elastic={}),
-     [pod(0), pod(1, "Pending")], {}, {"phase": "Running", "ready": 1, "restarts": 0, "create": [],
-                                       "message": "rank 1's replacement (pod digits-worker-1) is"}),
+     [coordinator(), pod(0), pod(1, "Pending")], {},
+     {"phase": "Running", "ready": 1, "restarts": 0, "create": [],
+      "message": "rank 1's replacement (pod digits-worker-1) is"}),
     ("elastic: a rank pod evicted (terminating): waited for, then replaced", job(running(), elastic={}),
-     [pod(0), pod(1, terminating=True)], {}, {"phase": "Running", "restarts": 0, "delete": [], "create": []}),
-    ("elastic: rank 1 on a lost node: replaced alone", job(running(), elastic={}), [pod(0), node_lost(1)], {},
+     [coordinator(), pod(0), pod(1, terminating=True)], {},
+     {"phase": "Running", "restarts": 0, "delete": [], "create": []}),
+    ("elastic: rank 1 on a lost node: replaced alone", job(running(), elastic={}),
+     [coordinator(), pod(0), node_lost(1)], {},
      {"phase": "Running", "restarts": 0, "delete": ["digits-worker-1"], "event": "ReplacingRank"}),
-    ("elastic: rank 0 lost (the store's host): a whole-group restart", job(running(), elastic={}),
-     [pod(0, "Failed", exit_code=137), pod(1)], {},
-     {"phase": "Restarting", "restarts": 1, "delete": ["digits-worker-0", "digits-worker-1"], "recovery": "restart"}),
-    ("elastic, recovery restart: a lost rank restarts the group as without elastic",
+    # rank 0 is a rank like any other: the group's store and planner are the coordinator's
+    ("elastic: rank 0 killed: its pod alone is deleted, no restart", job(running(), elastic={}),
+     [coordinator(), pod(0, "Failed", exit_code=137), pod(1)], {},
+     {"phase": "Running", "restarts": 0, "delete": ["digits-worker-0"], "create": [], "event": "ReplacingRank",
+      "message": "rank 0 being replaced; the other ranks train on"}),
+    ("elastic: rank 0's pod gone: its replacement created", job(running(), elastic={}), [coordinator(), pod(1)], {},
+     {"phase": "Running", "restarts": 0, "delete": [], "create": ["Pod/digits-worker-0"]}),
+    ("elastic: rank 0's pod evicted: waited for, then replaced", job(running(), elastic={}),
+     [coordinator(), pod(0, terminating=True), pod(1)], {},
+     {"phase": "Running", "restarts": 0, "delete": [], "create": []}),
+    ("elastic: rank 0's replacement pending: still Running", job(running(), elastic={}),
+     [coordinator(), pod(0, "Pending"), pod(1)], {},
+     {"phase": "Running", "ready": 1, "message": "rank 0's replacement (pod digits-worker-0) is"}),
+    ("elastic: the coordinator failed: a whole-group restart, counted, named", job(running(), elastic={}),
+     [coordinator("Failed", exit_code=1, message="the group was lost 3 times at step 40"), pod(0), pod(1)], {},
+     {"phase": "Restarting", "restarts": 1, "event": "Restarting", "recovery": "restart",
+      "delete": ["digits-worker-0", "digits-worker-1", "digits-coordinator"],
+      "message": "the group's coordinator (pod digits-coordinator) exited with code 1: Error the group was lost 3 "
+                 "times at step 40; restart 1 of 3"}),
+    ("elastic: the coordinator failed with the ranks that lost it: the coordinator is the cause",
+     job(running(), elastic={}), [coordinator("Failed", exit_code=137, finished=2),
+                                  pod(0, "Failed", exit_code=75, message="the job's coordinator (its store) is gone"),
+                                  pod(1)], {},
+     {"phase": "Restarting", "restarts": 1, "delete": ["digits-worker-0", "digits-worker-1", "digits-coordinator"],
+      "message": "the group's coordinator (pod digits-coordinator) exited with code 137", "recovery": "restart"}),
+    ("elastic: the coordinator's node lost: a whole-group restart", job(running(), elastic={}),
+     [on_a_lost_node(coordinator("Failed")), pod(0), pod(1)], {},
+     {"phase": "Restarting", "restarts": 1, "recovery": "restart",
+      "message": "the group's coordinator (pod digits-coordinator) failed: NodeLost"}),
+    ("elastic: the coordinator deleted: a whole-group restart", job(running(), elastic={}),
+     [coordinator(terminating=True), pod(0), pod(1)], {},
+     {"phase": "Restarting", "restarts": 1, "delete": ["digits-worker-0", "digits-worker-1"],
+      "message": "the group's coordinator's pod digits-coordinator was deleted or evicted", "recovery": "restart"}),
+    ("elastic: the coordinator deleted, exited 0 on its SIGTERM: a restart, not a success",
+     job(running(), elastic={}), [coordinator("Succeeded", exit_code=0, terminating=True), pod(0), pod(1)], {},
+     {"phase": "Restarting", "restarts": 1, "recovery": "restart",
+      "message": "the group's coordinator's pod digits-coordinator was deleted"}),
+    ("elastic: the coordinator gone once the group ran: a whole-group restart (its store went with it)",
+     job(running(), elastic={}), BOTH_RUNNING, {},
+     {"phase": "Restarting", "restarts": 1, "create": [], "delete": ["digits-worker-0", "digits-worker-1"],
+      "message": "the group's coordinator's pod digits-coordinator is gone", "recovery": "restart"}),
+    ("elastic: the coordinator missing while the group is created (operator restarted): created",
+     job({"phase": "Pending", "startTime": ago(5)}, elastic={}), [pod(0, "Pending"), pod(1, "Pending")], {},
+     {"phase": "Pending", "restarts": 0, "create": ["Pod/digits-coordinator"], "delete": []}),
+    ("elastic: the coordinator pending, every rank running: Pending, the coordinator named",
+     job({"phase": "Pending", "startTime": ago(5)}, elastic={}),
+     [coordinator("Pending", unschedulable="0/3 nodes are available: 3 Insufficient cpu."), pod(0), pod(1)], {},
+     {"phase": "Pending", "message": "the group's coordinator (pod digits-coordinator): Unschedulable: 0/3 nodes"}),
+    ("elastic: the coordinator and every rank running: Running", job({"phase": "Pending", "startTime": ago(5)},
+                                                                     elastic={}), COORDINATED, {},
+     {"phase": "Running", "ready": 2, "event": "Running"}),
+    ("elastic: the coordinator exited 0, a replacement still waiting to join: Succeeded, the replacement deleted "
+     "next", job(running(), elastic={}), [coordinator("Succeeded", exit_code=0), pod(0, "Succeeded", exit_code=0),
+                                          pod(1)], {},
+     {"phase": "Succeeded", "completed": True, "event": "Succeeded", "message": "the group's coordinator exited 0"}),
+    ("elastic: the coordinator exited 0, a replacement failed to join it: Succeeded all the same",
+     job(running(), elastic={}), [coordinator("Succeeded", exit_code=0), pod(0, "Succeeded", exit_code=0),
+                                  pod(1, "Failed", exit_code=75)], {},
+     {"phase": "Succeeded", "restarts": 0, "completed": True}),
+    ("elastic: rank 0 exited 0, the coordinator still running: not over yet", job(running(), elastic={}),
+     [coordinator(), pod(0, "Succeeded", exit_code=0), pod(1)], {}, {"phase": "Running", "delete": []}),
+    ("elastic: a rank exited with the group-restart code (the coordinator's fallback): the whole group restarts",
+     job(running(), elastic={}), [coordinator(), pod(0), pod(1, "Failed", exit_code=75, message="RegroupFailed")],
+     {}, {"phase": "Restarting", "restarts": 1, "delete": ["digits-worker-0", "digits-worker-1", "digits-coordinator"],
+          "message": "rank 1 (pod digits-worker-1) exited with code 75", "recovery": "restart"}),
+    ("elastic: a rank's permanent failure fails the job, not a replacement that would meet it too",
+     job(running(), elastic={}), [coordinator(), pod(0, "Failed", exit_code=78,
+                                                     message="InvalidModelOrData: the data has no array y"), pod(1)],
+     {}, {"phase": "Failed", "restarts": 0, "event": "InvalidModelOrData", "completed": True,
+          "delete": ["digits-worker-1", "digits-coordinator"]}),
+    ("elastic: a new job: the coordinator is created with the ranks", job(elastic={}), [], None,
+     {"phase": "Pending", "create": ELASTIC_GROUP, "event": "Created"}),
+    ("elastic: restarting: a coordinator still terminating is waited for", job(restarting(30, restarts=1),
+                                                                                elastic={}),
+     [coordinator(terminating=True)], {}, {"phase": "Restarting", "create": [], "requeue": 1.0}),
+    ("elastic: restarting, every pod gone: a new group with a new coordinator", job(restarting(11, restarts=1),
+                                                                                    elastic={}), [], {},
+     {"phase": "Pending", "create": ELASTIC_GROUP, "group": "1", "event": "Restarted"}),
+    ("elastic: suspended: the coordinator stopped with the ranks", job(running(), suspend=True, elastic={}),
+     COORDINATED, {}, {"phase": "Suspended", "stop_first": True, "event": "Suspended",
+                       "delete": ["digits-worker-0", "digits-worker-1", "digits-coordinator"]}),
+    ("elastic: finished: a coordinator still running is deleted", job(running(phase="Succeeded",
+                                                                              completionTime=ago(5)), elastic={}),
+     [coordinator(), pod(0, "Succeeded", exit_code=0), pod(1, "Succeeded", exit_code=0)], {},
+     {"phase": "Succeeded", "delete": ["digits-coordinator"]}),
+    ("elastic, recovery restart: a lost rank restarts the group as without elastic, no coordinator",
      job(running(), elastic={"recovery": "restart"}), [pod(0), pod(1, "Failed", exit_code=1)], {},
      {"phase": "Restarting", "restarts": 1, "delete": ["digits-worker-0", "digits-worker-1"], "recovery": "restart"}),
     ("elastic: kubectl scale up: the new rank's pod created, nothing restarts",
-     job(running(), workers=3, elastic={"maxWorkers": 3}), BOTH_RUNNING, {"workers": 2},
+     job(running(), workers=3, elastic={"maxWorkers": 3}), COORDINATED, {"workers": 2},
      {"phase": "Running", "restarts": 0, "delete": [], "create": ["Pod/digits-worker-2"], "event": "ScalingUp"}),
     ("elastic: kubectl scale down: the excess rank's pod deleted (it leaves), nothing restarts",
-     job(running(), workers=1, elastic={}), BOTH_RUNNING, {"workers": 2},
+     job(running(), workers=1, elastic={}), COORDINATED, {"workers": 2},
      {"phase": "Running", "restarts": 0, "delete": ["digits-worker-1"], "create": [], "event": "ScalingDown"}),
-    ("elastic: rank 0 done, a replacement still waiting to join: Succeeded", job(running(), elastic={}),
-     [pod(0, "Succeeded", exit_code=0), pod(1)], {}, {"phase": "Succeeded", "completed": True}),
     ("elastic: the restarted group running: the restart's seconds measured", job(
         {**running(), "phase": "Pending", "lastRecovery": {"kind": "restart", "workers": 2, "stoppedAtStep": 130,
                                                            "resumedAtStep": 100, "time": ago(12)}}, elastic={}),
-     BOTH_RUNNING, {}, {"phase": "Running", "recovery_seconds": 12.0}),
+     COORDINATED, {}, {"phase": "Running", "recovery_seconds": 12.0}),
     ("workers not a multiple of ranksPerPod: a condition with the fix, nothing else", job(running(), workers=3,
                                                                                           ranksPerPod=2),
      BOTH_RUNNING, None, {"create": [], "delete": [], "condition": ("InvalidSpec", "True"),
@@ -351,7 +452,8 @@ def test_reconcile(name, body, pods, changes, expected):
     for created in plan.create:
         if created["kind"] == "Pod":
             env = {e["name"]: e.get("value") for e in created["spec"]["containers"][0]["env"]}
-            assert env["TANDEM_RESUME_FROM"] == expected.get("resume", env["TANDEM_RESUME_FROM"])
+            if created["metadata"]["name"] != "digits-coordinator":  # which checkpoint is the ranks' business
+                assert env["TANDEM_RESUME_FROM"] == expected.get("resume", env["TANDEM_RESUME_FROM"])
             assert created["metadata"]["labels"][GROUP_LABEL] == expected.get("group", "0")
 
 
@@ -482,7 +584,7 @@ def test_the_operator_removes_rank_0s_eta_once_the_job_is_not_running(name, body
 def test_the_status_names_the_master_and_selects_exactly_the_rank_pods():
     status = reconcile(read_resource(job(running())), BOTH_RUNNING, applied(job()), NOW, SETTINGS).status
     assert status["master"] == {"pod": "digits-worker-0", "address": "digits-worker-0.digits-workers", "port": 29500}
-    assert status["selector"] == "tandem.dev/job=digits"
+    assert status["selector"] == "tandem.dev/job=digits,tandem.dev/role!=coordinator"
     assert status["observedGeneration"] == 1
 
 
@@ -573,6 +675,81 @@ def test_cpu_ranks_get_no_gpu_limit_and_other_ranks_no_service_account_token():
     [pod1] = [o for o in plan.create if o["metadata"]["name"] == "digits-worker-1"]
     assert "nvidia.com/gpu" not in pod1["spec"]["containers"][0]["resources"].get("limits", {})
     assert pod1["spec"]["automountServiceAccountToken"] is False and "serviceAccountName" not in pod1["spec"]
+
+
+def elastic_coordinator(**spec: Any) -> dict[str, Any]:
+    body = job(elastic={}, **spec)
+    from tandem.manifest import parse
+
+    return coordinator_pod(body, parse({k: body[k] for k in ("apiVersion", "kind", "metadata", "spec")}), group=1,
+                           default_image="tandem-worker:1")
+
+
+def test_an_elastic_jobs_coordinator_serves_the_store_on_cpu_under_the_ranks_service_as_they_run():
+    """The coordinator's pod: the ranks' image, non-root as they are, the spec file mounted, their Service for DNS,
+    the store's port; no GPU and none of the ranks' resources or volumes (a rank's), no API token."""
+    created = elastic_coordinator(gpusPerWorker=1, image="me/train:2", priorityClassName="high",
+                                  nodeSelector={"gpu": "h100"}, tolerations=[{"key": "gpu", "operator": "Exists"}],
+                                  resources={"requests": {"cpu": "4", "memory": "16Gi"},
+                                             "limits": {"nvidia.com/gpu": "1"}},
+                                  env=[{"name": "HF_HOME", "value": "/cache"}],
+                                  volumes=[{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
+                                  volumeMounts=[{"name": "data", "mountPath": "/data"}])
+    spec = created["spec"]
+    [container] = spec["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert container["command"] == ["tandem", "worker", "coordinator"]
+    assert container["image"] == "me/train:2"
+    assert env == {"WORLD_SIZE": "2", "MASTER_ADDR": "digits-coordinator.digits-workers", "MASTER_PORT": "29500",
+                   "TANDEM_JOB": "digits", "TANDEM_NAMESPACE": "ml", "TANDEM_SPEC": "/etc/tandem/job.json",
+                   "HF_HOME": "/cache"}
+    assert container["resources"] == {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {}}
+    assert container["ports"] == [{"name": "rendezvous", "containerPort": 29500, "protocol": "TCP"}]
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
+                                            "capabilities": {"drop": ["ALL"]}}
+    assert spec["securityContext"] == rank0_pod()["spec"]["securityContext"]
+    assert (spec["hostname"], spec["subdomain"]) == ("digits-coordinator", "digits-workers")
+    assert spec["restartPolicy"] == "Never" and spec["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in spec
+    assert spec["volumes"] == [{"name": "tandem-spec", "configMap": {"name": "digits-spec"}}]
+    assert container["volumeMounts"] == [{"name": "tandem-spec", "mountPath": "/etc/tandem", "readOnly": True}]
+    assert (spec["nodeSelector"], spec["priorityClassName"]) == ({"gpu": "h100"}, "high")
+    labels = created["metadata"]["labels"]
+    assert (labels[JOB_LABEL], labels[ROLE_LABEL], labels[GROUP_LABEL]) == ("digits", "coordinator", "1")
+    assert RANK_LABEL not in labels and POD_INDEX_LABEL not in labels, "no rank pod's labels: it hosts no rank"
+    assert created["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    kubernetes_validate.validate(created, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_an_elastic_jobs_ranks_find_the_coordinator_and_may_each_report_as_rank_0():
+    """Every rank pod of an elastic job: MASTER_ADDR the coordinator's name, and rank 0's ServiceAccount with its
+    token (any rank becomes rank 0 once the lower slots are lost); status.master names the coordinator."""
+    plan = reconcile(read_resource(job(elastic={})), [], None, NOW, SETTINGS)
+    ranks = [o for o in plan.create if o["kind"] == "Pod" and o["metadata"]["name"] != "digits-coordinator"]
+    assert len(ranks) == 2
+    for created in ranks:
+        env = {e["name"]: e.get("value") for e in created["spec"]["containers"][0]["env"]}
+        assert env["MASTER_ADDR"] == "digits-coordinator.digits-workers"
+        assert created["spec"]["serviceAccountName"] == "digits-rank0"
+        assert created["spec"]["automountServiceAccountToken"] is True
+    status = reconcile(read_resource(job(running(), elastic={})), COORDINATED, applied(job(elastic={})), NOW,
+                       SETTINGS).status
+    assert status["master"] == {"pod": "digits-coordinator", "address": "digits-coordinator.digits-workers",
+                                "port": 29500}
+    assert status["selector"] == "tandem.dev/job=digits,tandem.dev/role!=coordinator"
+
+
+def test_an_elastic_job_recovering_by_restart_has_no_coordinator():
+    plan = reconcile(read_resource(job(elastic={"recovery": "restart"})), [], None, NOW, SETTINGS)
+    assert kinds(plan) == GROUP
+    [pod1] = [o for o in plan.create if o["metadata"]["name"] == "digits-worker-1"]
+    assert "serviceAccountName" not in pod1["spec"]
+
+
+@pytest.mark.parametrize("created", reconcile(read_resource(job(elastic={}, gpusPerWorker=1)), [], None, NOW,
+                                              SETTINGS).create, ids=lambda o: f"{o['kind']}/{o['metadata']['name']}")
+def test_every_object_of_an_elastic_job_is_valid_kubernetes_under_strict_validation(created):
+    kubernetes_validate.validate(created, kubernetes_validate.latest_version(), strict=True)
 
 
 def test_rank_zero_may_get_and_patch_its_own_job_and_status_and_nothing_else():

@@ -64,6 +64,8 @@ one to two."""
 
 @dataclass(frozen=True)
 class TakenDuties:
+    """What a rank that becomes rank 0 takes on (RankZeroDuties.take)."""
+
     sinks: list[Sink]
     holder: Lease | None
     """The checkpoint directory's lease this rank writes under now."""

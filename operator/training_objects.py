@@ -120,8 +120,9 @@ def selector_string(job: str) -> str:
 
 def rank_selector_string(job: str) -> str:
     """The job's rank pods alone (status.selector, which the scale subresource reports: an autoscaler counts ranks,
-    not an elastic job's coordinator)."""
-    return f"{selector_string(job)},{ROLE_LABEL}!={COORDINATOR_ROLE}"
+    not an elastic job's coordinator). `notin`, not `!=`: kubectl reads a /scale selector with the set-based parser
+    of LabelSelector, which has no `!=`."""
+    return f"{selector_string(job)},{ROLE_LABEL} notin ({COORDINATOR_ROLE})"
 
 
 def checkpoint_directory(job: ParallelTrainingJob) -> str:

@@ -303,7 +303,7 @@ def test_a_job_becomes_exactly_its_objects_and_deleting_it_removes_them(cluster)
     assert env["TANDEM_RESUME_FROM"] == "latest", "a new job on a claim resumes from what it holds, if anything"
     assert {"name": "tandem-checkpoints", "persistentVolumeClaim": {"claimName": "objects-data"}} in \
         rank0["spec"]["volumes"]
-    assert status(cluster, "objects")["selector"] == "tandem.dev/job=objects,tandem.dev/role!=coordinator"
+    assert status(cluster, "objects")["selector"] == "tandem.dev/job=objects,tandem.dev/role notin (coordinator)"
     delete(cluster, "objects")
     for resource, expected in names.items():
         for name in expected:

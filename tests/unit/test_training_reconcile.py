@@ -584,7 +584,7 @@ def test_the_operator_removes_rank_0s_eta_once_the_job_is_not_running(name, body
 def test_the_status_names_the_master_and_selects_exactly_the_rank_pods():
     status = reconcile(read_resource(job(running())), BOTH_RUNNING, applied(job()), NOW, SETTINGS).status
     assert status["master"] == {"pod": "digits-worker-0", "address": "digits-worker-0.digits-workers", "port": 29500}
-    assert status["selector"] == "tandem.dev/job=digits,tandem.dev/role!=coordinator"
+    assert status["selector"] == "tandem.dev/job=digits,tandem.dev/role notin (coordinator)"
     assert status["observedGeneration"] == 1
 
 
@@ -736,7 +736,7 @@ def test_an_elastic_jobs_ranks_find_the_coordinator_and_may_each_report_as_rank_
                        SETTINGS).status
     assert status["master"] == {"pod": "digits-coordinator", "address": "digits-coordinator.digits-workers",
                                 "port": 29500}
-    assert status["selector"] == "tandem.dev/job=digits,tandem.dev/role!=coordinator"
+    assert status["selector"] == "tandem.dev/job=digits,tandem.dev/role notin (coordinator)"
 
 
 def test_an_elastic_job_recovering_by_restart_has_no_coordinator():

@@ -299,10 +299,11 @@ def elastic_job(go: Path) -> dict:
 
 
 @pytest.mark.parametrize("fault", list(ELASTIC_FAULTS))
-def test_an_elastic_jobs_lost_rank_is_replaced_in_process_under_faults(tmp_path: Path, fault: str):
-    """An elastic job's rank 1 killed while a tenth of the API writes fail, or with the operator SIGKILLed right
-    after it deleted the failed pod (before it created the replacement): one replacement pod is created, never
-    beside a live pod of its rank, it joins, and the job Succeeds with `restarts` 0 and rank 0's pod never
+def test_an_elastic_jobs_lost_rank_0_is_replaced_in_process_under_faults(tmp_path: Path, fault: str):
+    """An elastic job's rank 0 killed (the rank that reports the status and writes the checkpoints) while a tenth of
+    the API writes fail, or with the operator SIGKILLed right after it deleted the failed pod (before it created the
+    replacement): rank 1 becomes rank 0 and reports through the faults, one replacement pod is created, never beside
+    a live pod of its rank, it joins, and the job Succeeds with `restarts` 0, rank 1's pod and the coordinator's never
     replaced. An API error or the operator's own restart is never mistaken for a reason to restart the group."""
     go = tmp_path / "go"
     with Cluster(tmp_path, extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
@@ -311,7 +312,7 @@ def test_an_elastic_jobs_lost_rank_is_replaced_in_process_under_faults(tmp_path:
         if fault == "operator-kills":
             kills.append(cluster.after(
                 lambda served: served.client == "operator" and served.method == "DELETE" and served.plural == "pods"
-                and served.name == "elastic-worker-1", lambda served: cluster.kill_process("operator")))
+                and served.name == "elastic-worker-0", lambda served: cluster.kill_process("operator")))
         start_operator(cluster)
         keeper = OperatorKeeper(cluster)
         keeper.start()
@@ -319,11 +320,13 @@ def test_an_elastic_jobs_lost_rank_is_replaced_in_process_under_faults(tmp_path:
             create(cluster, JOBS, elastic_job(go))
             wait(cluster, lambda: (status(cluster, JOBS, "elastic").get("progress") or {}).get("step", 0) >= 5,
                  DONE, "training to begin")
-            first = cluster.get("pods", NS, "elastic-worker-0")["metadata"]["uid"]
-            wait(cluster, lambda: cluster.kubelet.pid(NS, "elastic-worker-1"), 30, "rank 1's process")
-            cluster.kubelet.kill(NS, "elastic-worker-1")
-            wait(cluster, lambda: status(cluster, JOBS, "elastic").get("lastRecovery", {}).get("added") == [1], DONE,
+            kept = {name: cluster.get("pods", NS, name)["metadata"]["uid"]
+                    for name in ("elastic-worker-1", "elastic-coordinator")}
+            wait(cluster, lambda: cluster.kubelet.pid(NS, "elastic-worker-0"), 30, "rank 0's process")
+            cluster.kubelet.kill(NS, "elastic-worker-0")
+            wait(cluster, lambda: status(cluster, JOBS, "elastic").get("lastRecovery", {}).get("added") == [0], DONE,
                  "the replacement to join")
+            assert {name: cluster.get("pods", NS, name)["metadata"]["uid"] for name in kept} == kept
             go.touch()
             final = wait(cluster, lambda: (s := status(cluster, JOBS, "elastic")).get("phase") in
                          ("Succeeded", "Failed") and s, DONE, "the job to finish")
@@ -335,9 +338,8 @@ def test_an_elastic_jobs_lost_rank_is_replaced_in_process_under_faults(tmp_path:
         assert all(hook.fired.is_set() for hook in kills) and keeper.starts == len(kills)
         gangs = replay(cluster.emulator.store.log("pods"), JOB_LABEL, GROUP_LABEL, RANK_LABEL)
         assert not gangs.overlaps, gangs.overlaps
-        # rank 1's pod replaced once; rank 0's and the coordinator's (no rank label) created once
-        assert {rank: len(uids) for (_, _, rank), uids in gangs.created.items()} == {"0": 1, "1": 2, None: 1}
-        assert cluster.get("pods", NS, "elastic-worker-0")["metadata"]["uid"] == first
+        # rank 0's pod replaced once; rank 1's and the coordinator's (no rank label) created once
+        assert {rank: len(uids) for (_, _, rank), uids in gangs.created.items()} == {"0": 2, "1": 1, None: 1}
         assert not [line for line in cluster.process_log("operator").splitlines() if "Traceback" in line]
 
 

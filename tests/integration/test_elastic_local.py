@@ -85,6 +85,20 @@ def step_of(text: str) -> int:
     return max(steps, default=0)
 
 
+def kill_until_replaced(launcher: subprocess.Popen, stderr: Path, lost: int) -> float:
+    """SIGKILL rank `lost` (of two): the survivor regroups alone, keeping its process, and the launcher's
+    replacement joins; the seconds from the kill to the regroup."""
+    survivor = rank_pid(launcher, 1 - lost)
+    killed_at = time.monotonic()
+    os.kill(rank_pid(launcher, lost), signal.SIGKILL)
+    wait_for_stderr(launcher, stderr, lambda text: f"regrouped: generation 2, 1 rank(s) (lost rank(s) {lost})" in text)
+    regrouped_in = time.monotonic() - killed_at
+    wait_for_stderr(launcher, stderr, timeout=180,
+                    done=lambda text: f"regrouped: generation 3, 2 rank(s) (added rank(s) {lost})" in text)
+    assert rank_pid(launcher, 1 - lost) == survivor, "the survivor kept its process"
+    return regrouped_in
+
+
 @pytest.mark.parametrize("mode", ["allReduce", "sharedGradients", "averaging"])
 def test_a_rank_killed_mid_epoch_is_replaced_without_a_restart(tmp_path, monkeypatch, launched, mode):
     """SIGKILL of rank 1 mid-epoch: rank 0 (same pid) regroups alone within seconds, the replacement joins and takes
@@ -97,14 +111,7 @@ def test_a_rank_killed_mid_epoch_is_replaced_without_a_restart(tmp_path, monkeyp
     launcher, stderr = start_tandem_run(path)
     launched.append(launcher)
     wait_for_stderr(launcher, stderr, lambda text: step_of(text) >= 10)
-    survivor, victim = rank_pid(launcher, 0), rank_pid(launcher, 1)
-    killed_at = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    wait_for_stderr(launcher, stderr, lambda text: "regrouped: generation 2, 1 rank(s) (lost rank(s) 1)" in text)
-    regrouped_in = time.monotonic() - killed_at
-    wait_for_stderr(launcher, stderr, lambda text: "regrouped: generation 3, 2 rank(s) (added rank(s) 1)" in text,
-                    timeout=180)
-    assert rank_pid(launcher, 0) == survivor, "the survivor kept its process"
+    regrouped_in = kill_until_replaced(launcher, stderr, 1)
     go.touch()
     stdout, _ = launcher.communicate(timeout=180)
     text = stderr.read_text()
@@ -146,12 +153,7 @@ def test_rank_0_killed_is_replaced_alone_and_its_duties_follow_rank_0(tmp_path, 
     launcher, stderr = start_tandem_run(path)
     launched.append(launcher)
     wait_for_stderr(launcher, stderr, lambda text: step_of(text) >= 45)  # past the checkpoint of step 40
-    survivor = rank_pid(launcher, 1)
-    os.kill(rank_pid(launcher, 0), signal.SIGKILL)
-    wait_for_stderr(launcher, stderr, lambda text: "regrouped: generation 2, 1 rank(s) (lost rank(s) 0)" in text)
-    wait_for_stderr(launcher, stderr, lambda text: "regrouped: generation 3, 2 rank(s) (added rank(s) 0)" in text,
-                    timeout=180)
-    assert rank_pid(launcher, 1) == survivor, "the survivor kept its process"
+    kill_until_replaced(launcher, stderr, 0)
     go.touch()
     stdout, _ = launcher.communicate(timeout=180)
     text = stderr.read_text()

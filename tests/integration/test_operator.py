@@ -104,20 +104,28 @@ def test_digits_trains_to_success_and_a_killed_rank_restarts_the_group_from_its_
                                "port": 29500}
 
 
+def paced_elastic_job(name: str, go: Path, *, directory: str, elastic: dict | None = None,
+                      every_steps: int | None = 40, **trainer) -> dict:
+    """An elastic job of two ranks whose model paces its steps until `go` exists (the test has seen what it waits
+    for), checkpointing every `every_steps` steps in `directory`."""
+    checkpoint = {"directory": directory, **({"everySteps": every_steps} if every_steps else {})}
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": name},
+            "spec": {"workers": 2, "elastic": {"minWorkers": 1, **(elastic or {})},
+                     "trainer": {"model": "userland:paced_until",
+                                 "modelArgs": {"until": str(go), "hidden": 64, "step_seconds": 0.1},
+                                 "data": "tandem.examples.digits:train_data", "epochs": 10, "batchSizePerWorker": 16,
+                                 **trainer},
+                     "checkpoint": checkpoint}}
+
+
 def test_an_elastic_jobs_killed_rank_is_replaced_alone_while_the_others_train_on(cluster, tmp_path):
     """spec.elastic on two real gloo ranks in pods: killing rank 1's process fails its pod; the operator replaces
     that pod alone (a ReplacingRank Event), the job stays Running, rank 0's pod keeps its uid and its process its
     pid while it trains on alone, the replacement joins and takes the state from it, `restarts` stays 0, and the job
     Succeeds with an uninterrupted run's accuracy."""
     go = tmp_path / "go"  # the model paces its steps until the test has seen the replacement join
-    create(cluster, {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": "lost-rank"},
-        "spec": {"workers": 2, "elastic": {"minWorkers": 1},
-                 "trainer": {"model": "userland:paced_until",
-                             "modelArgs": {"until": str(go), "hidden": 64, "step_seconds": 0.1},
-                             "data": "tandem.examples.digits:train_data",
-                             "evalData": "tandem.examples.digits:eval_data", "epochs": 10, "batchSizePerWorker": 16},
-                 "checkpoint": {"directory": "elastic", "everySteps": 40}}})
+    create(cluster, paced_elastic_job("lost-rank", go, directory="elastic",
+                                      evalData="tandem.examples.digits:eval_data"))
     cluster.wait_for(lambda: (status(cluster, "lost-rank").get("progress") or {}).get("step", 0) >= 5, STARTUP,
                      "training to begin")
     uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, "lost-rank")}
@@ -151,13 +159,7 @@ def test_an_elastic_jobs_killed_rank_0_is_replaced_alone_while_its_coordinator_k
     (reporting the status), the replacement joins, `restarts` stays 0, and the job Succeeds with the coordinator never
     replaced."""
     go = tmp_path / "go"
-    create(cluster, {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": "lost-rank-0"},
-        "spec": {"workers": 2, "elastic": {"minWorkers": 1},
-                 "trainer": {"model": "userland:paced_until",
-                             "modelArgs": {"until": str(go), "hidden": 64, "step_seconds": 0.1},
-                             "data": "tandem.examples.digits:train_data", "epochs": 10, "batchSizePerWorker": 16},
-                 "checkpoint": {"directory": "elastic-rank-0", "everySteps": 40}}})
+    create(cluster, paced_elastic_job("lost-rank-0", go, directory="elastic-rank-0"))
     started = cluster.wait_for(lambda: ((s := status(cluster, "lost-rank-0")).get("progress") or {}).get("step", 0)
                                >= 5 and s, STARTUP, "training to begin")
     assert started["master"] == {"pod": "lost-rank-0-coordinator", "port": 29500,
@@ -198,13 +200,7 @@ def test_an_elastic_jobs_killed_coordinator_restarts_the_group_from_its_checkpoi
     from the latest checkpoint, counted in `restarts` and recorded as lastRecovery kind restart, the message naming
     the coordinator; the new group comes with a new coordinator, and the job Succeeds."""
     go = tmp_path / "go"
-    create(cluster, {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": "lost-store"},
-        "spec": {"workers": 2, "elastic": {"minWorkers": 1},
-                 "trainer": {"model": "userland:paced_until",
-                             "modelArgs": {"until": str(go), "hidden": 64, "step_seconds": 0.1},
-                             "data": "tandem.examples.digits:train_data", "epochs": 10, "batchSizePerWorker": 16},
-                 "checkpoint": {"directory": "elastic-store", "everySteps": 20}}})
+    create(cluster, paced_elastic_job("lost-store", go, directory="elastic-store", every_steps=20))
     cluster.wait_for(lambda: status(cluster, "lost-store").get("checkpoint", {}).get("latest"), STARTUP,
                      "rank 0 to record a checkpoint")
     first = cluster.get("pods", NS, "lost-store-coordinator")["metadata"]["uid"]
@@ -228,13 +224,7 @@ def test_kubectl_scale_grows_and_shrinks_an_elastic_job_without_a_restart(cluste
     to 1, two pods are deleted and their ranks leave at one (exiting 0). Rank 0's pod keeps its uid throughout,
     nothing restarts, and the job Succeeds."""
     go = tmp_path / "go"
-    create(cluster, {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": "scaled"},
-        "spec": {"workers": 2, "elastic": {"minWorkers": 1, "maxWorkers": 3},
-                 "trainer": {"model": "userland:paced_until",
-                             "modelArgs": {"until": str(go), "hidden": 64, "step_seconds": 0.1},
-                             "data": "tandem.examples.digits:train_data", "epochs": 10, "batchSizePerWorker": 16},
-                 "checkpoint": {"directory": "scaled"}}})
+    create(cluster, paced_elastic_job("scaled", go, directory="scaled", elastic={"maxWorkers": 3}, every_steps=None))
     cluster.wait_for(lambda: (status(cluster, "scaled").get("progress") or {}).get("step", 0) >= 5, STARTUP,
                      "training to begin")
     first = cluster.get("pods", NS, "scaled-worker-0")["metadata"]["uid"]

@@ -46,15 +46,23 @@ class Ranks:
         return int(self.store.add("joins", 0)) > int(self.store.get("joins/planned"))
 
 
-@pytest.fixture
-def coordinated():
-    """A coordinator of two slots (minWorkers 1, deadline 3 s) running on a thread; its exit code when it ends."""
+def start_coordinator(*, min_workers: int, deadline_seconds: float
+                      ) -> tuple[Coordinator, Ranks, list[int], threading.Thread]:
+    """A coordinator of two slots running on a thread, the ranks' side of its store, and its exit code once it
+    ends."""
     port = free_port()
-    coordinator = Coordinator(workers=2, min_workers=1, max_workers=2, port=port, deadline_seconds=3.0)
+    coordinator = Coordinator(workers=2, min_workers=min_workers, max_workers=2, port=port,
+                              deadline_seconds=deadline_seconds)
     ended: list[int] = []
     thread = threading.Thread(target=lambda: ended.append(coordinator.run()), daemon=True)
     thread.start()
-    ranks = Ranks(port)
+    return coordinator, Ranks(port), ended, thread
+
+
+@pytest.fixture
+def coordinated():
+    """A coordinator of two slots (minWorkers 1, deadline 3 s), stopped after the test."""
+    coordinator, ranks, ended, thread = start_coordinator(min_workers=1, deadline_seconds=3.0)
     yield ranks, ended, thread
     coordinator.stopping.set()  # as SIGTERM: it serves on until the members close
     if thread.is_alive():
@@ -109,12 +117,7 @@ def test_the_group_lost_again_and_again_at_one_step_falls_back_to_a_restart(coor
 
 
 def test_fewer_than_min_workers_past_the_deadline_falls_back_to_a_restart():
-    port = free_port()
-    coordinator = Coordinator(workers=2, min_workers=2, max_workers=2, port=port, deadline_seconds=1.0)
-    ended: list[int] = []
-    thread = threading.Thread(target=lambda: ended.append(coordinator.run()), daemon=True)
-    thread.start()
-    ranks = Ranks(port)
+    _, ranks, ended, thread = start_coordinator(min_workers=2, deadline_seconds=1.0)
     ranks.plan(1)
     ranks.register(2, 0, step=5)
     plan = ranks.plan(2)

@@ -219,6 +219,36 @@ def test_an_elastic_jobs_killed_coordinator_restarts_the_group_from_its_checkpoi
     assert "Restarting" in reasons and "ReplacingRank" not in reasons, reasons
 
 
+def test_an_elastic_job_suspended_checkpoints_at_an_agreed_step_and_resumes_from_it(cluster, tmp_path):
+    """Suspending an elastic job stops every pod at once, its coordinator too: the coordinator keeps serving the
+    store until the ranks have agreed on a step, written the checkpoint and closed, so the job is Suspended with the
+    checkpoint of the step it stopped at; resumed, a new group (a new coordinator) starts from it and Succeeds, with
+    no restart counted."""
+    go = tmp_path / "go"
+    go.touch()  # at full speed: the checkpoint records the step the ranks agreed on, however far they are
+    claim(cluster, "paused-checkpoints")
+    document = paced_elastic_job("paused", go, directory="paused", every_steps=None)
+    document["spec"]["checkpoint"]["persistentVolumeClaim"] = "paused-checkpoints"
+    create(cluster, document)
+    cluster.wait_for(lambda: (status(cluster, "paused").get("progress") or {}).get("step", 0) >= 20, STARTUP,
+                     "training to begin")
+    coordinator = cluster.get("pods", NS, "paused-coordinator")["metadata"]["uid"]
+    patch(cluster, "paused", {"spec": {"suspend": True}})
+    cluster.wait_for(lambda: not pods(cluster, "paused") and not cluster.get("pods", NS, "paused-coordinator"),
+                     STARTUP, "the ranks and the coordinator to stop")
+    suspended = status(cluster, "paused")
+    assert suspended["phase"] == "Suspended", suspended["message"]
+    assert suspended["checkpoint"]["step"] == suspended["progress"]["step"] >= 20, "the ranks' agreed step"
+
+    patch(cluster, "paused", {"spec": {"suspend": False}})
+    rank_0 = cluster.wait_for(lambda: cluster.get("pods", NS, "paused-worker-0"), STARTUP, "the new group")
+    resumed = {e["name"]: e.get("value") for e in rank_0["spec"]["containers"][0]["env"]}
+    assert resumed["TANDEM_RESUME_FROM"] == suspended["checkpoint"]["latest"]
+    assert cluster.get("pods", NS, "paused-coordinator")["metadata"]["uid"] != coordinator
+    final = wait_phase(cluster, "paused", "Succeeded", timeout=180)
+    assert (final["restarts"], final["progress"]["step"]) == (0, final["progress"]["totalSteps"])
+
+
 def test_kubectl_scale_grows_and_shrinks_an_elastic_job_without_a_restart(cluster, tmp_path):
     """`kubectl scale` of an elastic job in process: to 3, a pod is created and its rank joins at a step boundary;
     to 1, two pods are deleted and their ranks leave at one (exiting 0). Rank 0's pod keeps its uid throughout,

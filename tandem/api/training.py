@@ -254,7 +254,9 @@ class Elastic(ApiModel):
     recovery: Literal["regroup", "restart"] = "regroup"
     """How the job comes back from a lost rank. regroup: the loss costs the step in flight; the survivors keep their
     processes and go on at the smaller size, and a replacement joins at a step boundary, receiving the state from a
-    live peer. restart: the whole group restarts from the latest checkpoint (as without elastic)."""
+    live peer. Rank 0 too: the group's store and planner run in a coordinator of their own (the pod
+    <job>-coordinator), whose loss restarts the group. restart: the whole group restarts from the latest checkpoint
+    (as without elastic)."""
     batch: Literal["global", "perRank"] = "global"
     """global: the global batch (workers x batchSizePerWorker x gradientAccumulationSteps, at spec.workers) is the
     same at every size, the ranks alive sharing each step's examples, so that no hyperparameter depends on how many

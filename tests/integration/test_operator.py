@@ -118,48 +118,16 @@ def paced_elastic_job(name: str, go: Path, *, directory: str, elastic: dict | No
                      "checkpoint": checkpoint}}
 
 
-def test_an_elastic_jobs_killed_rank_is_replaced_alone_while_the_others_train_on(cluster, tmp_path):
-    """spec.elastic on two real gloo ranks in pods: killing rank 1's process fails its pod; the operator replaces
-    that pod alone (a ReplacingRank Event), the job stays Running, rank 0's pod keeps its uid and its process its
-    pid while it trains on alone, the replacement joins and takes the state from it, `restarts` stays 0, and the job
-    Succeeds with an uninterrupted run's accuracy."""
-    go = tmp_path / "go"  # the model paces its steps until the test has seen the replacement join
-    create(cluster, paced_elastic_job("lost-rank", go, directory="elastic",
-                                      evalData="tandem.examples.digits:eval_data"))
-    cluster.wait_for(lambda: (status(cluster, "lost-rank").get("progress") or {}).get("step", 0) >= 5, STARTUP,
-                     "training to begin")
-    uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, "lost-rank")}
-    survivor = cluster.kubelet.pid(NS, "lost-rank-worker-0")
-    cluster.kubelet.kill(NS, "lost-rank-worker-1")
-    joined = cluster.wait_for(lambda: (s := status(cluster, "lost-rank")).get("lastRecovery", {}).get("added") == [1]
-                              and s, 120, "the replacement to join")
-    assert (joined["phase"], joined["restarts"], joined["recoveries"]) == ("Running", 0, {"regroups": 2,
-                                                                                         "restarts": 0})
-    now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, "lost-rank")}
-    assert now["lost-rank-worker-0"] == uids["lost-rank-worker-0"]
-    assert now["lost-rank-worker-1"] != uids["lost-rank-worker-1"]
-    assert cluster.kubelet.pid(NS, "lost-rank-worker-0") == survivor, "rank 0's process trained on"
-    go.touch()
-    final = wait_phase(cluster, "lost-rank", "Succeeded", timeout=120)
-    assert (final["restarts"], final["progress"]["step"]) == (0, final["progress"]["totalSteps"])
-    assert final["metrics"]["accuracy"] >= 0.9
-    [replaced] = cluster.wait_for(lambda: [e["message"] for e in cluster.list("events", NS)
-                                           if e["involvedObject"]["name"] == "lost-rank"
-                                           and e["reason"] == "ReplacingRank"], 10, "the ReplacingRank Event")
-    assert replaced.startswith("rank 1 (pod lost-rank-worker-1) exited with code"), replaced
-    regrouped = [e["message"] for e in cluster.list("events", NS)
-                 if e["involvedObject"]["name"] == "lost-rank" and e["reason"] == "Regrouped"]
-    assert regrouped and "nothing restarted" in regrouped[-1], regrouped
-
-
 def test_an_elastic_jobs_killed_rank_0_is_replaced_alone_while_its_coordinator_keeps_the_group(cluster, tmp_path):
-    """An elastic job's rank 0 is a rank like any other (issue 38): the group's store and planner are its
-    coordinator's pod, every rank's MASTER_ADDR. Killing rank 0's process fails its pod; the operator replaces that
-    pod alone (a ReplacingRank Event), rank 1's pod keeps its uid and its process its pid and trains on as rank 0
-    (reporting the status), the replacement joins, `restarts` stays 0, and the job Succeeds with the coordinator never
-    replaced."""
-    go = tmp_path / "go"
-    create(cluster, paced_elastic_job("lost-rank-0", go, directory="elastic-rank-0"))
+    """spec.elastic on two real gloo ranks in pods, rank 0 a rank like any other (issue 38): the group's store and
+    planner are its coordinator's pod, every rank's MASTER_ADDR. Killing rank 0's process fails its pod; the operator
+    replaces that pod alone (a ReplacingRank Event) and the job stays Running; rank 1's pod keeps its uid and its
+    process its pid and trains on alone as rank 0 (reporting the status), the replacement joins and takes the state
+    from it, `restarts` stays 0, and the job Succeeds with an uninterrupted run's accuracy, the coordinator never
+    replaced. (Rank 1's loss on a cluster: test_chaos.py's node-lost test.)"""
+    go = tmp_path / "go"  # the model paces its steps until the test has seen the replacement join
+    create(cluster, paced_elastic_job("lost-rank-0", go, directory="elastic-rank-0",
+                                      evalData="tandem.examples.digits:eval_data"))
     started = cluster.wait_for(lambda: ((s := status(cluster, "lost-rank-0")).get("progress") or {}).get("step", 0)
                                >= 5 and s, STARTUP, "training to begin")
     assert started["master"] == {"pod": "lost-rank-0-coordinator", "port": 29500,
@@ -168,15 +136,10 @@ def test_an_elastic_jobs_killed_rank_0_is_replaced_alone_while_its_coordinator_k
     assert sorted(uids) == ["lost-rank-0-coordinator", "lost-rank-0-worker-0", "lost-rank-0-worker-1"]
     survivor = cluster.kubelet.pid(NS, "lost-rank-0-worker-1")
     cluster.kubelet.kill(NS, "lost-rank-0-worker-0")
-    try:
-        joined = cluster.wait_for(lambda: (s := status(cluster, "lost-rank-0")).get("lastRecovery", {}).get("added")
-                                  == [0] and s, 120, "rank 0's replacement to join")
-    except TimeoutError:
-        for name in uids:
-            print(f"--- {name}:", cluster.logs(NS, name)[-3000:])
-        print(status(cluster, "lost-rank-0"))
-        raise
-    assert (joined["phase"], joined["restarts"]) == ("Running", 0), joined["message"]
+    joined = cluster.wait_for(lambda: (s := status(cluster, "lost-rank-0")).get("lastRecovery", {}).get("added")
+                              == [0] and s, 120, "rank 0's replacement to join")
+    assert (joined["phase"], joined["restarts"], joined["recoveries"]) == ("Running", 0, {"regroups": 2,
+                                                                                         "restarts": 0})
     now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, "lost-rank-0")}
     assert now["lost-rank-0-worker-0"] != uids["lost-rank-0-worker-0"]
     assert now["lost-rank-0-worker-1"] == uids["lost-rank-0-worker-1"]
@@ -185,14 +148,15 @@ def test_an_elastic_jobs_killed_rank_0_is_replaced_alone_while_its_coordinator_k
     go.touch()
     final = wait_phase(cluster, "lost-rank-0", "Succeeded", timeout=120)
     assert (final["restarts"], final["progress"]["step"]) == (0, final["progress"]["totalSteps"])
-    assert final["recoveries"]["regroups"] >= 1 and final["recoveries"]["restarts"] == 0, final["recoveries"]
-    assert cluster.get("pods", NS, "lost-rank-0-worker-1")["metadata"]["uid"] == uids["lost-rank-0-worker-1"]
+    assert final["metrics"]["accuracy"] >= 0.9
     [replaced] = cluster.wait_for(lambda: [e["message"] for e in cluster.list("events", NS)
                                            if e["involvedObject"]["name"] == "lost-rank-0"
                                            and e["reason"] == "ReplacingRank"], 10, "the ReplacingRank Event")
     assert replaced.startswith("rank 0 (pod lost-rank-0-worker-0) exited with code"), replaced
-    reasons = [e["reason"] for e in cluster.list("events", NS) if e["involvedObject"]["name"] == "lost-rank-0"]
-    assert "Restarting" not in reasons, reasons
+    events = [e for e in cluster.list("events", NS) if e["involvedObject"]["name"] == "lost-rank-0"]
+    regrouped = [e["message"] for e in events if e["reason"] == "Regrouped"]
+    assert regrouped and "nothing restarted" in regrouped[-1], regrouped
+    assert "Restarting" not in [e["reason"] for e in events]
 
 
 def test_an_elastic_jobs_killed_coordinator_restarts_the_group_from_its_checkpoint(cluster, tmp_path):

@@ -503,7 +503,7 @@ def test_the_operator_serves_prometheus_metrics(cluster):
     # the elastic test above: the job's regroups (its loss and its replacement's join), as its status has them (the
     # counters start again with the operator, restarted by a test above)
     assert "tandem_operator_rank_replacements_total" in text
-    assert 'tandem_operator_job_regroups{job="lost-rank",namespace="default"} 2.0' in text, text
+    assert 'tandem_operator_job_regroups{job="lost-rank-0",namespace="default"} 2.0' in text, text
 
 
 def patch(cluster: Cluster, name: str, body: dict) -> None:

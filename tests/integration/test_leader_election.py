@@ -100,9 +100,13 @@ class Replicas:
 def replicas(cluster) -> Iterator[Replicas]:
     group = Replicas(cluster, f"tandem-operator-{uuid.uuid4().hex[:8]}")  # a Lease of the test's own
     yield group
-    group.stop_all()
+    # The jobs go while a replica still runs to take its finalizer off: a job deleted with none would be finalized
+    # by the next test's first leader, whose write for it could be in flight when that test pauses it.
     for job in cluster.list(JOBS, NS):
         cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, JOBS, job["metadata"]["name"])
+    with contextlib.suppress(TimeoutError):  # no replica left leading: the next test's leader finalizes them
+        cluster.wait_for(lambda: not cluster.list(JOBS, NS), 30, "the jobs to be finalized")
+    group.stop_all()
 
 
 def apply(cluster: Cluster, name: str) -> None:

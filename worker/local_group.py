@@ -185,13 +185,14 @@ class LocalGroup:
     def kill_all(self) -> None:
         """SIGKILL to each rank (to its whole session, where it has one) and the coordinator, then reap them."""
         self._ending = True
-        for process in [*self.processes, *([self.coordinator] if self.coordinator is not None else [])]:
+        everyone = [*self.processes, *([self.coordinator] if self.coordinator is not None else [])]
+        for process in everyone:
             with contextlib.suppress(ProcessLookupError, PermissionError):  # the rank and all it started are gone
                 if self.own_sessions:
                     os.killpg(process.pid, signal.SIGKILL)
                 elif process.poll() is None:
                     process.kill()
-        for process in [*self.processes, *([self.coordinator] if self.coordinator is not None else [])]:
+        for process in everyone:
             process.wait()
 
     def wait(self, *, on_poll: Callable[[], None] = lambda: None,

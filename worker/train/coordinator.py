@@ -39,6 +39,7 @@ from tandem.worker.train.membership import (
     JOIN_POLL_SECONDS,
     SETTLE_SECONDS,
     STALL_SECONDS,
+    Beats,
     Plan,
     plan_generation,
 )
@@ -67,7 +68,7 @@ class Coordinator:
         self.stopping = threading.Event()
         self._joins_taken = 0
         self._regroups_at: list[int] = []
-        self._beats: dict[int, tuple[int, float]] = {}
+        self._beats = Beats()
 
     def run(self) -> int:
         plan = Plan(1, list(range(self.workers)), 0, dict.fromkeys(range(self.workers), 0))
@@ -155,11 +156,9 @@ class Coordinator:
         stalled = True
         for slot in plan.members:
             count = int(self.store.add(f"beat/{slot}", 0))
-            previous = self._beats.get(slot)
-            if previous is None or previous[0] != count:
-                self._beats[slot] = (count, now)
+            still = self._beats.still_for(slot, count, now)
             # A member that has not beaten yet is still starting (importing torch, loading its data).
-            stalled = stalled and count > 0 and now - self._beats[slot][1] > STALL_SECONDS + BEAT_SECONDS
+            stalled = stalled and count > 0 and still > STALL_SECONDS + BEAT_SECONDS
         return stalled
 
     def _wait_for_members(self, plan: Plan, seconds: float) -> None:

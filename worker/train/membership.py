@@ -130,6 +130,24 @@ def plan_generation(generation: int, previous: list[int], registered: dict[int, 
     return Plan(generation, members, source, steps, lost, left, added)
 
 
+class Beats:
+    """The heartbeat counters seen of some slots (`beat/<slot>` in the store), and how long each has stood still."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[int, float]] = {}
+
+    def still_for(self, slot: int, count: int, now: float) -> float:
+        """Seconds since `slot`'s counter last moved, now that it reads `count` (0 when it moved)."""
+        previous = self._seen.get(slot)
+        if previous is None or previous[0] != count:
+            self._seen[slot] = (count, now)
+        return now - self._seen[slot][1]
+
+    def keep(self, slots: list[int]) -> None:
+        """Forget the slots not in `slots`."""
+        self._seen = {slot: value for slot, value in self._seen.items() if slot in slots}
+
+
 @contextlib.contextmanager
 def coordinator_needed() -> Iterator[None]:
     """Talking to the store alone: an error is the coordinator's loss (RegroupFailed: the group restarts whole)."""
@@ -297,7 +315,7 @@ class Membership:
 
     def _heartbeat(self) -> None:
         """Bump this slot's counter; watch the members', noting the first that stops moving."""
-        seen: dict[int, tuple[int, float]] = {}
+        beats = Beats()
         while not self._stop.wait(BEAT_SECONDS):
             try:
                 self._beat_store.add(f"beat/{self.slot}", 1)
@@ -307,11 +325,9 @@ class Membership:
                 now = time.monotonic()
                 for slot in list(self._watched):
                     count = int(self._beat_store.add(f"beat/{slot}", 0))
-                    previous = seen.get(slot)
-                    if previous is None or previous[0] != count:
-                        seen[slot] = (count, now)
-                    elif now - previous[1] > STALL_SECONDS and self.lost_peer is None and slot in self._watched:
+                    if beats.still_for(slot, count, now) > STALL_SECONDS and self.lost_peer is None \
+                            and slot in self._watched:
                         self.lost_peer = slot
-                seen = {slot: value for slot, value in seen.items() if slot in self._watched}
+                beats.keep(self._watched)
             except (RuntimeError, dist.DistError):
                 self.coordinator_lost = True

@@ -178,10 +178,8 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
         # A process that joined (slot 0's replacement, say) as its generation's rank 0: it reports the regroup that
         # took it in.
         reporter, scalars = take_rank_zero(spec, context, state, checkpointer, total_steps)
-        say(regroup_line(membership.plan, stopped_at=position.step, seconds=joined_in, took_state=True))
-        say(f"tandem worker: {batch_line(spec, context.world_size)}")
-        reporter.regrouped(membership.plan, workers=context.world_size, stopped_at=position.step, seconds=joined_in,
-                           total_steps=total_steps)
+        report_regroup(spec, context, reporter, Regrouped(membership.plan, position.step, joined_in, took_state=True),
+                       total_steps)
     elif context.is_master:
         reporter = Reporter(context.sinks, workers=context.world_size, total_steps=total_steps,
                             compression=mode.compression_report)
@@ -300,8 +298,7 @@ def train(spec: ParallelTrainingJobSpec, context: RankContext, model: torch.nn.M
         elif context.is_master and not was_rank_zero:  # the rank 0 before this generation is lost
             reporter, scalars = take_rank_zero(spec, context, state, checkpointer, total_steps)
         if reporter is not None:
-            reporter.regrouped(regrouped.plan, workers=context.world_size, stopped_at=regrouped.stopped_at,
-                               seconds=regrouped.seconds, total_steps=total_steps)
+            report_regroup(spec, context, reporter, regrouped, total_steps)
             scalars.mode = state.mode
         record.on_read = scalars.losses if scalars is not None else None
     if scalars is not None:
@@ -385,11 +382,23 @@ def begin_generation(spec: ParallelTrainingJobSpec, context: RankContext, state:
 
 @dataclass(frozen=True)
 class Regrouped:
-    """How a regroup went: the generation's plan, the step this rank stopped at, and the seconds it took."""
+    """How a regroup went: the generation's plan, the step this rank stopped at, the seconds it took, and whether
+    this rank took the source's state."""
 
     plan: Plan
     stopped_at: int
     seconds: float
+    took_state: bool
+
+
+def report_regroup(spec: ParallelTrainingJobSpec, context: RankContext, reporter: Reporter, regrouped: Regrouped,
+                   total_steps: int) -> None:
+    """Rank 0: the regroup in its log and in the status."""
+    say(regroup_line(regrouped.plan, stopped_at=regrouped.stopped_at, seconds=regrouped.seconds,
+                     took_state=regrouped.took_state))
+    say(f"tandem worker: {batch_line(spec, context.world_size)}")
+    reporter.regrouped(regrouped.plan, workers=context.world_size, stopped_at=regrouped.stopped_at,
+                       seconds=regrouped.seconds, total_steps=total_steps)
 
 
 def regroup(spec: ParallelTrainingJobSpec, context: RankContext, state: TrainState, loader: DataLoader,
@@ -409,11 +418,8 @@ def regroup(spec: ParallelTrainingJobSpec, context: RankContext, state: TrainSta
     state.mode = new_mode(spec, context, state.model, previous=state.mode)
     took = share_state(state, plan, membership.slot, membership.wait)
     checkpointer.regrouped(rank=context.rank, world_size=context.world_size)
-    seconds = time.monotonic() - started
-    if context.is_master:
-        say(regroup_line(plan, stopped_at=stopped_at, seconds=seconds, took_state=took))
-        say(f"tandem worker: {batch_line(spec, context.world_size)}")
-    return begin_generation(spec, context, state, loader, train_set), Regrouped(plan, stopped_at, seconds)
+    regrouped = Regrouped(plan, stopped_at, time.monotonic() - started, took)
+    return begin_generation(spec, context, state, loader, train_set), regrouped
 
 
 def epoch_shown(position: Position) -> int:

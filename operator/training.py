@@ -405,6 +405,10 @@ class _Reconciler(QueueRules):
                 return f"rank 0 sent no heartbeat for more than {self.spec.heartbeat_timeout_seconds} s", True, None
         return None
 
+    def _hosted(self, pod: RankPod) -> str:
+        """What pod hosts, in words: `the group's coordinator`, or its ranks (`rank 1`, `ranks 2-3`)."""
+        return "the group's coordinator" if pod is self.coordinator else self._ranks(pod.index)
+
     def _pod_failure(self, pod: RankPod, *, detail: bool) -> str:
         """A failed pod's cause: its rank(s) (or the coordinator), how they ended and, with `detail`, the end of its
         termination message."""
@@ -412,7 +416,7 @@ class _Reconciler(QueueRules):
         if pod.failed_rank is not None:  # named by the pod's launcher
             rank, local_rank, how = pod.failed_rank
             return f"rank {rank} (pod {pod.name}, local rank {local_rank}) {how}{said}"
-        hosted = "the group's coordinator" if pod is self.coordinator else self._ranks(pod.index)
+        hosted = self._hosted(pod)
         if pod.exit_code is None:  # it never exited: its node was lost, say (the pod's reason says so)
             return f"{hosted} (pod {pod.name}) failed{said}"
         return f"{hosted} (pod {pod.name}) exited with code {pod.exit_code}{said}"
@@ -471,8 +475,7 @@ class _Reconciler(QueueRules):
                 message = "waiting for the rank pods to be created"
             else:
                 detail = f": {pending.pending_message}" if pending.pending_message else ""
-                hosted = "the group's coordinator" if pending is self.coordinator else self._ranks(pending.index)
-                message = f"{hosted} (pod {pending.name}): {pending.pending_reason}{detail}"
+                message = f"{self._hosted(pending)} (pod {pending.name}): {pending.pending_reason}{detail}"
             self._set_phase("Pending", pending.pending_reason if pending else "Creating", message)
             self.result.requeue_after = WATCH_SECONDS
 

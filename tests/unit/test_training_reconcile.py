@@ -124,9 +124,7 @@ def applied(body: dict[str, Any], **spec: Any) -> dict[str, Any]:
     """The spec ConfigMap of the group now running (as it was created, with `spec` changed)."""
     was = copy.deepcopy(body)
     was["spec"].update(spec)
-    from tandem.manifest import parse
-
-    return spec_config_map(was, parse({k: was[k] for k in ("apiVersion", "kind", "metadata", "spec")}))
+    return spec_config_map(was, parsed(was))
 
 
 def kinds(plan) -> list[str]:
@@ -609,22 +607,23 @@ def test_without_a_claim_checkpoints_are_on_an_empty_dir_and_a_condition_says_th
     assert {"name": "tandem-checkpoints", "emptyDir": {}} in pod0["spec"]["volumes"]
 
 
+PASSED_THROUGH = {"gpusPerWorker": 1, "image": "me/train:2", "priorityClassName": "high",
+                  "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                  "env": [{"name": "HF_HOME", "value": "/cache"}],
+                  "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
+                  "volumeMounts": [{"name": "data", "mountPath": "/data"}]}
+"""Settings a rank pod takes from the spec (the coordinator's pod some of them)."""
+
+
 def rank0_pod(**spec: Any) -> dict[str, Any]:
     body = job(**spec)
-    from tandem.manifest import parse
-
-    return worker_pod(body, parse({k: body[k] for k in ("apiVersion", "kind", "metadata", "spec")}), 0, group=2,
-                      resume_from="/var/lib/tandem/checkpoints/digits/step-00000100.pt",
+    return worker_pod(body, parsed(body), 0, group=2, resume_from="/var/lib/tandem/checkpoints/digits/step-00000100.pt",
                       default_image="tandem-worker:1")
 
 
 def test_a_rank_pod_carries_the_worker_contract_and_the_passthrough_settings():
-    created = rank0_pod(gpusPerWorker=1, image="me/train:2", schedulerName="volcano", priorityClassName="high",
-                        nodeSelector={"gpu": "h100"}, tolerations=[{"key": "gpu", "operator": "Exists"}],
-                        resources={"requests": {"cpu": "4", "memory": "16Gi"}},
-                        env=[{"name": "HF_HOME", "value": "/cache"}],
-                        volumes=[{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
-                        volumeMounts=[{"name": "data", "mountPath": "/data"}])
+    created = rank0_pod(**PASSED_THROUGH, schedulerName="volcano",
+                        resources={"requests": {"cpu": "4", "memory": "16Gi"}})
     spec = created["spec"]
     [container] = spec["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -650,10 +649,7 @@ def test_a_rank_pod_carries_the_worker_contract_and_the_passthrough_settings():
 
 def test_a_pod_of_several_ranks_runs_their_launcher_with_all_their_gpus():
     body = job(workers=8, ranksPerPod=4, gpusPerWorker=1, shmSize="8Gi")
-    from tandem.manifest import parse
-
-    created = worker_pod(body, parse({k: body[k] for k in ("apiVersion", "kind", "metadata", "spec")}), 1, group=0,
-                         resume_from=None, default_image="tandem-worker:1")
+    created = worker_pod(body, parsed(body), 1, group=0, resume_from=None, default_image="tandem-worker:1")
     spec = created["spec"]
     [container] = spec["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -679,22 +675,14 @@ def test_cpu_ranks_get_no_gpu_limit_and_other_ranks_no_service_account_token():
 
 def elastic_coordinator(**spec: Any) -> dict[str, Any]:
     body = job(elastic={}, **spec)
-    from tandem.manifest import parse
-
-    return coordinator_pod(body, parse({k: body[k] for k in ("apiVersion", "kind", "metadata", "spec")}), group=1,
-                           default_image="tandem-worker:1")
+    return coordinator_pod(body, parsed(body), group=1, default_image="tandem-worker:1")
 
 
 def test_an_elastic_jobs_coordinator_serves_the_store_on_cpu_under_the_ranks_service_as_they_run():
     """The coordinator's pod: the ranks' image, non-root as they are, the spec file mounted, their Service for DNS,
     the store's port; no GPU and none of the ranks' resources or volumes (a rank's), no API token."""
-    created = elastic_coordinator(gpusPerWorker=1, image="me/train:2", priorityClassName="high",
-                                  nodeSelector={"gpu": "h100"}, tolerations=[{"key": "gpu", "operator": "Exists"}],
-                                  resources={"requests": {"cpu": "4", "memory": "16Gi"},
-                                             "limits": {"nvidia.com/gpu": "1"}},
-                                  env=[{"name": "HF_HOME", "value": "/cache"}],
-                                  volumes=[{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
-                                  volumeMounts=[{"name": "data", "mountPath": "/data"}])
+    created = elastic_coordinator(**PASSED_THROUGH, resources={"requests": {"cpu": "4", "memory": "16Gi"},
+                                                               "limits": {"nvidia.com/gpu": "1"}})
     spec = created["spec"]
     [container] = spec["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}

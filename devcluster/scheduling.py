@@ -33,6 +33,8 @@ from typing import Any
 import aiohttp
 from kubernetes.utils import parse_quantity
 
+from tandem.pod_requests import requests_of
+
 from .apiclient import Api, ApiError
 from .writes import timestamp
 
@@ -40,17 +42,6 @@ logger = logging.getLogger(__name__)
 
 GPU = "nvidia.com/gpu"
 DEFAULT_CAPACITY = {"cpu": "64", "memory": "256Gi", "ephemeral-storage": "1Ti", "pods": "110", GPU: "0"}
-
-
-def requests_of(pod: Mapping[str, Any]) -> dict[str, Decimal]:
-    totals: dict[str, Decimal] = defaultdict(Decimal)
-    for container in pod.get("spec", {}).get("containers") or []:
-        resources = container.get("resources") or {}
-        requests, limits = resources.get("requests") or {}, resources.get("limits") or {}
-        for name in {*requests, *limits}:
-            totals[name] += parse_quantity(requests.get(name, limits.get(name)))
-    totals["pods"] += 1
-    return dict(totals)
 
 
 class Node:

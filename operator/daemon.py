@@ -51,7 +51,8 @@ DAEMON_BACKOFF = 1.0
 """kopf's backoff after a daemon raised something unexpected (a bug): a last resort, never kopf's 60 s default."""
 OPERATOR_FIELDS = frozenset({"phase", "conditions", "workers", "master", "restarts", "startTime", "completionTime",
                              "message", "observedGeneration", "selector", "replicas", "readyReplicas", "readySummary",
-                             "endpoint", "model", "lastSkipped", "queue", "batching", "recoveries", "lastRecovery"})
+                             "endpoint", "model", "lastSkipped", "queue", "batching", "recoveries", "lastRecovery",
+                             "lent", "borrowed"})
 """The status fields the operator writes; the rest of a job's status (progress, metrics, communication,
 checkpoint, preemptionCost) is rank 0's. Two are shared, each writer merging in its own part: `recoveries` (the
 operator's `restarts`, rank 0's `regroups`) and `lastRecovery` (the operator's when it restarts the group, rank 0's

@@ -23,12 +23,19 @@ import kopf
 
 from tandem.api import GROUP, VERSION
 from tandem.api.inference import POOL_PHASES
-from tandem.operator import daemon, metrics, queueing
+from tandem.operator import daemon, lending, metrics, queueing
 from tandem.operator.api_policy import configure_kopf
 from tandem.operator.cluster import Cluster, login
 from tandem.operator.observed import ParsedResource, read_resource
+from tandem.operator.pool_objects import POOL_PLURAL
 from tandem.operator.training import Plan, Queueing, reconcile, regroup_events, regroups_reported
-from tandem.operator.training_objects import JOB_LABEL, JOB_PLURAL, config_map_name, selector_string
+from tandem.operator.training_objects import (
+    JOB_LABEL,
+    JOB_PLURAL,
+    config_map_name,
+    is_coordinator,
+    selector_string,
+)
 
 WORKLOADS = "workloads"
 EVENT_SOURCE = "tandem-operator"
@@ -47,6 +54,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.wakers = {}
     memo.pool_wakers = {}
     memo.pool_sources = {}
+    memo.lenders = {}
+    memo.pool_lenders = {}
     memo.phases = metrics.PhaseCount()
     memo.pool_phases = metrics.PhaseCount(metrics.POOLS_BY_PHASE, POOL_PHASES)
 
@@ -63,15 +72,27 @@ def job_specs(namespace: str, name: str, labels: dict[str, str], body: kopf.Body
     return {(namespace, job): dict(body)} if name == config_map_name(job) else None
 
 
+@kopf.index(GROUP, VERSION, POOL_PLURAL)
+def namespace_pools(namespace: str, body: kopf.Body, **_: Any) -> dict[str, dict]:
+    """The InferencePools of each namespace: those a job's spec.elastic.lendTo may select."""
+    return {namespace: dict(body)}
+
+
 @kopf.on.event("v1", "pods", labels={JOB_LABEL: kopf.PRESENT})
 async def pod_changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
     wake(memo, namespace, labels[JOB_LABEL])
 
 
 @kopf.on.event(GROUP, VERSION, JOB_PLURAL)
-async def job_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def job_changed(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     wake(memo, namespace, name)
     wake_pools_of(memo, namespace, name)
+    lent_to = ((body.get("status") or {}).get("lent") or {}).get("to") or []
+    for (pool_namespace, pool), lenders in list(memo.pool_lenders.items()):
+        if pool_namespace == namespace and (pool in lent_to or name in lenders):
+            wake(memo, namespace, pool, "pool_wakers")
+    for pool in lent_to:
+        wake(memo, namespace, pool, "pool_wakers")
 
 
 def watch_workloads() -> None:
@@ -91,7 +112,8 @@ def watch_workloads() -> None:
 
 @kopf.daemon(GROUP, VERSION, JOB_PLURAL, cancellation_timeout=10, backoff=daemon.DAEMON_BACKOFF)
 async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo,
-                    job_pods: kopf.Index, job_specs: kopf.Index, **indices: Any) -> None:
+                    job_pods: kopf.Index, job_specs: kopf.Index, namespace_pools: kopf.Index,
+                    **indices: Any) -> None:
     key = (namespace, name)
     waker = memo.wakers.setdefault(key, asyncio.Event())
     state = daemon.Reconciliation(JOB_PLURAL, namespace, name)
@@ -106,7 +128,13 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
         if memo.settings.kueue and queueing.queue_name(observed.body):
             workloads = state.present(indices.get("job_workloads", {}).get(key, []))  # none: no Kueue CRDs
             queued = await reads.read(memo.cluster, observed, next(iter(workloads), None))
-        plan = reconcile(observed, pods, config_map, datetime.now(UTC), memo.settings, queued)
+        borrowers = _borrowers(observed, pods, state.present(namespace_pools.get(namespace, [])),
+                               indices.get("pool_pods", {}), state)
+        if borrowers is None:
+            memo.lenders.pop(key, None)
+        else:
+            memo.lenders[key] = True
+        plan = reconcile(observed, pods, config_map, datetime.now(UTC), memo.settings, queued, borrowers)
         held = observed.body.get("status") or {}
         plan.events += regroup_events(held, state.regroups_seen)
         state.regroups_seen = regroups_reported(held)
@@ -118,7 +146,21 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
         await daemon.run(state, waker, stopped, one_pass)
     finally:
         memo.wakers.pop(key, None)
+        memo.lenders.pop(key, None)
         memo.phases.set(key, None)
+
+
+def _borrowers(job: ParsedResource, pods: list[dict[str, Any]], pools: list[dict[str, Any]], pool_pods: Any,
+               state: daemon.Reconciliation) -> list[lending.Borrower] | None:
+    """The pools a job's spec.elastic.lendTo selects, with their demand; None for a job that lends to none."""
+    elastic = job.model.spec.elastic if job.model is not None else None
+    if elastic is None or elastic.lend_to is None:
+        return None
+    namespace = job.body["metadata"].get("namespace")
+    rank_pod = next((pod for pod in pods if not is_coordinator(pod)), None)
+    return lending.borrowers(elastic.lend_to, pools, {
+        pool["metadata"]["name"]: state.present(pool_pods.get((namespace, pool["metadata"]["name"]), []))
+        for pool in pools}, rank_pod)
 
 
 class QueueReads:
@@ -221,6 +263,14 @@ def wake(memo: kopf.Memo, namespace: str, name: str, wakers: str = "wakers") -> 
     waker = getattr(memo, wakers, {}).get((namespace, name))
     if waker is not None:
         waker.set()
+
+
+def wake_lenders(memo: kopf.Memo, namespace: str) -> None:
+    """Wake the jobs of `namespace` that may lend to its pools (spec.elastic.lendTo): a pool, or one of its pods,
+    changed."""
+    for job_namespace, job in list(getattr(memo, "lenders", {})):
+        if job_namespace == namespace:
+            wake(memo, namespace, job)
 
 
 def wake_pools_of(memo: kopf.Memo, namespace: str, job: str) -> None:

@@ -34,8 +34,8 @@ from pydantic import ValidationError
 
 from tandem.api import GROUP, VERSION
 from tandem.api.inference import LIVE_FIELDS, BatchingSettings
-from tandem.operator import daemon, metrics
-from tandem.operator.handlers import wake
+from tandem.operator import daemon, lending, metrics
+from tandem.operator.handlers import wake, wake_lenders
 from tandem.operator.observed import read_resource
 from tandem.operator.pool_objects import POOL_LABEL, POOL_PLURAL
 from tandem.operator.pool_served import Served, refused_batching, served_metrics, skipped_candidate
@@ -67,6 +67,8 @@ def _index_children(group: str, version: str, plural: str) -> None:
     @kopf.on.event(api_version, plural, labels={POOL_LABEL: kopf.PRESENT}, id=f"pool_{plural}_changed")
     async def changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
         wake(memo, namespace, labels[POOL_LABEL], "pool_wakers")
+        if plural == "pods":  # a server pod the cluster cannot place may borrow a job's workers
+            wake_lenders(memo, namespace)
 
 
 for _group, _version, _plural in [*CHILD_KINDS, ("", "v1", "pods")]:  # the server pods: index `pool_pods`
@@ -81,6 +83,7 @@ def training_jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[
 @kopf.on.event(GROUP, VERSION, POOL_PLURAL)
 async def pool_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     wake(memo, namespace, name, "pool_wakers")
+    wake_lenders(memo, namespace)
 
 
 @kopf.daemon(GROUP, VERSION, POOL_PLURAL, cancellation_timeout=10, backoff=daemon.DAEMON_BACKOFF)
@@ -103,6 +106,10 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
             served = await _ask_servers(session, reads, pods) if reads else []
             plan = reconcile_pool(observed, children, pods, served, job, datetime.now(UTC),
                                   memo.settings.worker_image)
+            jobs = [job for (job_namespace, _), found in list(training_jobs.items()) if job_namespace == namespace
+                    for job in found]
+            plan.status["borrowed"] = lending.borrowed(name, jobs)
+            memo.pool_lenders[key] = set((plan.status["borrowed"] or {}).get("from") or [])
             await _apply(plan, observed.body, children, memo.cluster, put, state)
             memo.pool_phases.set(key, plan.status.get("phase"))
             metrics.observe_pool(key, observed.body.get("status") or {}, plan.status,
@@ -114,6 +121,7 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
         finally:
             memo.pool_wakers.pop(key, None)
             memo.pool_sources.pop(key, None)
+            memo.pool_lenders.pop(key, None)
             memo.pool_phases.set(key, None)
             metrics.forget_pool(key)
 

@@ -38,6 +38,7 @@ operator removes once the job is not Running (training_plan.eta_removal). The ru
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Any
 
@@ -45,6 +46,7 @@ from tandem.api import ParallelTrainingJob
 from tandem.api.training import TRAINING_PHASES
 from tandem.contract import GROUP_RESTART_EXIT_CODE, RESUME_LATEST, PermanentFailureReport
 from tandem.operator import queueing
+from tandem.operator.lending import Borrower, Trade, lent_workers, trade
 from tandem.operator.observed import (
     ParsedResource,
     RankPod,
@@ -105,14 +107,16 @@ def regroup_events(status: dict[str, Any], seen: int | None) -> list[tuple[str, 
 
 
 def reconcile(job: ParsedResource, pods: list[dict[str, Any]], config_map: dict[str, Any] | None, now: datetime,
-              settings: Settings, queued: Queueing | None = None) -> Plan:
-    return _Reconciler(job, pods, config_map, now, settings, queued or Queueing()).plan()
+              settings: Settings, queued: Queueing | None = None, borrowers: list[Borrower] | None = None) -> Plan:
+    """`borrowers`: the InferencePools the job's spec.elastic.lendTo selects, with their demand (lending.py)."""
+    return _Reconciler(job, pods, config_map, now, settings, queued or Queueing(), borrowers or []).plan()
 
 
 class _Reconciler(QueueRules):
     def __init__(self, job: ParsedResource, pods: list[dict[str, Any]], config_map: dict[str, Any] | None,
-                 now: datetime, settings: Settings, queued: Queueing):
+                 now: datetime, settings: Settings, queued: Queueing, borrowers: list[Borrower]):
         self.parsed, self.body, self.now, self.settings, self.queued = job, job.body, now, settings, queued
+        self.borrowers = borrowers
         self.queue = queueing.queue_name(self.body)
         self.queue_status: dict[str, Any] | None = None
         self.admitted = False
@@ -132,6 +136,8 @@ class _Reconciler(QueueRules):
         self.live = [p for p in self.children if p.live]
         self.config_map = config_map
         self.result = Plan()
+        self.loan = Trade(self.status.get("lent"))
+        """What the job lends to InferencePools (spec.elastic.lendTo), as decided in this pass."""
 
     # -- the rules ---------------------------------------------------------------------------------------------
 
@@ -141,6 +147,9 @@ class _Reconciler(QueueRules):
         self.job: ParallelTrainingJob = self.parsed.model
         self.spec = self.job.spec
         self._clear("InvalidSpec", "SpecValid", "the spec is valid")
+        self.size = self.spec.pods - lent_workers(self.status)
+        """The rank pods the group has (or starts with) now: spec.workers less those lent."""
+        self._lend()
         if self.phase in ("Succeeded", "Failed"):
             self._finished()
         elif deadline_exceeded(timestamp(self.status.get("startTime")), self.spec.active_deadline_seconds, self.now):
@@ -171,6 +180,43 @@ class _Reconciler(QueueRules):
         else:
             self._follow_pods()
         return self._finish()
+
+    def _lend(self) -> None:
+        """spec.elastic.lendTo: what the job lends after this look (lending.py), and the group's size with it. Not
+        with Kueue (LendingRefused): Kueue charges the job's ClusterQueue for the size it admitted, an admitted
+        Workload's pod counts are fixed, and a pool's pods are not in the queue, so a lent worker would serve on
+        quota Kueue still counts as the job's; the alternative, a new Workload for every trade, would requeue the
+        group (a restart), which the trade exists to avoid."""
+        lend_to = self.spec.elastic.lend_to if self.spec.elastic is not None else None
+        if lend_to is None and not self.loan.lent:
+            return
+        if self.phase in ("Succeeded", "Failed"):
+            self.loan = Trade(None)
+            return
+        refused = lend_to is not None and self.queue is not None
+        if refused:
+            self.conditions = with_condition(
+                self.conditions, "LendingRefused", True, "KueueManaged",
+                f"spec.elastic.lendTo is not applied while Kueue manages the job (label {queueing.QUEUE_LABEL}): "
+                "Kueue charges its ClusterQueue for the size it admitted and cannot shrink an admitted Workload, so a "
+                "worker lent to a pool outside the queue would serve on quota still counted as the job's; remove the "
+                "label or lendTo", self.now)
+        else:
+            self._clear("LendingRefused", "Lending", "the job lends as spec.elastic.lendTo says")
+        ranks_at_least = math.ceil(self.spec.elastic.min_workers / self.spec.ranks_per_pod)
+        self.loan = trade(self.status.get("lent"), [] if lend_to is None or refused else self.borrowers,
+                          spare=max(0, self.spec.pods - ranks_at_least), may_lend=self._at_size(),
+                          window_seconds=lend_to.stabilization_window_seconds if lend_to else 0, now=self.now)
+        self.result.events += self.loan.events
+        self.size = self.spec.pods - self.loan.workers
+
+    def _at_size(self) -> bool:
+        """Whether the group runs at its size, no rank coming or going: a time to lend ranks (they leave at a step
+        boundary)."""
+        return (self.phase == "Running" and not self.spec.suspend and self.coordinator is not None
+                and self.coordinator.phase == "Running" and not self.coordinator.terminating
+                and [p.index for p in self.pods] == list(range(self.size))
+                and all(p.phase == "Running" and not p.terminating for p in self.pods))
 
     def _invalid(self, problems: list[str]) -> Plan:
         message = "; ".join(problems)
@@ -296,32 +342,34 @@ class _Reconciler(QueueRules):
         for the whole group decide then."""
         if self.coordinator is None or not self.coordinator.live:
             return False
-        excess = [p for p in self.pods if p.index >= self.spec.pods]  # followed until gone
-        kept = [p for p in self.pods if p.index < self.spec.pods]
+        excess = [p for p in self.pods if p.index >= self.size]  # followed until gone
+        kept = [p for p in self.pods if p.index < self.size]
         failed = [p for p in kept if p.phase == "Failed" and not p.terminating]
         if not all(map(self._replaceable, failed)):
             return False
         going = [p for p in kept if p.terminating]
         indices = {p.index for p in self.pods}
-        missing = [index for index in range(self.spec.pods) if index not in indices]
+        missing = [index for index in range(self.size) if index not in indices]
         if not (excess or failed or going or missing):
             return False
         running = running_group(self.config_map)
-        added = [index for index in missing if running is None or index >= running.workers]
+        taken_back = self.spec.pods - lent_workers(self.status)  # the size at the last look: beyond it, a joiner
+        added = [index for index in missing if running is None or index >= min(running.workers, taken_back)]
         replaced = sorted({p.index for p in failed + going} | (set(missing) - set(added)))
         leaving = [p.index for p in excess if p.live]
         under_way = [f"{self._ranks_named(indices)} {what}" for indices, what in (
             (replaced, "being replaced"), (added, "joining"), (leaving, "leaving")) if indices]
         message = f"{'; '.join(under_way)}; the other ranks train on (spec.elastic)" if under_way else None
+        traded = self.loan.events  # a loan's ranks leaving or joining: its Events say so
         if message is not None and message != self.status.get("message"):  # once, not on every pass it takes
             for pod in failed:
                 self.result.events.append(("Warning", "ReplacingRank", f"{self._pod_failure(pod, detail=True)}: "
                                            "replacing it alone; the other ranks regroup without it meanwhile "
                                            "(spec.elastic)"))
-            if added:
+            if added and not traded:
                 self.result.events.append(("Normal", "ScalingUp", f"{self.spec.workers} ranks wanted: "
                                            f"{self._ranks_named(added)} join at a step boundary (spec.elastic)"))
-            if leaving:
+            if leaving and not traded:
                 self.result.events.append(("Normal", "ScalingDown", f"{self.spec.workers} ranks wanted: "
                                            f"{self._ranks_named(leaving)} leave at a step boundary; the others "
                                            "train on (spec.elastic)"))
@@ -394,7 +442,7 @@ class _Reconciler(QueueRules):
                 return f"{self._ranks(pod.index)}'s pod {pod.name} was deleted or evicted", False, None
         indices = {p.index for p in self.pods}
         if self.phase == "Running":
-            missing = sorted(set(range(self.spec.pods)) - indices)
+            missing = sorted(set(range(self.size)) - indices)
             if missing:
                 gone = pod_name(self.job.metadata.name, missing[0])
                 return f"{self._ranks(missing[0])}'s pod {gone} is gone", False, None
@@ -446,7 +494,7 @@ class _Reconciler(QueueRules):
 
     def _follow_pods(self) -> None:
         indices = {p.index for p in self.pods}
-        missing = [index for index in range(self.spec.pods) if index not in indices]
+        missing = [index for index in range(self.size) if index not in indices]
         if missing or (self.spec.regroups and self.coordinator is None):
             # a group whose creation was interrupted (the operator restarted): finish it
             running = self._next_group()
@@ -455,13 +503,17 @@ class _Reconciler(QueueRules):
                 self.result.create += self._coordinator(running)
         coordinator_runs = not self.spec.regroups or (self.coordinator is not None
                                                       and self.coordinator.phase == "Running")
-        if len(self.pods) == self.spec.pods and all(p.phase == "Succeeded" for p in self.pods):
+        if len(self.pods) == self.size and all(p.phase == "Succeeded" for p in self.pods):
             self._succeeded("every rank exited 0: training complete")
         elif (self.pods and not missing and coordinator_runs
               and all(p.phase in ("Running", "Succeeded") for p in self.pods)):
             self._restart_measured()
             self._set_phase("Running", "Running", f"{self.spec.workers} ranks running" + (
                 f" in {self.spec.pods} pods" if self.spec.ranks_per_pod > 1 else ""))
+            if self.loan.workers:
+                self.status["message"] = (f"{self.size} of {self.spec.workers} ranks running; "
+                                          f"{self.loan.workers} lent to InferencePool "
+                                          f"{', '.join(self.loan.lent['to'])} (spec.elastic.lendTo)")
             self.result.requeue_after = WATCH_SECONDS
         elif self.spec.regroups and self.phase == "Running" and coordinator_runs:
             # An elastic job's replacement on its way: the group still trains (its coordinator runs) meanwhile.
@@ -483,7 +535,7 @@ class _Reconciler(QueueRules):
 
     def _start_group(self, job: ParallelTrainingJob, reason: str, message: str) -> None:
         self.result.create += group_objects(self.body, job)
-        self.result.create += self._coordinator(job) + [self._pod(job, index) for index in range(job.spec.pods)]
+        self.result.create += self._coordinator(job) + [self._pod(job, index) for index in range(self.size)]
         durable = job.spec.checkpoint.persistent_volume_claim is not None
         self.conditions = with_condition(
             self.conditions, "CheckpointsDurable", durable, "PersistentVolumeClaim" if durable else "EmptyDir",
@@ -501,14 +553,16 @@ class _Reconciler(QueueRules):
     def _pod(self, job: ParallelTrainingJob, index: int) -> dict[str, Any]:
         return self._placed(worker_pod(self.body, job, index, group=self.restarts,
                                        resume_from=self._resume_from(job), default_image=self.settings.worker_image,
-                                       regroups_before=regroups_reported(self.status)))
+                                       regroups_before=regroups_reported(self.status),
+                                       world_size=self.size * self.spec.ranks_per_pod))
 
     def _coordinator(self, job: ParallelTrainingJob) -> list[dict[str, Any]]:
         """The group's coordinator pod, for an elastic job (recovery regroup); none otherwise."""
         if not job.spec.regroups:
             return []
         return [self._placed(coordinator_pod(self.body, job, group=self.restarts,
-                                             default_image=self.settings.worker_image))]
+                                             default_image=self.settings.worker_image,
+                                             world_size=self.size * self.spec.ranks_per_pod))]
 
     def _placed(self, pod: dict[str, Any]) -> dict[str, Any]:
         """A pod of the group where Kueue's admission puts the group (its flavours' nodes)."""
@@ -579,6 +633,7 @@ class _Reconciler(QueueRules):
             "recoveries": {"restarts": self.restarts},
             **({"lastRecovery": self.status["lastRecovery"]}
                if self.status.get("lastRecovery") != self.recovery_read else {}),
+            "lent": self.loan.lent,
             "message": self.status.get("message", ""),
             "observedGeneration": self.body.get("metadata", {}).get("generation"),
             "selector": rank_selector_string(name),

@@ -132,17 +132,18 @@ def checkpoint_directory(job: ParallelTrainingJob) -> str:
 
 
 def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, index: int, *, group: int, resume_from: str | None,
-               default_image: str, regroups_before: int = 0) -> dict[str, Any]:
+               default_image: str, regroups_before: int = 0, world_size: int | None = None) -> dict[str, Any]:
     """Rank pod `index`, hosting ranks index x ranksPerPod on: one rank runs `tandem worker train` with the worker
     contract's environment; several run under `tandem worker launch`, given the pod's contract (GROUP_RANK in place
     of RANK and LOCAL_RANK), which starts each and writes a failed one's cause at the termination message path.
     `resume_from`: a checkpoint's path, RESUME_LATEST (the ranks look in the checkpoint directory), or None
-    (afresh)."""
+    (afresh). `world_size`: the ranks the group starts with, where it starts with fewer than spec.workers (some lent:
+    spec.elastic.lendTo)."""
     name = job.metadata.name
     spec = job.spec
     first_rank = index * spec.ranks_per_pod
     worker = WorkerContract(
-        rank=first_rank, world_size=spec.workers, local_rank=0, local_world_size=spec.ranks_per_pod,
+        rank=first_rank, world_size=world_size or spec.workers, local_rank=0, local_world_size=spec.ranks_per_pod,
         master_addr=group_master(job)[1], master_port=MASTER_PORT, job=name,
         namespace=owner["metadata"].get("namespace"), spec_path=PurePosixPath(SPEC_MOUNT) / SPEC_FILE,
         checkpoint_dir=PurePosixPath(checkpoint_directory(job)),
@@ -171,17 +172,19 @@ def worker_pod(owner: dict[str, Any], job: ParallelTrainingJob, index: int, *, g
                          mounts=mounts, volumes=volumes)}, job)
 
 
-def coordinator_pod(owner: dict[str, Any], job: ParallelTrainingJob, *, group: int,
-                    default_image: str) -> dict[str, Any]:
+def coordinator_pod(owner: dict[str, Any], job: ParallelTrainingJob, *, group: int, default_image: str,
+                    world_size: int | None = None) -> dict[str, Any]:
     """An elastic job's coordinator: the group's store on MASTER_PORT and the planner of its regroups, in the rank
     pods' image and under their Service, reading the spec file as they do. Its MASTER_ADDR is its own DNS name, the
     ranks' MASTER_ADDR (unused by it, but a cluster emulation that gives each group one port, as the test kubelet
-    does, finds the group by it); WORLD_SIZE is the group's size at its start (generation 1's slots). No GPU, the
+    does, finds the group by it); WORLD_SIZE is the group's size at its start (generation 1's slots: `world_size`,
+    spec.workers unless some are lent). No GPU, the
     user's resources (a rank's) and volumes left out, no API token (it reports nothing); outside the gang (its
     PodGroup counts the rank pods). It exits 0 once the training is over: the job's success."""
     name = job.metadata.name
-    environ = {contract.WORLD_SIZE: str(job.spec.workers), contract.MASTER_ADDR: coordinator_address(name),
-               contract.MASTER_PORT: str(MASTER_PORT), contract.JOB: name,
+    environ = {contract.WORLD_SIZE: str(world_size or job.spec.workers),
+               contract.MASTER_ADDR: coordinator_address(name), contract.MASTER_PORT: str(MASTER_PORT),
+               contract.JOB: name,
                contract.NAMESPACE: owner["metadata"].get("namespace"),
                contract.SPEC: str(PurePosixPath(SPEC_MOUNT) / SPEC_FILE)}
     settings = job.spec.model_copy(update={"resources": ResourceRequirements(requests=COORDINATOR_REQUESTS),

@@ -78,6 +78,20 @@ def claim(cluster: Cluster, name: str) -> None:
                    "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
 
 
+def paced_elastic_job(name: str, go: Path, *, directory: str, elastic: dict | None = None,
+                      every_steps: int | None = 40, **trainer) -> dict:
+    """An elastic job of two ranks whose model paces its steps until `go` exists (the test has seen what it waits
+    for), checkpointing every `every_steps` steps in `directory`."""
+    checkpoint = {"directory": directory, **({"everySteps": every_steps} if every_steps else {})}
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": name},
+            "spec": {"workers": 2, "elastic": {"minWorkers": 1, **(elastic or {})},
+                     "trainer": {"model": "userland:paced_until",
+                                 "modelArgs": {"until": str(go), "hidden": 64, "step_seconds": 0.1},
+                                 "data": "tandem.examples.digits:train_data", "epochs": 10, "batchSizePerWorker": 16,
+                                 **trainer},
+                     "checkpoint": checkpoint}}
+
+
 def job_pods(cluster: Cluster, name: str) -> list[dict]:
     return sorted((p for p in cluster.list("pods", NS) if p["metadata"].get("labels", {}).get("tandem.dev/job")
                    == name), key=lambda p: p["metadata"]["name"])

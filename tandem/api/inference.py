@@ -247,6 +247,18 @@ class SkippedCandidate(ApiModel):
     reason: str
 
 
+class Borrowed(ApiModel):
+    """Workers the pool borrows from ParallelTrainingJobs (their spec.elastic.lendTo), for replicas the cluster could
+    not otherwise place."""
+
+    workers: Annotated[int, Field(ge=0)] = 0
+    """Ranks lent to it, in all."""
+    from_: list[str] = Field(default_factory=list, alias="from")
+    """The jobs that lend them."""
+    since: datetime | None = None
+    """When the earliest of those loans began."""
+
+
 class InferencePoolStatus(ApiModel):
     """Observed state of an InferencePool."""
 
@@ -264,6 +276,8 @@ class InferencePoolStatus(ApiModel):
     differ)."""
     last_skipped: SkippedCandidate | None = None
     """With fromTrainingJob.promote: the latest candidate checkpoint the servers did not promote, and why."""
+    borrowed: Borrowed | None = None
+    """Workers lent to the pool by training jobs; unset when none are."""
     message: str = ""
     observed_generation: int | None = None
     selector: str | None = None

@@ -236,6 +236,29 @@ class Gang(ApiModel):
     """volcano: the Volcano Queue the PodGroup goes to (Volcano's default: `default`)."""
 
 
+class PoolSelector(ApiModel):
+    """Which InferencePools of the job's namespace may borrow its workers."""
+
+    match_labels: dict[str, str] = Field(default_factory=dict)
+    """The labels a pool must carry, every one of them (a LabelSelector's matchLabels); empty: every pool of the
+    namespace."""
+
+
+class LendTo(ApiModel):
+    """Lend workers to InferencePools whose replicas the cluster cannot place (one budget of GPUs for training and
+    serving): a selected pool's replica Pending as Unschedulable for want of a resource the rank pods hold
+    (nvidia.com/gpu, say) makes the job leave just enough ranks at a step boundary, in process (never below
+    elastic.minWorkers); once the pool's demand has fallen for stabilizationWindowSeconds, the job takes them back
+    (they join at a step boundary). status.lent tells what is lent and to whom; the pool's status.borrowed, from
+    whom."""
+
+    pool_selector: PoolSelector
+    stabilization_window_seconds: Annotated[int, Field(ge=0)] = 300
+    """How long a borrowing pool's demand must stay below its loan before the job takes the workers back (as a
+    HorizontalPodAutoscaler's scale-down stabilization window keeps replicas): a pool's demand that dips and comes
+    back within it keeps its loan, so the job and the pool never trade the same GPU back and forth."""
+
+
 class Elastic(ApiModel):
     """Elastic training (issue 38): the job trains on while ranks are lost or lent, between minWorkers and maxWorkers
     ranks, instead of restarting the whole group."""
@@ -243,6 +266,9 @@ class Elastic(ApiModel):
     model_config = {"json_schema_extra": {"x-kubernetes-validations": [
         {"rule": "!has(self.minWorkers) || !has(self.maxWorkers) || self.minWorkers <= self.maxWorkers",
          "message": "elastic.minWorkers must not exceed elastic.maxWorkers: lower minWorkers or raise maxWorkers"},
+        {"rule": "!has(self.lendTo) || !has(self.recovery) || self.recovery == 'regroup'",
+         "message": "elastic.lendTo needs elastic.recovery regroup (a lent worker leaves at a step boundary, the "
+                    "others training on): set recovery regroup or remove lendTo"},
     ]}}
 
     min_workers: Annotated[int, Field(ge=1)] = 1
@@ -268,12 +294,19 @@ class Elastic(ApiModel):
     regroup_deadline_seconds: Annotated[int, Field(ge=1)] = 60
     """A regroup not complete within this falls back to a whole-group restart from the latest checkpoint (and the
     status says so)."""
+    lend_to: LendTo | None = None
+    """InferencePools that may borrow the job's workers down to minWorkers while they cannot place their replicas
+    (recovery regroup only). Not with Kueue: a job labelled kueue.x-k8s.io/queue-name lends nothing (its
+    LendingRefused condition says why)."""
 
     @model_validator(mode="after")
     def _ordered(self) -> Elastic:
         if self.max_workers is not None and self.min_workers > self.max_workers:
             raise ValueError(f"elastic.minWorkers ({self.min_workers}) must not exceed elastic.maxWorkers "
                              f"({self.max_workers}): lower minWorkers or raise maxWorkers")
+        if self.lend_to is not None and self.recovery != "regroup":
+            raise ValueError("elastic.lendTo needs elastic.recovery regroup (a lent worker leaves at a step boundary, "
+                             "the others training on): set recovery regroup or remove lendTo")
         return self
 
 
@@ -572,6 +605,33 @@ class Recovery(ApiModel):
     """What happened, e.g. why a regroup fell back to a restart."""
 
 
+class PoolLoan(ApiModel):
+    """What one InferencePool borrows from the job (spec.elastic.lendTo)."""
+
+    name: str
+    """The pool."""
+    workers: Annotated[int, Field(ge=1)]
+    """Ranks lent to it."""
+    base_replicas: Annotated[int, Field(ge=0)]
+    """The replicas it had placed when it began to borrow: its demand is its replicas beyond these."""
+    workers_per_replica: Annotated[float, Field(gt=0)]
+    """Rank pods' worth of the traded resource (nvidia.com/gpu, say) one of its replicas needs."""
+    surplus_since: datetime | None = None
+    """Since when its demand has been below its loan (the stabilization window's clock); unset while it holds."""
+
+
+class Lent(ApiModel):
+    """Workers the job has lent to InferencePools (spec.elastic.lendTo), written by the operator."""
+
+    workers: Annotated[int, Field(ge=0)] = 0
+    """Ranks lent, in all: the job trains on spec.workers less these."""
+    to: list[str] = Field(default_factory=list)
+    """The pools that borrow them."""
+    since: datetime | None = None
+    """When the loan began."""
+    pools: list[PoolLoan] = Field(default_factory=list)
+
+
 class ParallelTrainingJobStatus(ApiModel):
     """Observed state of a ParallelTrainingJob, written by the operator and rank 0."""
 
@@ -591,6 +651,8 @@ class ParallelTrainingJobStatus(ApiModel):
     recoveries: Recoveries = Field(default_factory=Recoveries)
     last_recovery: Recovery | None = None
     """The latest recovery from lost ranks: which, and what it cost."""
+    lent: Lent | None = None
+    """Workers lent to InferencePools (spec.elastic.lendTo); unset when none are."""
     start_time: datetime | None = None
     completion_time: datetime | None = None
     message: str = ""

@@ -26,6 +26,7 @@ from operator_runs import (
     cluster_with_operator,
     custom_job,
     events,
+    paced_elastic_job,
     start_operator,
 )
 from operator_runs import job_pods as pods
@@ -102,20 +103,6 @@ def test_digits_trains_to_success_and_a_killed_rank_restarts_the_group_from_its_
     assert final["workers"] == {"ready": 0, "total": 2, "summary": "0/2", "readyPods": 0, "pods": 2}
     assert final["master"] == {"pod": "digits-train-worker-0", "address": "digits-train-worker-0.digits-train-workers",
                                "port": 29500}
-
-
-def paced_elastic_job(name: str, go: Path, *, directory: str, elastic: dict | None = None,
-                      every_steps: int | None = 40, **trainer) -> dict:
-    """An elastic job of two ranks whose model paces its steps until `go` exists (the test has seen what it waits
-    for), checkpointing every `every_steps` steps in `directory`."""
-    checkpoint = {"directory": directory, **({"everySteps": every_steps} if every_steps else {})}
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ParallelTrainingJob", "metadata": {"name": name},
-            "spec": {"workers": 2, "elastic": {"minWorkers": 1, **(elastic or {})},
-                     "trainer": {"model": "userland:paced_until",
-                                 "modelArgs": {"until": str(go), "hidden": 64, "step_seconds": 0.1},
-                                 "data": "tandem.examples.digits:train_data", "epochs": 10, "batchSizePerWorker": 16,
-                                 **trainer},
-                     "checkpoint": checkpoint}}
 
 
 def test_an_elastic_jobs_killed_rank_0_is_replaced_alone_while_its_coordinator_keeps_the_group(cluster, tmp_path):

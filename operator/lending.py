@@ -1,0 +1,207 @@
+"""The trade of workers between an elastic ParallelTrainingJob and the InferencePools it lends to
+(spec.elastic.lendTo), as pure functions: (the job's loan as its status holds it, what the selected pools want and
+cannot place, the clock) -> the loan now, and the Events that tell it.
+
+- **A pool's demand.** A selected pool borrows when some of its pods are Pending as Unschedulable for want of a
+  resource the job's rank pods hold (the scheduler's `Insufficient nvidia.com/gpu`). Its loan begins with the
+  replicas it had placed then (`baseReplicas`: its pods less those it could not place); its demand is its replicas
+  (what its autoscaler or `kubectl scale` asks) beyond them, in rank pods' worth of the resource
+  (`workersPerReplica`: a replica's request over a rank pod's, of the scarcest resource named).
+- **Lending.** A pool short of room borrows up to its demand, within what the job can spare (its rank pods less
+  `elastic.minWorkers`, less what it lends already), and only while the group runs at its size with no rank coming
+  or going: a loan in flight (its ranks still leaving) is never counted twice for the pods it frees. Demand comes
+  from the pool's replicas, not from its pending pods, so a pass that finds the same pods still pending (the
+  scheduler has not placed them yet) lends nothing more.
+- **Taking back.** Once a pool's demand has stayed below its loan for `stabilizationWindowSeconds` (its
+  `surplusSince`), the job takes back the difference; demand that comes back within the window resets the clock.
+  A pool no longer selected, or gone, gives its loan back at once.
+- Several jobs may lend to one pool: each loan begins from the replicas the pool had placed then, those the earlier
+  loans placed among them, so the later loan is given back first. Two jobs deciding in the same instant may both
+  lend for the same pending pod (the second's worker is given back after the window).
+
+The job's rank pods follow the loan (training.py): `spec.workers` less `lent.workers` of them, the highest indices
+leaving at a step boundary (the existing elastic shrink), and joining again when taken back.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from tandem.api.training import LendTo
+from tandem.operator.observed import isoformat, timestamp
+from tandem.pod_requests import requests_of
+
+INSUFFICIENT = re.compile(r"Insufficient ([^\s,.]+(?:\.[^\s,.]+)*)")
+"""A resource kube-scheduler's message says no node has enough of: `0/2 nodes are available: 2 Insufficient
+nvidia.com/gpu.`"""
+
+
+@dataclass(frozen=True)
+class Borrower:
+    """A selected InferencePool, as the trade sees it."""
+
+    name: str
+    replicas: int
+    """What its autoscaler (or `kubectl scale`) asks for: its spec.replicas."""
+    pods: int
+    """Its server pods, live (not terminating, not finished)."""
+    short: int
+    """Of those, the ones Pending as Unschedulable for want of a resource the job's rank pods hold."""
+    workers_per_replica: float
+    """Rank pods' worth of the scarcest such resource one replica needs (0 when none is short)."""
+
+
+@dataclass
+class Trade:
+    lent: dict[str, Any] | None
+    """status.lent as it is now (None: nothing lent)."""
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+
+    @property
+    def workers(self) -> int:
+        return int((self.lent or {}).get("workers") or 0)
+
+
+def lent_workers(status: dict[str, Any]) -> int:
+    """The ranks a job's status says it lends."""
+    return int((status.get("lent") or {}).get("workers") or 0)
+
+
+def selects(lend_to: LendTo, pool: dict[str, Any]) -> bool:
+    labels = pool.get("metadata", {}).get("labels") or {}
+    return all(labels.get(key) == value for key, value in lend_to.pool_selector.match_labels.items())
+
+
+def borrowers(lend_to: LendTo, pools: list[dict[str, Any]], pool_pods: dict[str, list[dict[str, Any]]],
+              rank_pod: dict[str, Any] | None) -> list[Borrower]:
+    """The pools `lend_to` selects, by name, each with its demand's facts. `rank_pod`: one of the job's rank pods
+    (what one holds); without one, nothing is short of what the job holds."""
+    held = {name: amount for name, amount in requests_of(rank_pod).items()
+            if amount > 0 and name != "pods"} if rank_pod else {}
+    found = []
+    for pool in sorted(pools, key=lambda p: p["metadata"]["name"]):
+        if not selects(lend_to, pool):
+            continue
+        name = pool["metadata"]["name"]
+        live = [p for p in pool_pods.get(name, []) if _live(p)]
+        short, ratio = 0, Decimal(0)
+        for pod in live:
+            wanting = [resource for resource in _insufficient(pod) if resource in held]
+            if wanting:
+                short += 1
+                asked = requests_of(pod)
+                ratio = max([ratio, *(asked.get(resource, Decimal(0)) / held[resource] for resource in wanting)])
+        found.append(Borrower(name, int((pool.get("spec") or {}).get("replicas", 1)), len(live), short,
+                              float(ratio)))
+    return found
+
+
+def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may_lend: bool, window_seconds: float,
+          now: datetime) -> Trade:
+    """The loan after this look (see the module's docstring). `spare`: the rank pods the job may be without (its
+    pods less minWorkers); `may_lend`: the group runs at its size, no rank coming or going."""
+    loans = [dict(loan) for loan in (lent or {}).get("pools") or []]
+    by_name = {pool.name: pool for pool in pools}
+    events: list[tuple[str, str, str]] = []
+    kept = []
+    for loan in loans:
+        pool = by_name.get(loan["name"])
+        if pool is None:
+            events.append(_took_back(loan["workers"], loan["name"], "it is gone or no longer selected by "
+                                                                     "spec.elastic.lendTo"))
+            continue
+        needed = _demand(pool, loan)
+        if needed >= loan["workers"]:
+            loan.pop("surplusSince", None)
+        else:
+            since = timestamp(loan.get("surplusSince")) or now
+            if (now - since).total_seconds() >= window_seconds:
+                events.append(_took_back(loan["workers"] - needed, pool.name,
+                                         f"its demand fell to {needed} for {window_seconds:g} s "
+                                         "(spec.elastic.lendTo.stabilizationWindowSeconds)"))
+                loan["workers"] = needed
+                loan.pop("surplusSince", None)
+            else:
+                loan["surplusSince"] = isoformat(since)
+        if loan["workers"] > 0:
+            kept.append(loan)
+    loans = kept
+    while sum(loan["workers"] for loan in loans) > spare:  # the job was scaled down under its loan
+        loan = loans[-1]
+        given = min(loan["workers"], sum(loan["workers"] for loan in loans) - spare)
+        events.append(_took_back(given, loan["name"], "the job's workers were lowered (elastic.minWorkers holds)"))
+        loan["workers"] -= given
+        if loan["workers"] == 0:
+            loans.pop()
+    if may_lend:
+        for pool in pools:
+            if not pool.short:
+                continue
+            loan = next((loan for loan in loans if loan["name"] == pool.name), None)
+            if loan is None:
+                loan = {"name": pool.name, "workers": 0, "baseReplicas": max(0, pool.pods - pool.short),
+                        "workersPerReplica": pool.workers_per_replica}
+            left = spare - sum(loan["workers"] for loan in loans)
+            more = min(_demand(pool, loan) - loan["workers"], left)
+            if more > 0:
+                if loan["workers"] == 0:
+                    loans.append(loan)
+                loan["workers"] += more
+                loan.pop("surplusSince", None)
+                events.append(("Normal", "Lent", f"Lent {_workers(more)} to InferencePool {pool.name}: "
+                                                 f"{_workers(pool.short, 'replica')} could not be placed for want "
+                                                 "of what the ranks hold; they leave at a step boundary, the "
+                                                 "others train on (spec.elastic.lendTo)"))
+    if not loans:
+        return Trade(None, events)
+    held_since = (lent or {}).get("since") if (lent or {}).get("pools") else None
+    return Trade({"workers": sum(loan["workers"] for loan in loans), "to": [loan["name"] for loan in loans],
+                  "since": held_since or isoformat(now), "pools": loans}, events)
+
+
+def _demand(pool: Borrower, loan: dict[str, Any]) -> int:
+    """Rank pods' worth of the pool's replicas beyond those it had placed when its loan began."""
+    beyond = max(0, pool.replicas - int(loan["baseReplicas"]))
+    per_replica = float(loan.get("workersPerReplica") or pool.workers_per_replica or 1.0)
+    return math.ceil(beyond * per_replica - 1e-9)
+
+
+def _took_back(count: int, pool: str, why: str) -> tuple[str, str, str]:
+    return ("Normal", "TookBack", f"Took back {_workers(count)} from InferencePool {pool}: {why}; they join at a "
+                                  "step boundary")
+
+
+def _workers(count: int, noun: str = "worker") -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _live(pod: dict[str, Any]) -> bool:
+    return (not pod.get("metadata", {}).get("deletionTimestamp")
+            and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"))
+
+
+def _insufficient(pod: dict[str, Any]) -> list[str]:
+    """The resources the scheduler said no node has enough of for this pod (none once it is placed)."""
+    status = pod.get("status") or {}
+    if pod.get("spec", {}).get("nodeName"):
+        return []
+    scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
+    if scheduled.get("status") != "False" or scheduled.get("reason") != "Unschedulable":
+        return []
+    return INSUFFICIENT.findall(scheduled.get("message") or "")
+
+
+def borrowed(pool: str, jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """An InferencePool's status.borrowed: what the jobs' status.lent says they lend it (None: nothing)."""
+    loans = [(job["metadata"]["name"], loan, (job.get("status") or {}).get("lent") or {}) for job in jobs
+             for loan in ((job.get("status") or {}).get("lent") or {}).get("pools") or [] if loan.get("name") == pool]
+    if not loans:
+        return None
+    since = min((lent.get("since") for _, _, lent in loans if lent.get("since")), default=None)
+    return {"workers": sum(int(loan["workers"]) for _, loan, _ in loans),
+            "from": sorted({name for name, _, _ in loans}), **({"since": since} if since else {})}

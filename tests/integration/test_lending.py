@@ -1,0 +1,143 @@
+"""Serving borrows training's GPUs (spec.elastic.lendTo) end to end: `tandem operator` as a real process against
+the emulated cluster, one node with 3 `nvidia.com/gpu` (the scheduler counts them as kube-scheduler does and says
+`Insufficient nvidia.com/gpu` for a pod that fits nowhere), real gloo ranks training digits on CPU in their pods
+(each asking for one GPU, the device unused: no CUDA here), and real `tandem serve` processes as the pool's replicas
+(one GPU each). Mocked: nothing of Tandem's; the API server, kubelet, scheduler and Deployment controller are the
+harness's emulations (devcluster/), and the pool's autoscaler is played by the test (`kubectl scale`'s request on
+its scale subresource)."""
+
+from __future__ import annotations
+
+import pytest
+from operator_runs import (
+    GROUP,
+    JOBS,
+    NS,
+    POOLS,
+    READY,
+    STARTUP,
+    VERSION,
+    Client,
+    job_pods,
+    paced_elastic_job,
+    pool_manifest,
+    server_pods,
+    start_operator,
+)
+from operator_runs import events as reasons
+
+from devcluster import Cluster
+
+GPU = "nvidia.com/gpu"
+WINDOW = 4
+"""The job's stabilizationWindowSeconds: short, for the test."""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from jobs import TESTS
+    with Cluster(tmp_path_factory.mktemp("cluster"), capacity={GPU: "3"},
+                 extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
+        start_operator(cluster)
+        yield cluster
+
+
+def status(cluster: Cluster, plural: str, name: str) -> dict:
+    return (cluster.get(f"{GROUP}/{VERSION}/{plural}", NS, name) or {}).get("status") or {}
+
+
+def scale(cluster: Cluster, plural: str, name: str, replicas: int) -> None:
+    cluster.request("PATCH", f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{plural}/{name}/scale",
+                    {"spec": {"replicas": replicas}}, "application/merge-patch+json")
+
+
+def ready_hosts(cluster: Cluster, pool: str) -> list[str]:
+    """The pool's ready servers, as its Service's endpoints would list them."""
+    return [f"{p['status']['podIP']}:8000" for p in server_pods(cluster, pool)
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
+
+
+def lending_job(name: str, go, selector: dict, **elastic) -> dict:
+    document = paced_elastic_job(name, go, directory=name, every_steps=None, epochs=40,
+                                 elastic={"lendTo": {"poolSelector": {"matchLabels": selector},
+                                                     "stabilizationWindowSeconds": WINDOW}, **elastic})
+    document["spec"]["gpusPerWorker"] = 1
+    return document
+
+
+def gpu_pool(name: str, labels: dict) -> dict:
+    document = pool_manifest(name, {"callable": "tandem.examples.digits:mlp", "inputShape": [64], "name": "digits"},
+                             gpusPerReplica=1)
+    document["metadata"]["labels"] = labels
+    return document
+
+
+def wait(cluster: Cluster, check, timeout: float, what: str, job: str, pool: str):
+    try:
+        return cluster.wait_for(check, timeout, what)
+    except TimeoutError:
+        print(cluster.process_log("operator")[-5000:])
+        print("job:", status(cluster, JOBS, job))
+        print("pool:", status(cluster, POOLS, pool))
+        for pod in job_pods(cluster, job) + server_pods(cluster, pool):
+            print(pod["metadata"]["name"], pod.get("status", {}).get("phase"),
+                  [c.get("message") for c in pod.get("status", {}).get("conditions", [])])
+        raise
+
+
+def test_a_pool_short_of_gpus_borrows_a_worker_at_a_step_boundary_and_gives_it_back_when_its_load_falls(
+        cluster, tmp_path):
+    """Two ranks (one GPU each) and one server (one GPU) fill the node. The pool is scaled to 2 (its autoscaler
+    would, under load): its new replica is Pending, Insufficient nvidia.com/gpu; the job lends it one worker (a
+    Lent Event, status.lent, the pool's status.borrowed), rank 1 leaves at a step boundary (no step lost, rank 0's
+    pod and process kept), and the new replica becomes Ready on the freed GPU, a client's requests never failing
+    meanwhile. The pool scaled back to 1, the job takes the worker back once the window has passed (a TookBack
+    Event): rank 1 joins, and the job Succeeds with nothing restarted."""
+    go = tmp_path / "go"
+    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, POOLS, gpu_pool("online", {"tier": "online"}))
+    wait(cluster, lambda: status(cluster, POOLS, "online").get("phase") == "Ready", READY, "the pool Ready",
+         "lender", "online")
+    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, JOBS,
+                                                   lending_job("lender", go, {"tier": "online"}))
+    wait(cluster, lambda: (status(cluster, JOBS, "lender").get("progress") or {}).get("step", 0) >= 5, STARTUP,
+         "the job training", "lender", "online")
+    rank_0 = cluster.kubelet.pid(NS, "lender-worker-0")
+    client = Client(lambda: ready_hosts(cluster, "online"))
+    client.start()
+    try:
+        scale(cluster, POOLS, "online", 2)
+        lent = wait(cluster, lambda: (s := status(cluster, JOBS, "lender")).get("lent") and s, 30,
+                    "the job to lend a worker", "lender", "online")
+        assert (lent["lent"]["workers"], lent["lent"]["to"]) == (1, ["online"])
+        wait(cluster, lambda: status(cluster, POOLS, "online").get("readyReplicas") == 2, READY,
+             "the pool's second replica Ready on the lent GPU", "lender", "online")
+        left = wait(cluster, lambda: (s := status(cluster, JOBS, "lender")).get("lastRecovery", {}).get("workers")
+                    == 1 and s, 60, "rank 1 to leave", "lender", "online")
+        recovery = left["lastRecovery"]
+        assert recovery["resumedAtStep"] == recovery["stoppedAtStep"], f"a step lost: {recovery}"
+        assert status(cluster, POOLS, "online")["borrowed"]["workers"] == 1
+        assert status(cluster, POOLS, "online")["borrowed"]["from"] == ["lender"]
+        assert [p["metadata"]["name"] for p in job_pods(cluster, "lender")] == ["lender-coordinator",
+                                                                                "lender-worker-0"]
+
+        scale(cluster, POOLS, "online", 1)
+        back = wait(cluster, lambda: (s := status(cluster, JOBS, "lender")).get("lastRecovery", {}).get("added")
+                    == [1] and s, 90, "rank 1 to join again", "lender", "online")
+        assert "lent" not in back and back["restarts"] == 0
+        wait(cluster, lambda: "borrowed" not in status(cluster, POOLS, "online"), 10, "the pool to borrow nothing",
+             "lender", "online")
+    finally:
+        client.stop.set()
+        client.join(timeout=60)
+    assert client.failures == [] and client.answered > 0
+    assert cluster.kubelet.pid(NS, "lender-worker-0") == rank_0, "rank 0's process trained throughout"
+    go.touch()
+    final = wait(cluster, lambda: (s := status(cluster, JOBS, "lender")).get("phase") == "Succeeded" and s, 120,
+                 "the job to succeed", "lender", "online")
+    assert (final["restarts"], final["progress"]["step"]) == (0, final["progress"]["totalSteps"])
+    job_events = reasons(cluster, "lender")
+    assert "Lent" in job_events and "TookBack" in job_events and "Restarting" not in job_events, job_events
+    messages = [e["message"] for e in cluster.list("events", NS) if e["involvedObject"]["name"] == "lender"]
+    assert any(m.startswith("Lent 1 worker to InferencePool online") for m in messages), messages
+    assert any(m.startswith("Took back 1 worker from InferencePool online") for m in messages), messages
+    scale(cluster, POOLS, "online", 0)

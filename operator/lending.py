@@ -145,7 +145,7 @@ def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may
             loan = next((loan for loan in loans if loan["name"] == pool.name), None)
             if loan is None:
                 loan = {"name": pool.name, "workers": 0, "baseReplicas": max(0, pool.pods - pool.short),
-                        "workersPerReplica": pool.workers_per_replica}
+                        "workersPerReplica": pool.workers_per_replica or 1.0}
             left = spare - sum(loan["workers"] for loan in loans)
             more = min(_demand(pool, loan) - loan["workers"], left)
             if more > 0:
@@ -167,7 +167,7 @@ def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may
 def _demand(pool: Borrower, loan: dict[str, Any]) -> int:
     """Rank pods' worth of the pool's replicas beyond those it had placed when its loan began."""
     beyond = max(0, pool.replicas - int(loan["baseReplicas"]))
-    per_replica = float(loan.get("workersPerReplica") or pool.workers_per_replica or 1.0)
+    per_replica = float(loan["workersPerReplica"])
     return math.ceil(beyond * per_replica - 1e-9)
 
 

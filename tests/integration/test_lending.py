@@ -8,6 +8,8 @@ its scale subresource)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from operator_runs import (
     GROUP,
@@ -31,6 +33,8 @@ from devcluster import Cluster
 GPU = "nvidia.com/gpu"
 WINDOW = 4
 """The job's stabilizationWindowSeconds: short, for the test."""
+DECIDED = 5
+"""Seconds in which the operator has looked at a change (it is woken by it, and looks every 5 s anyway)."""
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +76,15 @@ def gpu_pool(name: str, labels: dict) -> dict:
     return document
 
 
+def unplaced(cluster: Cluster, pool: str) -> None:
+    """Wait for a replica of `pool` to be Unschedulable for want of a GPU, then a few seconds more: time for the
+    operator, woken by that pod's change, to decide on it (a loan it made would show by then)."""
+    cluster.wait_for(lambda: any(GPU in c.get("message", "") for p in server_pods(cluster, pool)
+                                 for c in p.get("status", {}).get("conditions", []) if c["type"] == "PodScheduled"),
+                     30, f"a replica of {pool} short of a GPU")
+    time.sleep(DECIDED)
+
+
 def wait(cluster: Cluster, check, timeout: float, what: str, job: str, pool: str):
     try:
         return cluster.wait_for(check, timeout, what)
@@ -91,8 +104,9 @@ def test_a_pool_short_of_gpus_borrows_a_worker_at_a_step_boundary_and_gives_it_b
     would, under load): its new replica is Pending, Insufficient nvidia.com/gpu; the job lends it one worker (a
     Lent Event, status.lent, the pool's status.borrowed), rank 1 leaves at a step boundary (no step lost, rank 0's
     pod and process kept), and the new replica becomes Ready on the freed GPU, a client's requests never failing
-    meanwhile. The pool scaled back to 1, the job takes the worker back once the window has passed (a TookBack
-    Event): rank 1 joins, and the job Succeeds with nothing restarted."""
+    meanwhile. A pool the job does not select, short of a GPU, borrows nothing; nor does the lending pool's third
+    replica once the job is at minWorkers. The pool scaled back to 1, the job takes the worker back once the window
+    has passed (a TookBack Event): rank 1 joins, and the job Succeeds with nothing restarted."""
     go = tmp_path / "go"
     cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, POOLS, gpu_pool("online", {"tier": "online"}))
     wait(cluster, lambda: status(cluster, POOLS, "online").get("phase") == "Ready", READY, "the pool Ready",
@@ -105,6 +119,11 @@ def test_a_pool_short_of_gpus_borrows_a_worker_at_a_step_boundary_and_gives_it_b
     client = Client(lambda: ready_hosts(cluster, "online"))
     client.start()
     try:
+        cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, POOLS, gpu_pool("batch", {"tier": "batch"}))
+        unplaced(cluster, "batch")
+        assert "lent" not in status(cluster, JOBS, "lender"), "a pool the job does not select borrows nothing"
+        cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, POOLS, "batch")
+
         scale(cluster, POOLS, "online", 2)
         lent = wait(cluster, lambda: (s := status(cluster, JOBS, "lender")).get("lent") and s, 30,
                     "the job to lend a worker", "lender", "online")
@@ -119,6 +138,12 @@ def test_a_pool_short_of_gpus_borrows_a_worker_at_a_step_boundary_and_gives_it_b
         assert status(cluster, POOLS, "online")["borrowed"]["from"] == ["lender"]
         assert [p["metadata"]["name"] for p in job_pods(cluster, "lender")] == ["lender-coordinator",
                                                                                 "lender-worker-0"]
+
+        scale(cluster, POOLS, "online", 3)
+        unplaced(cluster, "online")
+        held = status(cluster, JOBS, "lender")
+        assert held["lent"]["workers"] == 1, "minWorkers holds: no second worker lent"
+        assert len(job_pods(cluster, "lender")) == 2
 
         scale(cluster, POOLS, "online", 1)
         back = wait(cluster, lambda: (s := status(cluster, JOBS, "lender")).get("lastRecovery", {}).get("added")

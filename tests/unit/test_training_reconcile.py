@@ -12,6 +12,7 @@ import kubernetes_validate
 import pytest
 
 from tandem.operator import training
+from tandem.operator.lending import Borrower
 from tandem.operator.observed import read_resource
 from tandem.operator.training import Settings, reconcile
 from tandem.operator.training_objects import (
@@ -788,3 +789,58 @@ def test_each_regroup_rank_0_reports_gets_an_event(name, status, seen, expected)
     assert [(kind, reason) for kind, reason, _ in events] == [("Normal", "Regrouped")] * len(expected)
     for (_, _, message), start in zip(events, expected, strict=True):
         assert message.startswith(start), message
+
+
+LENDING = {"minWorkers": 1, "lendTo": {"poolSelector": {"matchLabels": {"tier": "online"}},
+                                       "stabilizationWindowSeconds": 60}}
+"""spec.elastic of a job that lends to the pools labelled tier=online."""
+ONE_LENT = {"workers": 1, "to": ["online"], "since": ago(30), "pools": [
+    {"name": "online", "workers": 1, "baseReplicas": 1, "workersPerReplica": 1.0}]}
+
+
+def lending(status: dict[str, Any], borrowers: list[Borrower], pods: list[dict[str, Any]], **labels: str):
+    body = job(status, workers=3, elastic=LENDING)
+    body["metadata"]["labels"] = labels
+    return reconcile(read_resource(body), pods, None, NOW, SETTINGS, borrowers=borrowers)
+
+
+def test_a_job_at_its_size_lends_its_highest_rank_to_a_pool_short_of_what_the_ranks_hold():
+    plan = lending(running(), [Borrower("online", 2, 2, 1, 1.0)], [coordinator(), pod(0), pod(1), pod(2)])
+    assert plan.delete_pods == ["digits-worker-2"] and plan.create == []
+    assert plan.status["lent"] == {**ONE_LENT, "since": ago(0)}
+    assert [reason for _, reason, _ in plan.events] == ["Lent"], "its Event, no ScalingDown"
+    assert plan.status["phase"] == "Running" and plan.status["workers"]["total"] == 3
+
+
+def test_a_loan_keeps_the_group_smaller_and_says_so_until_it_is_taken_back():
+    kept = lending(running(lent=ONE_LENT), [Borrower("online", 2, 2, 0, 0.0)], [coordinator(), pod(0), pod(1)])
+    assert (kept.create, kept.delete_pods, kept.events) == ([], [], [])
+    assert kept.status["lent"] == ONE_LENT and kept.status["phase"] == "Running"
+    assert kept.status["message"] == "2 of 3 ranks running; 1 lent to InferencePool online (spec.elastic.lendTo)"
+    surplus = {**ONE_LENT, "pools": [{**ONE_LENT["pools"][0], "surplusSince": ago(61)}]}
+    back = lending(running(lent=surplus), [Borrower("online", 1, 1, 0, 0.0)], [coordinator(), pod(0), pod(1)])
+    assert [o["metadata"]["name"] for o in back.create] == ["digits-worker-2"]
+    assert back.status["lent"] is None
+    assert [reason for _, reason, _ in back.events] == ["TookBack"], "its Event, no ScalingUp"
+
+
+def test_a_group_started_again_under_a_loan_starts_with_the_ranks_not_lent():
+    plan = lending({**restarting(30, restarts=1), "lent": ONE_LENT}, [Borrower("online", 2, 2, 0, 0.0)], [])
+    created = {o["metadata"]["name"]: {e["name"]: e.get("value") for e in o["spec"]["containers"][0]["env"]}
+               for o in plan.create if o["kind"] == "Pod"}
+    assert sorted(created) == ["digits-coordinator", "digits-worker-0", "digits-worker-1"]
+    assert {env["WORLD_SIZE"] for env in created.values()} == {"2"}, "generation 1 of 2 slots"
+
+
+def test_under_kueue_a_job_lends_nothing_and_a_condition_says_why():
+    plan = lending(running(), [Borrower("online", 2, 2, 1, 1.0)], [coordinator(), pod(0), pod(1), pod(2)],
+                   **{"kueue.x-k8s.io/queue-name": "team"})
+    assert plan.status["lent"] is None and "Lent" not in [reason for _, reason, _ in plan.events]
+    refused = next(c for c in plan.status["conditions"] if c["type"] == "LendingRefused")
+    assert (refused["status"], refused["reason"]) == ("True", "KueueManaged")
+    assert "cannot shrink an admitted Workload" in refused["message"]
+
+
+def test_a_finished_job_lends_nothing():
+    plan = lending(running(phase="Succeeded", lent=ONE_LENT), [Borrower("online", 2, 2, 0, 0.0)], [])
+    assert plan.status["lent"] is None and plan.events == []

@@ -203,7 +203,8 @@ class _Reconciler(QueueRules):
                 "label or lendTo", self.now)
         else:
             self._clear("LendingRefused", "Lending", "the job lends as spec.elastic.lendTo says")
-        ranks_at_least = math.ceil(self.spec.elastic.min_workers / self.spec.ranks_per_pod)
+        min_workers = self.spec.elastic.min_workers if self.spec.elastic is not None else self.spec.workers
+        ranks_at_least = math.ceil(min_workers / self.spec.ranks_per_pod)
         self.loan = trade(self.status.get("lent"), [] if lend_to is None or refused else self.borrowers,
                           spare=max(0, self.spec.pods - ranks_at_least), may_lend=self._at_size(),
                           window_seconds=lend_to.stabilization_window_seconds if lend_to else 0, now=self.now)

@@ -844,3 +844,13 @@ def test_under_kueue_a_job_lends_nothing_and_a_condition_says_why():
 def test_a_finished_job_lends_nothing():
     plan = lending(running(phase="Succeeded", lent=ONE_LENT), [Borrower("online", 2, 2, 0, 0.0)], [])
     assert plan.status["lent"] is None and plan.events == []
+
+
+def test_a_job_whose_lend_to_was_removed_takes_its_workers_back():
+    body = job({**running(), "lent": ONE_LENT}, workers=3, elastic={"minWorkers": 1})
+    plan = reconcile(read_resource(body), [coordinator(), pod(0), pod(1)], None, NOW, SETTINGS, borrowers=[])
+    assert plan.status["lent"] is None and [reason for _, reason, _ in plan.events] == ["TookBack"]
+    assert [o["metadata"]["name"] for o in plan.create] == ["digits-worker-2"]
+    without_elastic = reconcile(read_resource(job({**running(), "lent": ONE_LENT}, workers=3)), [pod(0), pod(1)],
+                                None, NOW, SETTINGS, borrowers=[])
+    assert without_elastic.status["lent"] is None and without_elastic.events[0][1] == "TookBack"

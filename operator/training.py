@@ -2,9 +2,11 @@
 -> a Plan (objects to create, pods to delete, the operator's status fields, events, when to look again).
 
 The operator writes phase, conditions, workers, master, restarts, startTime, completionTime, message,
-observedGeneration, selector and queue; rank 0 writes progress, metrics, communication, checkpoint and
+observedGeneration, selector, queue and lent; rank 0 writes progress, metrics, communication, checkpoint and
 preemptionCost. Neither writes the other's fields (a merge patch of its own), but for rank 0's ETA, which the
-operator removes once the job is not Running (training_plan.eta_removal). The rules, in the order they apply:
+operator removes once the job is not Running (training_plan.eta_removal). Before the rules, an elastic job that
+lends to InferencePools (spec.elastic.lendTo) decides its loan (lending.py; refused under Kueue, LendingRefused):
+the group's size below is spec.workers less the ranks lent. The rules, in the order they apply:
 
 1. A manifest the API models reject gets an InvalidSpec condition naming each field; nothing else happens.
 2. Succeeded or Failed is final: rank pods still running are deleted (their GPUs released; finished pods stay for
@@ -354,8 +356,8 @@ class _Reconciler(QueueRules):
         if not (excess or failed or going or missing):
             return False
         running = running_group(self.config_map)
-        taken_back = self.spec.pods - lent_workers(self.status)  # the size at the last look: beyond it, a joiner
-        added = [index for index in missing if running is None or index >= min(running.workers, taken_back)]
+        size_before = self.spec.pods - lent_workers(self.status)  # beyond it, a rank taken back: a joiner
+        added = [index for index in missing if running is None or index >= min(running.workers, size_before)]
         replaced = sorted({p.index for p in failed + going} | (set(missing) - set(added)))
         leaving = [p.index for p in excess if p.live]
         under_way = [f"{self._ranks_named(indices)} {what}" for indices, what in (

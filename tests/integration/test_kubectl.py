@@ -158,8 +158,8 @@ def test_get_prints_the_crds_columns_as_the_api_server_fills_them(cluster):
         (row,) = table(kubectl(cluster, "get", resource).stdout)
         assert differences(sample, row, {}) == [], row  # every column as the README shows it, LOSS `0.1874` too
     (wide,) = table(kubectl(cluster, "get", "ptj", "-o", "wide").stdout)
-    assert list(wide) == [*list(sample)[:-1], "QUEUE", "CHECKPOINT PATH", "AGE"]  # the columns of priority 1
-    assert (wide["QUEUE"], wide["CHECKPOINT PATH"]) == ("", path)
+    assert list(wide) == [*list(sample)[:-1], "QUEUE", "LENT", "CHECKPOINT PATH", "AGE"]  # the columns of priority 1
+    assert (wide["QUEUE"], wide["LENT"], wide["CHECKPOINT PATH"]) == ("", "", path)
     assert kubectl(cluster, "get", "ptj", "digits-train", "-o", "jsonpath={.status.progress.loss}").stdout == \
         str(loss)  # the status keeps every digit
 
@@ -287,8 +287,9 @@ def test_the_quick_start_runs_with_kubectl(operated):
     (row,) = table(printed)
     assert differences(pool_sample, row, {}) == [], row
     (wide,) = table(kubectl(cluster, "get", "tip", "-o", "wide").stdout)
-    assert list(wide) == [*list(pool_sample)[:-1], "ENDPOINT", "CHECKPOINT PATH", "METRIC", "AGE"]
-    assert (wide["ENDPOINT"], wide["METRIC"]) == (status(cluster, "tip", "digits")["endpoint"], "")  # no gate
+    assert list(wide) == [*list(pool_sample)[:-1], "ENDPOINT", "CHECKPOINT PATH", "METRIC", "BORROWED", "AGE"]
+    assert (wide["ENDPOINT"], wide["METRIC"], wide["BORROWED"]) == (status(cluster, "tip", "digits")["endpoint"], "",
+                                                                    "")  # no gate, no loan
     assert wide["CHECKPOINT PATH"].endswith("/runs/digits-train/checkpoints/step-00000230.pt"), wide
 
     assert kubectl(cluster, "patch", "tip", "digits", "--type", "merge", "-p",

@@ -96,6 +96,8 @@ def _sample_job() -> dict:
                              "resumedAtStep": 118, "seconds": 3.5, "time": "2026-11-29T10:06:00Z"},
             "checkpoint": {"latest": "/ckpt/step-00000100.pt", "step": 100, "time": "2026-11-29T10:05:00Z"},
             "queue": {"name": "team-a", "workload": "digits-train", "admitted": True, "reason": "Admitted"},
+            "lent": {"workers": 1, "to": ["digits"], "since": "2026-11-29T10:07:00Z", "pools": [
+                {"name": "digits", "workers": 1, "baseReplicas": 1, "workersPerReplica": 1.0}]},
         },
     }).status.to_dict()
     return job
@@ -110,6 +112,7 @@ def _sample_pool() -> dict:
             "phase": "Ready", "replicas": 2, "readyReplicas": 1, "endpoint": "http://digits.default.svc:8000",
             "model": {"source": "fromTrainingJob/digits-train", "checkpoint": "/ckpt/step-00000100.pt",
                       "metrics": {"accuracy": 0.9722222}, "gateMetric": "accuracy=0.9722"},
+            "borrowed": {"workers": 1, "from": ["digits-train"], "since": "2026-11-29T10:07:00Z"},
         },
     }).status.to_dict()
     return pool
@@ -120,7 +123,7 @@ def test_printer_columns_resolve_against_a_sample_status():
     columns = {c["name"]: _jsonpath(job, c["jsonPath"]) for c in RESOURCES["ParallelTrainingJob"].printer_columns}
     assert columns == {
         "Phase": "Running", "Ready": "1/2", "Step": "120/450", "Loss": "0.3109", "Samples/s": "1841", "ETA": "12m",
-        "Restarts": 1, "Checkpoint": "step-00000100.pt", "Queue": "team-a",
+        "Restarts": 1, "Checkpoint": "step-00000100.pt", "Queue": "team-a", "Lent": 1,
         "Checkpoint Path": "/ckpt/step-00000100.pt", "Age": "2026-11-29T10:00:00Z",
     }
     pool = _sample_pool()
@@ -128,7 +131,8 @@ def test_printer_columns_resolve_against_a_sample_status():
     assert columns == {
         "Phase": "Ready", "Ready": "1/2", "Mode": "batched", "Model": "fromTrainingJob/digits-train",
         "Checkpoint": "step-00000100.pt", "Endpoint": "http://digits.default.svc:8000",
-        "Checkpoint Path": "/ckpt/step-00000100.pt", "Metric": "accuracy=0.9722", "Age": "2026-11-29T10:00:00Z",
+        "Checkpoint Path": "/ckpt/step-00000100.pt", "Metric": "accuracy=0.9722", "Borrowed": 1,
+        "Age": "2026-11-29T10:00:00Z",
     }
 
 

@@ -31,6 +31,7 @@ API_FAULTS = {
     "watches": Faults(watch_end_after=2.0, watch_end_abruptly=True, gone_on_resume=0.5, seed=3),
 }
 """The chaos suite's classes of API faults (test_chaos.py), for the operator's and its pods' requests."""
+GPU = "nvidia.com/gpu"
 
 
 def start_operator(cluster: Cluster, *extra: str) -> None:
@@ -92,6 +93,33 @@ def paced_elastic_job(name: str, go: Path, *, directory: str, elastic: dict | No
                      "checkpoint": checkpoint}}
 
 
+def lending_job(name: str, go: Path, selector: dict, window: int, *, epochs: int = 40, step_seconds: float = 0.1,
+                **elastic) -> dict:
+    """paced_elastic_job lending its workers (spec.elastic.lendTo) to the pools `selector` selects, taking them back
+    after `window` seconds of a pool's demand below its loan; each rank pod asks for one GPU. Its 45 steps an epoch
+    take `step_seconds` each until `go` exists."""
+    document = paced_elastic_job(name, go, directory=name, every_steps=None, epochs=epochs,
+                                 elastic={"lendTo": {"poolSelector": {"matchLabels": selector},
+                                                     "stabilizationWindowSeconds": window}, **elastic})
+    document["spec"]["trainer"]["modelArgs"]["step_seconds"] = step_seconds
+    document["spec"]["gpusPerWorker"] = 1
+    return document
+
+
+def gpu_pool(name: str, labels: dict) -> dict:
+    """A pool serving digits' MLP, one GPU a replica."""
+    document = pool_manifest(name, {"callable": "tandem.examples.digits:mlp", "inputShape": [64], "name": "digits"},
+                             gpusPerReplica=1)
+    document["metadata"]["labels"] = labels
+    return document
+
+
+def scale(cluster: Cluster, plural: str, name: str, replicas: int) -> None:
+    """What `kubectl scale` (or an autoscaler) asks: a PATCH of the scale subresource, by the test's own client."""
+    cluster.request("PATCH", f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{plural}/{name}/scale",
+                    {"spec": {"replicas": replicas}}, "application/merge-patch+json")
+
+
 def job_pods(cluster: Cluster, name: str) -> list[dict]:
     return sorted((p for p in cluster.list("pods", NS) if p["metadata"].get("labels", {}).get("tandem.dev/job")
                    == name), key=lambda p: p["metadata"]["name"])
@@ -100,6 +128,12 @@ def job_pods(cluster: Cluster, name: str) -> list[dict]:
 def server_pods(cluster: Cluster, pool: str) -> list[dict]:
     return [p for p in cluster.list("pods", NS) if p["metadata"].get("labels", {}).get("tandem.dev/pool") == pool
             and not p["metadata"].get("deletionTimestamp")]
+
+
+def ready_hosts(cluster: Cluster, pool: str) -> list[str]:
+    """The pool's ready servers, as its Service's endpoints would list them."""
+    return [f"{p['status']['podIP']}:8000" for p in server_pods(cluster, pool)
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
 
 
 def events(cluster: Cluster, name: str) -> list[str]:

@@ -28,6 +28,12 @@ timings against the fault-free run, at 5% and 20% write faults, are `bench/bench
 An elastic job (spec.elastic) has its own test under `api-errors` and `operator-kills` (the operator killed between
 its deletion of the failed rank's pod and the replacement's creation): its lost rank is replaced alone, in process,
 never as a restart.
+
+A trade of workers (spec.elastic.lendTo, issue 39) has its own test under `api-errors` and `operator-kills`
+(the operator killed right after the status patch that lends, before the lent rank's pod is deleted; right after
+that deletion; and right after the status patch that takes back, before the rank's pod is created again): the job
+lends one worker, never below minWorkers, to a pool short of GPUs, takes it back after the window, and ends as
+without faults.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import yaml
 from jobs import ROOT, TESTS
 from operator_runs import (
     API_FAULTS,
+    GPU,
     GROUP,
     JOBS,
     NS,
@@ -51,9 +58,14 @@ from operator_runs import (
     claim,
     custom_job,
     events,
+    gpu_pool,
     job_pods,
+    lending_job,
     operator_metrics,
     pool_manifest,
+    ready_hosts,
+    scale,
+    server_pods,
     start_operator,
 )
 
@@ -236,6 +248,11 @@ def check_records(cluster: Cluster) -> None:
             if progress is not None and checkpoint is not None:
                 assert progress >= checkpoint, f"{name}: progress {progress} below its checkpoint {checkpoint}"
 
+    check_status_writers(cluster, RANK0_FIELDS)
+
+
+def check_status_writers(cluster: Cluster, rank_0s: set[str]) -> None:
+    """The operator's status patches of a job carry only its fields, rank 0's only `rank_0s`."""
     for request in list(cluster.emulator._requests):
         if str(request.method.value).upper() != "PATCH" or request.subresource != "status" \
                 or not request.resource or request.resource.plural != JOBS or not isinstance(request.data, dict):
@@ -247,7 +264,7 @@ def check_records(cluster: Cluster) -> None:
             assert all(ETA_REMOVED.get(key) == value for key, value in removed.items()), \
                 f"the operator patched {fields}"
         elif client == "pods":
-            assert fields <= RANK0_FIELDS, f"rank 0 patched {fields}"
+            assert fields <= rank_0s, f"rank 0 patched {fields}"
 
 
 def test_a_refused_call_is_a_condition_naming_the_fix_and_the_job_carries_on_once_it_is_accepted(tmp_path: Path):
@@ -379,3 +396,156 @@ def test_an_elastic_job_that_loses_a_node_trains_on_and_its_replacement_joins(tm
                     if e["involvedObject"]["name"] == "elastic" and e["reason"] == "ReplacingRank"]
         assert replaced and "NodeLost" in replaced[0], replaced
         wait(cluster, lambda: cluster.node_ready(second["spec"]["nodeName"]), 30, "the lost node to come back")
+
+
+TRADE_FAULTS = {"api-errors": API_FAULTS["api-errors"], "operator-kills": None}
+"""The faults a trade is run under: failed writes (and ended watches) between its decisions and their pods, and
+the operator killed between them (the other fault classes run the jobs' and pool's scenarios above)."""
+WINDOW = 4
+"""The lending job's stabilizationWindowSeconds: short, for the test."""
+ELASTIC_RANK0_FIELDS = RANK0_FIELDS | {"lastRecovery", "recoveries"}
+
+
+def arm_trade_kills(cluster: Cluster) -> list:
+    """The operator SIGKILLed in the middle of each half of a trade: right after its status patch that lends
+    (status.lent written, the lent rank's pod not yet deleted), right after its deletion of that pod (the rank not yet
+    gone, the pool's replica not yet placed), and right after the status patch that takes back (status.lent removed,
+    the rank's pod not yet created again)."""
+    kill = lambda served: cluster.kill_process("operator")  # noqa: E731
+
+    def lent_patched(lends: bool):
+        def predicate(served: Served) -> bool:
+            written = ((served.body or {}).get("status") or {}) if isinstance(served.body, dict) else {}
+            return served.client == "operator" and served.plural == JOBS and served.subresource == "status" \
+                and served.name == "lender" and "lent" in written and bool(written["lent"]) == lends
+        return predicate
+
+    def the_lent_ranks_pod_deleted(served: Served) -> bool:
+        return served.client == "operator" and served.method == "DELETE" and served.plural == "pods" \
+            and served.name == "lender-worker-1"
+
+    return [cluster.after(lent_patched(True), kill), cluster.after(the_lent_ranks_pod_deleted, kill),
+            cluster.after(lent_patched(False), kill)]
+
+
+def trade_wait(cluster: Cluster, check, timeout: float, what: str):
+    try:
+        return cluster.wait_for(check, timeout, what, interval=0.1)
+    except TimeoutError:
+        print(cluster.process_log("operator")[-6000:])
+        print("lender:", status(cluster, JOBS, "lender"))
+        print("online:", status(cluster, POOLS, "online"))
+        for pod in job_pods(cluster, "lender") + server_pods(cluster, "online"):
+            print(pod["metadata"]["name"], pod.get("status", {}).get("phase"),
+                  [c.get("message") for c in pod.get("status", {}).get("conditions", [])])
+        raise
+
+
+def rank_pods(cluster: Cluster) -> list[str]:
+    return [p["metadata"]["name"] for p in job_pods(cluster, "lender")
+            if p["metadata"]["name"] != "lender-coordinator" and not p["metadata"].get("deletionTimestamp")]
+
+
+@pytest.mark.parametrize("fault", list(TRADE_FAULTS))
+def test_a_trade_of_workers_with_a_pool_ends_consistent_under_faults(tmp_path: Path, fault: str):
+    """Issue 39's trade under API write errors, and with the operator SIGKILLed in the middle of lending and of
+    taking back (arm_trade_kills). Two ranks and one server (a GPU each) fill a node of 3 GPUs; the pool is scaled
+    to 3, two replicas short of a GPU, more than the job may spare: it lends one worker (never below minWorkers 1),
+    rank 1 leaves at a step boundary (no step lost), one new replica becomes Ready on the freed GPU, and status.lent,
+    the rank pods and the pool's status.borrowed agree. Scaled back to 1, the job takes the worker back after the
+    window: rank 1 joins, status.lent and status.borrowed are gone. A client's requests never fail; the job
+    Succeeds with `restarts` 0, rank 0's pod and the coordinator's never replaced, rank 1's created twice (it left
+    and joined once, never a second loan or a churn)."""
+    go = tmp_path / "go"
+    with Cluster(tmp_path, capacity={GPU: "3"}, extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
+        cluster.inject(TRADE_FAULTS[fault])
+        kills = arm_trade_kills(cluster) if fault == "operator-kills" else []
+        start_operator(cluster)
+        keeper = OperatorKeeper(cluster)
+        keeper.start()
+        try:
+            client = trade(cluster, go)
+        finally:
+            keeper.stop.set()
+        assert all(hook.fired.is_set() for hook in kills), [hook.served for hook in kills]
+        assert keeper.starts == len(kills)
+        injected = {fault.split("-")[0] if fault.startswith("error-") else fault
+                    for _, fault, _, _ in cluster.emulator.injected}
+        assert INJECTED.get(fault, set()) <= injected, injected
+        assert not client.failures, client.failures[:5]
+
+        final = status(cluster, JOBS, "lender")
+        assert (final["restarts"], final["recoveries"]["restarts"]) == (0, 0)
+        assert final["progress"]["step"] == final["progress"]["totalSteps"]
+        gangs = replay(cluster.emulator.store.log("pods"), JOB_LABEL, GROUP_LABEL, RANK_LABEL)
+        assert not gangs.overlaps, gangs.overlaps
+        assert gangs.groups == {"lender": 1}, gangs.groups
+        assert {rank: len(uids) for (_, _, rank), uids in gangs.created.items()} == {"0": 1, "1": 2, None: 1}
+        for version in filter(None, cluster.history(f"{GROUP}/{VERSION}/{JOBS}", NS, "lender")):
+            held = version.get("status") or {}
+            assert (held.get("lent") or {}).get("workers", 0) <= 1, f"lent below minWorkers: {held['lent']}"
+            recovery = held.get("lastRecovery") or {}
+            assert recovery.get("resumedAtStep") == recovery.get("stoppedAtStep"), f"a step lost: {recovery}"
+        for version in filter(None, cluster.history(f"{GROUP}/{VERSION}/{POOLS}", NS, "online")):
+            borrowed = (version.get("status") or {}).get("borrowed")
+            assert borrowed in (None, {"workers": 1, "from": ["lender"], "since": borrowed and borrowed.get("since")})
+        check_status_writers(cluster, ELASTIC_RANK0_FIELDS)
+        job_events = events(cluster, "lender")
+        assert "Restarting" not in job_events, job_events
+        if not kills:  # an Event is posted after its decision's status patch: a kill between the two loses it
+            assert "Lent" in job_events and "TookBack" in job_events, job_events
+        assert not [line for line in cluster.process_log("operator").splitlines() if "Traceback" in line]
+
+
+def trade(cluster: Cluster, go: Path) -> Client:
+    create(cluster, POOLS, gpu_pool("online", {"tier": "online"}))
+    # 675 steps paced at 0.3 s (over 3 minutes for the trade, about 30 s of it without faults), the rest quick once
+    # `go` exists
+    create(cluster, JOBS, lending_job("lender", go, {"tier": "online"}, WINDOW, epochs=15, step_seconds=0.3))
+    trade_wait(cluster, lambda: status(cluster, POOLS, "online").get("phase") == "Ready", READY + 60, "the pool Ready")
+    trade_wait(cluster, lambda: (status(cluster, JOBS, "lender").get("progress") or {}).get("step", 0) >= 5, DONE,
+               "the job training")
+    kept = {name: cluster.get("pods", NS, name)["metadata"]["uid"] for name in ("lender-worker-0",
+                                                                                "lender-coordinator")}
+    client = Client(lambda: ready_hosts(cluster, "online"))
+    client.start()
+    try:
+        scale(cluster, POOLS, "online", 3)
+
+        def lent() -> dict | None:
+            job, pool = status(cluster, JOBS, "lender"), status(cluster, POOLS, "online")
+            loan = job.get("lent") or {}
+            settled = (loan.get("workers") == 1 and (job.get("lastRecovery") or {}).get("workers") == 1
+                       and rank_pods(cluster) == ["lender-worker-0"] and pool.get("readyReplicas") == 2
+                       and pool.get("borrowed") == {"workers": 1, "from": ["lender"], "since": loan.get("since")})
+            return settled and job
+
+        held = trade_wait(cluster, lent, DONE, "the loan to settle")
+        assert held["lent"]["to"] == ["online"] and held["restarts"] == 0
+        recovery = held["lastRecovery"]
+        assert recovery["resumedAtStep"] == recovery["stoppedAtStep"], f"a step lost: {recovery}"
+        assert len(server_pods(cluster, "online")) == 3, "the third replica still Pending: minWorkers holds"
+
+        scale(cluster, POOLS, "online", 1)
+
+        def taken_back() -> dict | None:
+            job, pool = status(cluster, JOBS, "lender"), status(cluster, POOLS, "online")
+            settled = ("lent" not in job and (job.get("lastRecovery") or {}).get("added") == [1]
+                       and rank_pods(cluster) == ["lender-worker-0", "lender-worker-1"]
+                       and "borrowed" not in pool and pool.get("readyReplicas") == 1)
+            return settled and job
+
+        back = trade_wait(cluster, taken_back, DONE, "the worker to be taken back")
+        assert back["restarts"] == 0 and back["phase"] == "Running"
+        recovery = back["lastRecovery"]
+        assert recovery["resumedAtStep"] == recovery["stoppedAtStep"], f"a step lost: {recovery}"
+    finally:
+        client.stop.set()
+        client.join(60)
+    assert client.answered > 0
+    assert {name: cluster.get("pods", NS, name)["metadata"]["uid"] for name in kept} == kept
+    go.touch()
+    final = trade_wait(cluster, lambda: (s := status(cluster, JOBS, "lender")).get("phase") in ("Succeeded", "Failed")
+                       and s, DONE, "the job to finish")
+    assert final["phase"] == "Succeeded", final["message"]
+    return client

@@ -11,7 +11,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from jobs import TESTS
 from operator_runs import (
+    GPU,
     GROUP,
     JOBS,
     NS,
@@ -20,9 +22,11 @@ from operator_runs import (
     STARTUP,
     VERSION,
     Client,
+    gpu_pool,
     job_pods,
-    paced_elastic_job,
-    pool_manifest,
+    lending_job,
+    ready_hosts,
+    scale,
     server_pods,
     start_operator,
 )
@@ -30,7 +34,6 @@ from operator_runs import events as reasons
 
 from devcluster import Cluster
 
-GPU = "nvidia.com/gpu"
 WINDOW = 4
 """The job's stabilizationWindowSeconds: short, for the test."""
 DECIDED = 5
@@ -39,7 +42,6 @@ DECIDED = 5
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from jobs import TESTS
     with Cluster(tmp_path_factory.mktemp("cluster"), capacity={GPU: "3"},
                  extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
         start_operator(cluster)
@@ -48,32 +50,6 @@ def cluster(tmp_path_factory):
 
 def status(cluster: Cluster, plural: str, name: str) -> dict:
     return (cluster.get(f"{GROUP}/{VERSION}/{plural}", NS, name) or {}).get("status") or {}
-
-
-def scale(cluster: Cluster, plural: str, name: str, replicas: int) -> None:
-    cluster.request("PATCH", f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{plural}/{name}/scale",
-                    {"spec": {"replicas": replicas}}, "application/merge-patch+json")
-
-
-def ready_hosts(cluster: Cluster, pool: str) -> list[str]:
-    """The pool's ready servers, as its Service's endpoints would list them."""
-    return [f"{p['status']['podIP']}:8000" for p in server_pods(cluster, pool)
-            if any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
-
-
-def lending_job(name: str, go, selector: dict, **elastic) -> dict:
-    document = paced_elastic_job(name, go, directory=name, every_steps=None, epochs=40,
-                                 elastic={"lendTo": {"poolSelector": {"matchLabels": selector},
-                                                     "stabilizationWindowSeconds": WINDOW}, **elastic})
-    document["spec"]["gpusPerWorker"] = 1
-    return document
-
-
-def gpu_pool(name: str, labels: dict) -> dict:
-    document = pool_manifest(name, {"callable": "tandem.examples.digits:mlp", "inputShape": [64], "name": "digits"},
-                             gpusPerReplica=1)
-    document["metadata"]["labels"] = labels
-    return document
 
 
 def unplaced(cluster: Cluster, pool: str) -> None:
@@ -112,7 +88,7 @@ def test_a_pool_short_of_gpus_borrows_a_worker_at_a_step_boundary_and_gives_it_b
     wait(cluster, lambda: status(cluster, POOLS, "online").get("phase") == "Ready", READY, "the pool Ready",
          "lender", "online")
     cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, JOBS,
-                                                   lending_job("lender", go, {"tier": "online"}))
+                                                   lending_job("lender", go, {"tier": "online"}, WINDOW))
     wait(cluster, lambda: (status(cluster, JOBS, "lender").get("progress") or {}).get("step", 0) >= 5, STARTUP,
          "the job training", "lender", "online")
     rank_0 = cluster.kubelet.pid(NS, "lender-worker-0")

@@ -61,6 +61,8 @@ class Trade:
     lent: dict[str, Any] | None
     """status.lent as it is now (None: nothing lent)."""
     events: list[tuple[str, str, str]] = field(default_factory=list)
+    look_again: float | None = None
+    """Seconds until a pool's stabilization window runs out, if one runs: when to look again, to take back then."""
 
     @property
     def workers(self) -> int:
@@ -108,6 +110,7 @@ def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may
     loans = [dict(loan) for loan in (lent or {}).get("pools") or []]
     by_name = {pool.name: pool for pool in pools}
     events: list[tuple[str, str, str]] = []
+    look_again: float | None = None
     kept = []
     for loan in loans:
         pool = by_name.get(loan["name"])
@@ -128,6 +131,8 @@ def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may
                 loan.pop("surplusSince", None)
             else:
                 loan["surplusSince"] = isoformat(since)
+                left = window_seconds - (now - since).total_seconds()
+                look_again = left if look_again is None else min(look_again, left)
         if loan["workers"] > 0:
             kept.append(loan)
     loans = kept
@@ -161,7 +166,7 @@ def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may
         return Trade(None, events)
     held_since = (lent or {}).get("since") if (lent or {}).get("pools") else None
     return Trade({"workers": sum(loan["workers"] for loan in loans), "to": [loan["name"] for loan in loans],
-                  "since": held_since or isoformat(now), "pools": loans}, events)
+                  "since": held_since or isoformat(now), "pools": loans}, events, look_again)
 
 
 def _demand(pool: Borrower, loan: dict[str, Any]) -> int:

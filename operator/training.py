@@ -648,6 +648,8 @@ class _Reconciler(QueueRules):
             if self.admitted and self.result.workload_status is None:
                 self.result.workload_status = queueing.pods_ready(self.queued.workload, self.phase == "Running",
                                                                   self.now)
+        if self.loan.look_again is not None:  # a loan's window runs out: take back then, not at the next look
+            self.result.requeue_after = min(self.result.requeue_after or self.loan.look_again, self.loan.look_again)
         left = seconds_left(timestamp(self.status.get("startTime")), self.spec.active_deadline_seconds, self.now)
         if left is not None and left > 0 and self.phase not in ("Succeeded", "Failed"):
             self.result.requeue_after = min(self.result.requeue_after or left, left)

@@ -143,6 +143,10 @@ def test_a_loan_begins_at_the_replicas_placed_and_its_clock_and_start_are_kept()
     assert first.events[0][2].startswith("Lent 2 workers to InferencePool online: 2 replicas could not be placed")
     dipped = trade(first.lent, [online(2)], spare=3, may_lend=True, window_seconds=60, now=NOW + timedelta(seconds=5))
     assert dipped.lent["pools"][0]["surplusSince"] == ago(-5) and dipped.lent["since"] == ago(0)
+    assert dipped.look_again == 60, "look again when the window runs out"
+    waiting = trade(dipped.lent, [online(2)], spare=3, may_lend=True, window_seconds=60,
+                    now=NOW + timedelta(seconds=45))
+    assert waiting.look_again == 20 and waiting.workers == 2
     back = trade(dipped.lent, [online(3)], spare=3, may_lend=True, window_seconds=60, now=NOW + timedelta(seconds=9))
     assert "surplusSince" not in back.lent["pools"][0], "demand back within the window: the clock starts again"
     later = trade(back.lent, [online(1)], spare=3, may_lend=True, window_seconds=60, now=NOW + timedelta(seconds=20))

@@ -817,6 +817,9 @@ def test_a_loan_keeps_the_group_smaller_and_says_so_until_it_is_taken_back():
     assert (kept.create, kept.delete_pods, kept.events) == ([], [], [])
     assert kept.status["lent"] == ONE_LENT and kept.status["phase"] == "Running"
     assert kept.status["message"] == "2 of 3 ranks running; 1 lent to InferencePool online (spec.elastic.lendTo)"
+    almost = {**ONE_LENT, "pools": [{**ONE_LENT["pools"][0], "surplusSince": ago(58)}]}
+    waiting = lending(running(lent=almost), [Borrower("online", 1, 1, 0, 0.0)], [coordinator(), pod(0), pod(1)])
+    assert waiting.status["lent"] == almost and waiting.requeue_after == 2, "it looks again when the window runs out"
     surplus = {**ONE_LENT, "pools": [{**ONE_LENT["pools"][0], "surplusSince": ago(61)}]}
     back = lending(running(lent=surplus), [Borrower("online", 1, 1, 0, 0.0)], [coordinator(), pod(0), pod(1)])
     assert [o["metadata"]["name"] for o in back.create] == ["digits-worker-2"]

@@ -171,10 +171,11 @@ class Reporter:
         status.workers.ready = workers
         status.progress.total_steps = total_steps
         status.recoveries.regroups += 1
+        left = (f"rank(s) {', '.join(map(str, plan.left))} left as asked (their pods deleted: the job scaled down, "
+                "or lent them)") if plan.left else ""
         status.last_recovery = Recovery(kind="regroup", lost=plan.lost, added=sorted(plan.added), workers=workers,
                                         stopped_at_step=stopped_at, resumed_at_step=plan.step, seconds=seconds,
-                                        time=now(), message=f"rank(s) {', '.join(map(str, plan.left))} left as "
-                                                            "asked (scaled down)" if plan.left else "")
+                                        time=now(), message=left)
         self.publish()
 
     def final(self, phase: str, message: str, *, epoch: int, metrics: dict[str, float], bytes_sent: int,

@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import yaml
@@ -105,14 +107,20 @@ def status(cluster: Cluster, plural: str, name: str) -> dict:
     return (cluster.get(f"{GROUP}/{VERSION}/{plural}", NS, name) or {}).get("status") or {}
 
 
-def wait(cluster: Cluster, check, timeout: float, what: str):
+def wait(cluster: Cluster, check, timeout: float, what: str,
+         shown: tuple[tuple[str, str], ...] = ((JOBS, "digits-train"), (JOBS, "pausable"), (POOLS, "digits")),
+         pods: Callable[[], list[dict]] = list):
+    """cluster.wait_for, printing on a timeout the operator's log, the status of each (plural, name) `shown` and the
+    state of the `pods`."""
     try:
         return cluster.wait_for(check, timeout, what, interval=0.1)
     except TimeoutError:
         print(cluster.process_log("operator")[-6000:])
-        print("digits-train:", status(cluster, JOBS, "digits-train"))
-        print("pausable:", status(cluster, JOBS, "pausable"))
-        print("digits pool:", status(cluster, POOLS, "digits"))
+        for plural, name in shown:
+            print(f"{name}:", status(cluster, plural, name))
+        for pod in pods():
+            print(pod["metadata"]["name"], pod.get("status", {}).get("phase"),
+                  [c.get("message") for c in pod.get("status", {}).get("conditions", [])])
         raise
 
 
@@ -153,24 +161,35 @@ def arm_operator_kills(cluster: Cluster) -> list:
             cluster.after(the_suspension_patched, kill)]
 
 
+T = TypeVar("T")
+
+
+def run_under(cluster: Cluster, fault: str, faults: Faults | None, kills: list, scenario: Callable[[], T]) -> T:
+    """`scenario`'s result, run with `faults` injected and the operator kept running (OperatorKeeper starts it again
+    after each of the armed `kills`); then every kill fired, the operator was started once more for each, and the
+    fault class `fault` was injected."""
+    cluster.inject(faults)
+    start_operator(cluster)
+    keeper = OperatorKeeper(cluster)
+    keeper.start()
+    try:
+        result = scenario()
+    finally:
+        keeper.stop.set()
+    assert all(hook.fired.is_set() for hook in kills), [hook.served for hook in kills]
+    assert keeper.starts == len(kills)
+    injected = {fault.split("-")[0] if fault.startswith("error-") else fault
+                for _, fault, _, _ in cluster.emulator.injected}
+    assert INJECTED.get(fault, set()) <= injected, injected
+    return result
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_jobs_and_a_pool_end_as_they_do_without_faults(tmp_path: Path, fault: str):
     with Cluster(tmp_path, extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
         claim(cluster, "digits-checkpoints")
-        cluster.inject(FAULTS[fault])
         kills = arm_operator_kills(cluster) if fault == "operator-kills" else []
-        start_operator(cluster)
-        keeper = OperatorKeeper(cluster)
-        keeper.start()
-        try:
-            client = run_scenarios(cluster, fault)
-        finally:
-            keeper.stop.set()
-        assert all(hook.fired.is_set() for hook in kills), [hook.served for hook in kills]
-        assert keeper.starts == len(kills)
-        injected = {fault.split("-")[0] if fault.startswith("error-") else fault
-                    for _, fault, _, _ in cluster.emulator.injected}
-        assert INJECTED.get(fault, set()) <= injected, injected
+        client = run_under(cluster, fault, FAULTS[fault], kills, lambda: run_scenarios(cluster, fault))
         check_records(cluster)
         if fault == "node-lost":
             assert cluster.node_ready()
@@ -429,16 +448,8 @@ def arm_trade_kills(cluster: Cluster) -> list:
 
 
 def trade_wait(cluster: Cluster, check, timeout: float, what: str):
-    try:
-        return cluster.wait_for(check, timeout, what, interval=0.1)
-    except TimeoutError:
-        print(cluster.process_log("operator")[-6000:])
-        print("lender:", status(cluster, JOBS, "lender"))
-        print("online:", status(cluster, POOLS, "online"))
-        for pod in job_pods(cluster, "lender") + server_pods(cluster, "online"):
-            print(pod["metadata"]["name"], pod.get("status", {}).get("phase"),
-                  [c.get("message") for c in pod.get("status", {}).get("conditions", [])])
-        raise
+    return wait(cluster, check, timeout, what, ((JOBS, "lender"), (POOLS, "online")),
+                lambda: job_pods(cluster, "lender") + server_pods(cluster, "online"))
 
 
 def rank_pods(cluster: Cluster) -> list[str]:
@@ -458,20 +469,8 @@ def test_a_trade_of_workers_with_a_pool_ends_consistent_under_faults(tmp_path: P
     and joined once, never a second loan or a churn)."""
     go = tmp_path / "go"
     with Cluster(tmp_path, capacity={GPU: "3"}, extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
-        cluster.inject(TRADE_FAULTS[fault])
         kills = arm_trade_kills(cluster) if fault == "operator-kills" else []
-        start_operator(cluster)
-        keeper = OperatorKeeper(cluster)
-        keeper.start()
-        try:
-            client = trade(cluster, go)
-        finally:
-            keeper.stop.set()
-        assert all(hook.fired.is_set() for hook in kills), [hook.served for hook in kills]
-        assert keeper.starts == len(kills)
-        injected = {fault.split("-")[0] if fault.startswith("error-") else fault
-                    for _, fault, _, _ in cluster.emulator.injected}
-        assert INJECTED.get(fault, set()) <= injected, injected
+        client = run_under(cluster, fault, TRADE_FAULTS[fault], kills, lambda: trade(cluster, go))
         assert not client.failures, client.failures[:5]
 
         final = status(cluster, JOBS, "lender")

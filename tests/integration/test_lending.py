@@ -36,8 +36,8 @@ from devcluster import Cluster
 
 WINDOW = 4
 """The job's stabilizationWindowSeconds: short, for the test."""
-DECIDED = 5
-"""Seconds in which the operator has looked at a change (it is woken by it, and looks every 5 s anyway)."""
+DECIDED = 3
+"""Seconds in which the operator has looked at a change (it is woken by it at once, and looks every 5 s anyway)."""
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_a_pool_short_of_gpus_borrows_a_worker_at_a_step_boundary_and_gives_it_b
     wait(cluster, lambda: status(cluster, POOLS, "online").get("phase") == "Ready", READY, "the pool Ready",
          "lender", "online")
     cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, JOBS,
-                                                   lending_job("lender", go, {"tier": "online"}, WINDOW))
+                                                   lending_job("lender", go, {"tier": "online"}, WINDOW, epochs=15, step_seconds=0.2))
     wait(cluster, lambda: (status(cluster, JOBS, "lender").get("progress") or {}).get("step", 0) >= 5, STARTUP,
          "the job training", "lender", "online")
     rank_0 = cluster.kubelet.pid(NS, "lender-worker-0")

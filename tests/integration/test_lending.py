@@ -87,8 +87,8 @@ def test_a_pool_short_of_gpus_borrows_a_worker_at_a_step_boundary_and_gives_it_b
     cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, POOLS, gpu_pool("online", {"tier": "online"}))
     wait(cluster, lambda: status(cluster, POOLS, "online").get("phase") == "Ready", READY, "the pool Ready",
          "lender", "online")
-    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, JOBS,
-                                                   lending_job("lender", go, {"tier": "online"}, WINDOW, epochs=15, step_seconds=0.2))
+    job = lending_job("lender", go, {"tier": "online"}, WINDOW, epochs=15, step_seconds=0.2)
+    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, JOBS, job)
     wait(cluster, lambda: (status(cluster, JOBS, "lender").get("progress") or {}).get("step", 0) >= 5, STARTUP,
          "the job training", "lender", "online")
     rank_0 = cluster.kubelet.pid(NS, "lender-worker-0")

@@ -76,7 +76,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration"), str(ROOT), str(BENCH)]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT), str(BENCH)]
 
 from bench_inference import wrk_body  # noqa: E402
 from bench_regroup import forwards  # noqa: E402
@@ -94,9 +94,9 @@ from operator_runs import (  # noqa: E402
     scale,
     server_pods,
     start_operator,
+    status,
 )
 from operator_runs import events as reasons  # noqa: E402
-from test_lending import status  # noqa: E402
 
 from devcluster import Cluster  # noqa: E402
 from devcluster.deployments import is_ready  # noqa: E402

@@ -54,7 +54,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.wakers = {}
     memo.pool_wakers = {}
     memo.pool_sources = {}
-    memo.lenders = {}
+    memo.lenders = set()
     memo.pool_lenders = {}
     memo.phases = metrics.PhaseCount()
     memo.pool_phases = metrics.PhaseCount(metrics.POOLS_BY_PHASE, POOL_PHASES)
@@ -88,11 +88,9 @@ async def job_changed(namespace: str, name: str, body: kopf.Body, memo: kopf.Mem
     wake(memo, namespace, name)
     wake_pools_of(memo, namespace, name)
     lent_to = ((body.get("status") or {}).get("lent") or {}).get("to") or []
-    for (pool_namespace, pool), lenders in list(memo.pool_lenders.items()):
+    for (pool_namespace, pool), lenders in list(memo.pool_lenders.items()):  # every pool its daemon runs
         if pool_namespace == namespace and (pool in lent_to or name in lenders):
             wake(memo, namespace, pool, "pool_wakers")
-    for pool in lent_to:
-        wake(memo, namespace, pool, "pool_wakers")
 
 
 def watch_workloads() -> None:
@@ -131,9 +129,9 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
         borrowers = _borrowers(observed, pods, state.present(namespace_pools.get(namespace, [])),
                                indices.get("pool_pods", {}), state)
         if borrowers is None:
-            memo.lenders.pop(key, None)
+            memo.lenders.discard(key)
         else:
-            memo.lenders[key] = True
+            memo.lenders.add(key)
         plan = reconcile(observed, pods, config_map, datetime.now(UTC), memo.settings, queued, borrowers)
         held = observed.body.get("status") or {}
         plan.events += regroup_events(held, state.regroups_seen)
@@ -146,7 +144,7 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
         await daemon.run(state, waker, stopped, one_pass)
     finally:
         memo.wakers.pop(key, None)
-        memo.lenders.pop(key, None)
+        memo.lenders.discard(key)
         memo.phases.set(key, None)
 
 
@@ -268,7 +266,7 @@ def wake(memo: kopf.Memo, namespace: str, name: str, wakers: str = "wakers") -> 
 def wake_lenders(memo: kopf.Memo, namespace: str) -> None:
     """Wake the jobs of `namespace` that may lend to its pools (spec.elastic.lendTo): a pool, or one of its pods,
     changed."""
-    for job_namespace, job in list(getattr(memo, "lenders", {})):
+    for job_namespace, job in list(getattr(memo, "lenders", ())):
         if job_namespace == namespace:
             wake(memo, namespace, job)
 

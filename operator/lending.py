@@ -33,7 +33,7 @@ from decimal import Decimal
 from typing import Any
 
 from tandem.api.training import LendTo
-from tandem.operator.observed import isoformat, timestamp
+from tandem.operator.observed import RankPod, isoformat, observe_pod, timestamp
 from tandem.pod_requests import requests_of
 
 INSUFFICIENT = re.compile(r"Insufficient ([^\s,.]+(?:\.[^\s,.]+)*)")
@@ -69,11 +69,6 @@ class Trade:
         return int((self.lent or {}).get("workers") or 0)
 
 
-def lent_workers(status: dict[str, Any]) -> int:
-    """The ranks a job's status says it lends."""
-    return int((status.get("lent") or {}).get("workers") or 0)
-
-
 def selects(lend_to: LendTo, pool: dict[str, Any]) -> bool:
     labels = pool.get("metadata", {}).get("labels") or {}
     return all(labels.get(key) == value for key, value in lend_to.pool_selector.match_labels.items())
@@ -90,10 +85,10 @@ def borrowers(lend_to: LendTo, pools: list[dict[str, Any]], pool_pods: dict[str,
         if not selects(lend_to, pool):
             continue
         name = pool["metadata"]["name"]
-        live = [p for p in pool_pods.get(name, []) if _live(p)]
+        live = [pod for pod in pool_pods.get(name, []) if observe_pod(pod).live]
         short, ratio = 0, Decimal(0)
         for pod in live:
-            wanting = [resource for resource in _insufficient(pod) if resource in held]
+            wanting = [resource for resource in _insufficient(observe_pod(pod)) if resource in held]
             if wanting:
                 short += 1
                 asked = requests_of(pod)
@@ -185,28 +180,21 @@ def _workers(count: int, noun: str = "worker") -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def _live(pod: dict[str, Any]) -> bool:
-    return (not pod.get("metadata", {}).get("deletionTimestamp")
-            and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"))
-
-
-def _insufficient(pod: dict[str, Any]) -> list[str]:
+def _insufficient(pod: RankPod) -> list[str]:
     """The resources the scheduler said no node has enough of for this pod (none once it is placed)."""
-    status = pod.get("status") or {}
-    if pod.get("spec", {}).get("nodeName"):
-        return []
-    scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
-    if scheduled.get("status") != "False" or scheduled.get("reason") != "Unschedulable":
-        return []
-    return INSUFFICIENT.findall(scheduled.get("message") or "")
+    return INSUFFICIENT.findall(pod.pending_message) if pod.pending_reason == "Unschedulable" else []
 
 
 def borrowed(pool: str, jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """An InferencePool's status.borrowed: what the jobs' status.lent says they lend it (None: nothing)."""
-    loans = [(job["metadata"]["name"], loan, (job.get("status") or {}).get("lent") or {}) for job in jobs
-             for loan in ((job.get("status") or {}).get("lent") or {}).get("pools") or [] if loan.get("name") == pool]
-    if not loans:
+    workers, lenders, since = 0, set(), []
+    for job in jobs:
+        lent = (job.get("status") or {}).get("lent") or {}
+        for loan in lent.get("pools") or []:
+            if loan.get("name") == pool:
+                workers += int(loan["workers"])
+                lenders.add(job["metadata"]["name"])
+                since += [lent["since"]] if lent.get("since") else []
+    if not lenders:
         return None
-    since = min((lent.get("since") for _, _, lent in loans if lent.get("since")), default=None)
-    return {"workers": sum(int(loan["workers"]) for _, loan, _ in loans),
-            "from": sorted({name for name, _, _ in loans}), **({"since": since} if since else {})}
+    return {"workers": workers, "from": sorted(lenders), **({"since": min(since)} if since else {})}

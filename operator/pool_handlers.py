@@ -106,8 +106,8 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
             served = await _ask_servers(session, reads, pods) if reads else []
             plan = reconcile_pool(observed, children, pods, served, job, datetime.now(UTC),
                                   memo.settings.worker_image)
-            jobs = [job for (job_namespace, _), found in list(training_jobs.items()) if job_namespace == namespace
-                    for job in found]
+            jobs = [found_job for (job_namespace, _), found in list(training_jobs.items())
+                    if job_namespace == namespace for found_job in found]
             plan.status["borrowed"] = lending.borrowed(name, jobs)
             memo.pool_lenders[key] = set((plan.status["borrowed"] or {}).get("from") or [])
             await _apply(plan, observed.body, children, memo.cluster, put, state)

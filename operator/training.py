@@ -48,7 +48,7 @@ from tandem.api import ParallelTrainingJob
 from tandem.api.training import TRAINING_PHASES
 from tandem.contract import GROUP_RESTART_EXIT_CODE, RESUME_LATEST, PermanentFailureReport
 from tandem.operator import queueing
-from tandem.operator.lending import Borrower, Trade, lent_workers, trade
+from tandem.operator.lending import Borrower, Trade, trade
 from tandem.operator.observed import (
     ParsedResource,
     RankPod,
@@ -149,9 +149,10 @@ class _Reconciler(QueueRules):
         self.job: ParallelTrainingJob = self.parsed.model
         self.spec = self.job.spec
         self._clear("InvalidSpec", "SpecValid", "the spec is valid")
-        self.size = self.spec.pods - lent_workers(self.status)
-        """The rank pods the group has (or starts with) now: spec.workers less those lent."""
+        self.lent_before = self.loan.workers
         self._lend()
+        self.size = self.spec.pods - self.loan.workers
+        """The rank pods the group has (or starts with) now: spec.workers less those lent."""
         if self.phase in ("Succeeded", "Failed"):
             self._finished()
         elif deadline_exceeded(timestamp(self.status.get("startTime")), self.spec.active_deadline_seconds, self.now):
@@ -211,14 +212,13 @@ class _Reconciler(QueueRules):
                           spare=max(0, self.spec.pods - ranks_at_least), may_lend=self._at_size(),
                           window_seconds=lend_to.stabilization_window_seconds if lend_to else 0, now=self.now)
         self.result.events += self.loan.events
-        self.size = self.spec.pods - self.loan.workers
 
     def _at_size(self) -> bool:
         """Whether the group runs at its size, no rank coming or going: a time to lend ranks (they leave at a step
         boundary)."""
         return (self.phase == "Running" and not self.spec.suspend and self.coordinator is not None
                 and self.coordinator.phase == "Running" and not self.coordinator.terminating
-                and [p.index for p in self.pods] == list(range(self.size))
+                and [p.index for p in self.pods] == list(range(self.spec.pods - self.lent_before))
                 and all(p.phase == "Running" and not p.terminating for p in self.pods))
 
     def _invalid(self, problems: list[str]) -> Plan:
@@ -356,7 +356,7 @@ class _Reconciler(QueueRules):
         if not (excess or failed or going or missing):
             return False
         running = running_group(self.config_map)
-        size_before = self.spec.pods - lent_workers(self.status)  # beyond it, a rank taken back: a joiner
+        size_before = self.spec.pods - self.lent_before  # beyond it, a rank taken back: a joiner
         added = [index for index in missing if running is None or index >= min(running.workers, size_before)]
         replaced = sorted({p.index for p in failed + going} | (set(missing) - set(added)))
         leaving = [p.index for p in excess if p.live]

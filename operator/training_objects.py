@@ -178,9 +178,9 @@ def coordinator_pod(owner: dict[str, Any], job: ParallelTrainingJob, *, group: i
     pods' image and under their Service, reading the spec file as they do. Its MASTER_ADDR is its own DNS name, the
     ranks' MASTER_ADDR (unused by it, but a cluster emulation that gives each group one port, as the test kubelet
     does, finds the group by it); WORLD_SIZE is the group's size at its start (generation 1's slots: `world_size`,
-    spec.workers unless some are lent). No GPU, the
-    user's resources (a rank's) and volumes left out, no API token (it reports nothing); outside the gang (its
-    PodGroup counts the rank pods). It exits 0 once the training is over: the job's success."""
+    spec.workers unless some are lent). No GPU, the user's resources (a rank's) and volumes left out, no API token
+    (it reports nothing); outside the gang (its PodGroup counts the rank pods). It exits 0 once the training is
+    over: the job's success."""
     name = job.metadata.name
     environ = {contract.WORLD_SIZE: str(world_size or job.spec.workers),
                contract.MASTER_ADDR: coordinator_address(name), contract.MASTER_PORT: str(MASTER_PORT),

@@ -120,6 +120,11 @@ def scale(cluster: Cluster, plural: str, name: str, replicas: int) -> None:
                     {"spec": {"replicas": replicas}}, "application/merge-patch+json")
 
 
+def status(cluster: Cluster, plural: str, name: str) -> dict:
+    """The status of the tandem.dev resource `plural`/`name` (empty while it has none, or is gone)."""
+    return (cluster.get(f"{GROUP}/{VERSION}/{plural}", NS, name) or {}).get("status") or {}
+
+
 def job_pods(cluster: Cluster, name: str) -> list[dict]:
     return sorted((p for p in cluster.list("pods", NS) if p["metadata"].get("labels", {}).get("tandem.dev/job")
                    == name), key=lambda p: p["metadata"]["name"])

@@ -69,6 +69,7 @@ from operator_runs import (
     scale,
     server_pods,
     start_operator,
+    status,
 )
 
 from devcluster import Cluster, Faults
@@ -101,10 +102,6 @@ def create(cluster: Cluster, plural: str, document: dict) -> None:
 
 def patch(cluster: Cluster, name: str, body: dict) -> None:
     cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, JOBS, name, body)
-
-
-def status(cluster: Cluster, plural: str, name: str) -> dict:
-    return (cluster.get(f"{GROUP}/{VERSION}/{plural}", NS, name) or {}).get("status") or {}
 
 
 def wait(cluster: Cluster, check, timeout: float, what: str,

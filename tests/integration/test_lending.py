@@ -29,6 +29,7 @@ from operator_runs import (
     scale,
     server_pods,
     start_operator,
+    status,
 )
 from operator_runs import events as reasons
 
@@ -46,10 +47,6 @@ def cluster(tmp_path_factory):
                  extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
         start_operator(cluster)
         yield cluster
-
-
-def status(cluster: Cluster, plural: str, name: str) -> dict:
-    return (cluster.get(f"{GROUP}/{VERSION}/{plural}", NS, name) or {}).get("status") or {}
 
 
 def unplaced(cluster: Cluster, pool: str) -> None:

@@ -42,6 +42,7 @@ from operator_runs import (
     pool_manifest,
     server_pods,
     start_operator,
+    status,
 )
 from serving import write_checkpoint
 from tritonclient.utils import InferenceServerException
@@ -60,10 +61,6 @@ def cluster(tmp_path_factory):
 
 def create(cluster: Cluster, plural: str, document: dict) -> dict:
     return cluster.custom.create_namespaced_custom_object(GROUP, VERSION, NS, plural, document)
-
-
-def status(cluster: Cluster, plural: str, name: str) -> dict:
-    return (cluster.get(f"{GROUP}/{VERSION}/{plural}", NS, name) or {}).get("status") or {}
 
 
 def condition(found: dict, kind: str) -> dict:

@@ -41,6 +41,10 @@ class Ranks:
             time.sleep(0.01)
         return Plan.from_json(self.store.get(f"plan/{generation}"))
 
+    def read_fallback(self, generation: int, *slots: int) -> None:
+        for slot in slots:
+            self.store.set(f"read/{generation}/{slot}", "1")
+
     def joins_waiting(self) -> bool:
         """What rank 0 asks at each agreement (Membership.regroup_wanted)."""
         return int(self.store.add("joins", 0)) > int(self.store.get("joins/planned"))
@@ -112,17 +116,21 @@ def test_the_group_lost_again_and_again_at_one_step_falls_back_to_a_restart(coor
             ranks.register(generation, slot, step=30)
         plan = ranks.plan(generation)
     assert plan.fallback.startswith(f"the group was lost {REPEATS_BEFORE_RESTART} times at step 30"), plan
+    ranks.read_fallback(generation, 0, 1)
     thread.join(timeout=5)
     assert ended == [1]
 
 
-def test_fewer_than_min_workers_past_the_deadline_falls_back_to_a_restart():
+def test_fewer_than_min_workers_past_the_deadline_falls_back_to_a_restart_once_the_rank_left_has_read_why():
     _, ranks, ended, thread = start_coordinator(min_workers=2, deadline_seconds=1.0)
     ranks.plan(1)
     ranks.register(2, 0, step=5)
     plan = ranks.plan(2)
     assert plan.fallback == ("1 rank(s) left, fewer than elastic.minWorkers (2) within "
                              "elastic.regroupDeadlineSeconds (1s)"), plan
+    time.sleep(0.3)
+    assert thread.is_alive(), "the store is kept until the rank waiting for the plan has read why (not its loss)"
+    ranks.read_fallback(2, 0)
     thread.join(timeout=5)
     assert ended == [1]
 

@@ -76,22 +76,26 @@ class Coordinator:
         say(f"generation 1: slots {plan.members}")
         while True:
             if self.store.check(["finished"]):
-                self._wait_for_members(plan, LINGER_SECONDS)
+                self._wait_for_members(plan.members, "closed", LINGER_SECONDS)
                 say("training finished")
                 return 0
             if self.stopping.is_set():
-                self._wait_for_members(plan, STOP_GRACE_SECONDS)
+                self._wait_for_members(plan.members, "closed", STOP_GRACE_SECONDS)
                 say("stopped")
                 return 0
-            generation = plan.generation + 1
-            if any(self.store.check([f"alive/{generation}/{slot}"]) for slot in plan.members):
-                plan = self.plan(plan, generation)
+            previous, generation = plan, plan.generation + 1
+            if any(self.store.check([f"alive/{generation}/{slot}"]) for slot in previous.members):
+                plan = self.plan(previous, generation)
             elif self._every_member_stalled(plan):
                 plan = Plan(generation, [], -1, fallback=f"every rank of generation {plan.generation} stopped "
                                                          f"beating ({plan.members}): restarting the group whole")
                 self._publish(plan)
             if plan.fallback:
                 say(f"generation {plan.generation}: {plan.fallback}")
+                # The store ends with this process: the ranks waiting for the plan must have read why first, or they
+                # would report the store's loss instead.
+                waiting = [slot for slot in previous.members if self.store.check([f"alive/{generation}/{slot}"])]
+                self._wait_for_members(waiting, f"read/{generation}", LINGER_SECONDS)
                 return 1
             time.sleep(JOIN_POLL_SECONDS)
 
@@ -161,9 +165,10 @@ class Coordinator:
             stalled = stalled and count > 0 and still > STALL_SECONDS + BEAT_SECONDS
         return stalled
 
-    def _wait_for_members(self, plan: Plan, seconds: float) -> None:
+    def _wait_for_members(self, slots: list[int], mark: str, seconds: float) -> None:
+        """Wait, up to `seconds`, until each of `slots` has set `<mark>/<slot>`."""
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not all(self.store.check([f"closed/{slot}"]) for slot in plan.members):
+        while time.monotonic() < deadline and not all(self.store.check([f"{mark}/{slot}"]) for slot in slots):
             time.sleep(JOIN_POLL_SECONDS)
 
 

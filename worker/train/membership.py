@@ -240,6 +240,8 @@ class Membership:
         self.store.set(f"alive/{generation}/{self.slot}", str(step))
         plan = self._wait_for_plan(generation)
         if plan.fallback:
+            with contextlib.suppress(RuntimeError, dist.DistError):  # the coordinator gone already (past its linger)
+                self.store.set(f"read/{generation}/{self.slot}", "1")
             raise RegroupFailed(plan.fallback)
         if self.slot in plan.left:
             self.plan = plan

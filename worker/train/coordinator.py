@@ -8,11 +8,11 @@ the slots asking to join, then writes the plan (`plan/<g>`, then `generation`). 
 0 (who reports the status and writes the checkpoints) is the plan's business: the lowest slot among its members.
 
 It falls back to a whole-group restart from the latest checkpoint (the plan names why; the ranks raise RegroupFailed
-and this process exits 1) when a regroup cannot gather `minWorkers` ranks within `regroupDeadlineSeconds`, when the
-group is lost REPEATS_BEFORE_RESTART times at the same step, or when every member's heartbeat stalls. Once the
-ranks mark the training finished it waits for the last generation's members to close, then exits 0: for `tandem
-run` and the operator, that is the job's success. SIGTERM (the job suspended or deleted: the ranks checkpoint) keeps
-it serving until the members close, or STOP_GRACE_SECONDS.
+and this process exits 1, once the ranks waiting for the plan have read it) when a regroup cannot gather `minWorkers`
+ranks within `regroupDeadlineSeconds`, when the group is lost REPEATS_BEFORE_RESTART times at the same step, or when
+every member's heartbeat stalls. Once the ranks mark the training finished it waits for the last generation's
+members to close, then exits 0: for `tandem run` and the operator, that is the job's success. SIGTERM (the job
+suspended or deleted: the ranks checkpoint) keeps it serving until the members close, or STOP_GRACE_SECONDS.
 
 `tandem run` starts it beside the ranks (worker/local_group.py); on a cluster the operator runs it in a pod of its
 own, `<job>-coordinator`.

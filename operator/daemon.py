@@ -36,6 +36,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
+from tandem.manifest import without_nulls
 from tandem.operator import metrics
 from tandem.operator.api_policy import Backoff, Refused, Stale, Unavailable
 from tandem.operator.observed import with_refusal
@@ -162,7 +163,8 @@ async def publish(cluster: Any, state: Reconciliation, body: dict[str, Any], sta
                                                    datetime.now(UTC))
         events = [*events, event] if event else events
     current = body.get("status") or {}
-    changed = {key: value for key, value in status.items() if current.get(key) != value}
+    # A merge patch's nulls delete: the object read back has none, so they are left out to compare.
+    changed = {key: value for key, value in status.items() if current.get(key) != without_nulls(value)}
     if changed:
         await cluster.patch_status(state.plural, state.name, state.namespace, changed)
     state.written = {key: value for key, value in status.items() if key in OPERATOR_FIELDS}

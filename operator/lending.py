@@ -15,6 +15,10 @@ cannot place, the clock) -> the loan now, and the Events that tell it.
 - **Taking back.** Once a pool's demand has stayed below its loan for `stabilizationWindowSeconds` (its
   `surplusSince`), the job takes back the difference; demand that comes back within the window resets the clock.
   A pool no longer selected, or gone, gives its loan back at once.
+- **A loan that placed nothing.** A pool that, with the lent ranks' pods gone, has placed none of its replicas
+  beyond `baseReplicas` for PLACEMENT_SECONDS cannot run its pods where the ranks ran (its nodeSelector, affinity or
+  tolerations keep it off their nodes): its loan is taken back at once, and it is lent nothing more while it stays
+  short with its pods placed as then (`unplaceable`, with a digest of their nodeSelector, affinity and tolerations).
 - Several jobs may lend to one pool: each loan begins from the replicas the pool had placed then, those the earlier
   loans placed among them, so the later loan is given back first. Two jobs deciding in the same instant may both
   lend for the same pending pod (the second's worker is given back after the window).
@@ -25,6 +29,8 @@ leaving at a step boundary (the existing elastic shrink), and joining again when
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -36,6 +42,9 @@ from tandem.api.training import LendTo
 from tandem.operator.observed import RankPod, isoformat, observe_pod, timestamp
 from tandem.pod_requests import requests_of
 
+PLACEMENT_SECONDS = 60.0
+"""How long a pool's replicas may stay unplaced, the lent ranks' pods gone, before its loan is taken back. The
+scheduler tries a pending pod again on each pod deletion, and within 10 s of backoff (podMaxBackoffSeconds)."""
 INSUFFICIENT = re.compile(r"Insufficient ([^\s,.]+(?:\.[^\s,.]+)*)")
 """A resource kube-scheduler's message says no node has enough of: `0/2 nodes are available: 2 Insufficient
 nvidia.com/gpu.`"""
@@ -54,6 +63,8 @@ class Borrower:
     """Of those, the ones Pending as Unschedulable for want of a resource the job's rank pods hold."""
     workers_per_replica: float
     """Rank pods' worth of the scarcest such resource one replica needs (0 when none is short)."""
+    placement: str = ""
+    """A digest of the short pods' nodeSelector, affinity and tolerations (where they may run)."""
 
 
 @dataclass
@@ -86,15 +97,16 @@ def borrowers(lend_to: LendTo, pools: list[dict[str, Any]], pool_pods: dict[str,
             continue
         name = pool["metadata"]["name"]
         live = [pod for pod in pool_pods.get(name, []) if observe_pod(pod).live]
-        short, ratio = 0, Decimal(0)
+        short, ratio, placements = 0, Decimal(0), set()
         for pod in live:
             wanting = [resource for resource in _insufficient(observe_pod(pod)) if resource in held]
             if wanting:
                 short += 1
                 asked = requests_of(pod)
                 ratio = max([ratio, *(asked.get(resource, Decimal(0)) / held[resource] for resource in wanting)])
+                placements.add(_placement(pod))
         found.append(Borrower(name, int((pool.get("spec") or {}).get("replicas", 1)), len(live), short,
-                              float(ratio)))
+                              float(ratio), "+".join(sorted(placements))))
     return found
 
 
@@ -106,6 +118,8 @@ def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may
     by_name = {pool.name: pool for pool in pools}
     events: list[tuple[str, str, str]] = []
     look_again: float | None = None
+    unplaceable = [entry for entry in (lent or {}).get("unplaceable") or []
+                   if entry["name"] in by_name and by_name[entry["name"]].placement == entry["placement"]]
     kept = []
     for loan in loans:
         pool = by_name.get(loan["name"])
@@ -113,6 +127,21 @@ def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may
             events.append(_took_back(loan["workers"], loan["name"], "it is gone or no longer selected by "
                                                                      "spec.elastic.lendTo"))
             continue
+        if may_lend and pool.short and pool.pods - pool.short <= int(loan["baseReplicas"]):
+            since = timestamp(loan.get("unplacedSince")) or now
+            waited = (now - since).total_seconds()
+            if waited >= PLACEMENT_SECONDS:
+                events.append(_took_back(
+                    loan["workers"], pool.name,
+                    f"none of its replicas was placed in {PLACEMENT_SECONDS:g} s with them free, so its pods cannot "
+                    "run where the ranks ran (compare its nodeSelector, affinity and tolerations with the job's); "
+                    "it is lent nothing more while its pods stay short and placed so"))
+                unplaceable.append({"name": pool.name, "placement": pool.placement, "since": isoformat(now)})
+                continue
+            loan["unplacedSince"] = isoformat(since)
+            look_again = _sooner(look_again, PLACEMENT_SECONDS - waited)
+        else:
+            loan.pop("unplacedSince", None)
         needed = _demand(pool, loan)
         if needed >= loan["workers"]:
             loan.pop("surplusSince", None)
@@ -126,8 +155,7 @@ def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may
                 loan.pop("surplusSince", None)
             else:
                 loan["surplusSince"] = isoformat(since)
-                left = window_seconds - (now - since).total_seconds()
-                look_again = left if look_again is None else min(look_again, left)
+                look_again = _sooner(look_again, window_seconds - (now - since).total_seconds())
         if loan["workers"] > 0:
             kept.append(loan)
     loans = kept
@@ -140,7 +168,7 @@ def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may
             loans.pop()
     if may_lend:
         for pool in pools:
-            if not pool.short:
+            if not pool.short or any(entry["name"] == pool.name for entry in unplaceable):
                 continue
             loan = next((loan for loan in loans if loan["name"] == pool.name), None)
             if loan is None:
@@ -157,11 +185,16 @@ def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may
                                                  f"{_workers(pool.short, 'replica')} could not be placed for want "
                                                  "of what the ranks hold; they leave at a step boundary, the "
                                                  "others train on (spec.elastic.lendTo)"))
-    if not loans:
+    if not loans and not unplaceable:
         return Trade(None, events)
     held_since = (lent or {}).get("since") if (lent or {}).get("pools") else None
     return Trade({"workers": sum(loan["workers"] for loan in loans), "to": [loan["name"] for loan in loans],
-                  "since": held_since or isoformat(now), "pools": loans}, events, look_again)
+                  "since": (held_since or isoformat(now)) if loans else None, "pools": loans,
+                  "unplaceable": unplaceable}, events, look_again)
+
+
+def _sooner(first: float | None, second: float) -> float:
+    return second if first is None else min(first, second)
 
 
 def _demand(pool: Borrower, loan: dict[str, Any]) -> int:
@@ -178,6 +211,14 @@ def _took_back(count: int, pool: str, why: str) -> tuple[str, str, str]:
 
 def _workers(count: int, noun: str = "worker") -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _placement(pod: dict[str, Any]) -> str:
+    """A digest of where a pod may run: its nodeSelector, affinity and tolerations."""
+    spec = pod.get("spec") or {}
+    where = json.dumps([spec.get("nodeSelector") or {}, spec.get("affinity") or {}, spec.get("tolerations") or []],
+                       sort_keys=True)
+    return hashlib.sha256(where.encode()).hexdigest()[:12]
 
 
 def _insufficient(pod: RankPod) -> list[str]:

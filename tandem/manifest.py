@@ -99,18 +99,18 @@ def _schema(kind: str) -> dict[str, Any]:
 def _schema_problems(kind: str, document: dict[str, Any]) -> list[tuple[str, str]]:
     validator = OAS30Validator(_schema(kind))
     found = []
-    for error in validator.iter_errors(_without_nulls(document)):
+    for error in validator.iter_errors(without_nulls(document)):
         path = _join(list(error.absolute_path)) or "(top level)"
         found.append((path, error.message))
     return found
 
 
-def _without_nulls(value: Any) -> Any:
+def without_nulls(value: Any) -> Any:
     """What the API server validates: it drops null fields that the schema does not mark nullable."""
     if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
+        return [without_nulls(v) for v in value]
     return value
 
 

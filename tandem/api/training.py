@@ -618,6 +618,21 @@ class PoolLoan(ApiModel):
     """Rank pods' worth of the traded resource (nvidia.com/gpu, say) one of its replicas needs."""
     surplus_since: datetime | None = None
     """Since when its demand has been below its loan (the stabilization window's clock); unset while it holds."""
+    unplaced_since: datetime | None = None
+    """Since when none of its replicas beyond baseReplicas has been placed, the lent ranks' pods gone: past
+    PLACEMENT_SECONDS (60 s) the loan is taken back (its pods cannot run where the ranks ran)."""
+
+
+class UnplaceablePool(ApiModel):
+    """A pool whose replicas stayed unplaced with the job's lent workers free: lent nothing more while it is short
+    with pods placed as then."""
+
+    name: str
+    """The pool."""
+    placement: str
+    """A digest of its short pods' nodeSelector, affinity and tolerations: a pool changed there is lent to again."""
+    since: datetime | None = None
+    """When its loan was taken back."""
 
 
 class Lent(ApiModel):
@@ -630,6 +645,9 @@ class Lent(ApiModel):
     since: datetime | None = None
     """When the loan began."""
     pools: list[PoolLoan] = Field(default_factory=list)
+    unplaceable: list[UnplaceablePool] = Field(default_factory=list)
+    """Pools given their loan back because they placed none of their replicas with it: lent nothing more while
+    still short with the same placement (nodeSelector, affinity, tolerations)."""
 
 
 class ParallelTrainingJobStatus(ApiModel):

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tandem.api.training import LendTo
-from tandem.operator.lending import Borrower, borrowed, borrowers, trade
+from tandem.operator.lending import PLACEMENT_SECONDS, Borrower, borrowed, borrowers, trade
 
 NOW = datetime(2026, 12, 4, 12, 0, 0, tzinfo=UTC)
 LEND_TO = LendTo.model_validate({"poolSelector": {"matchLabels": {"tier": "online"}},
@@ -139,7 +139,7 @@ def test_trade(name, before, pools, spare, may_lend, expected, reasons):
 def test_a_loan_begins_at_the_replicas_placed_and_its_clock_and_start_are_kept():
     first = trade(None, [online(3, short=2)], spare=3, may_lend=True, window_seconds=60, now=NOW)
     assert first.lent == {"workers": 2, "to": ["online"], "since": ago(0), "pools": [
-        {"name": "online", "workers": 2, "baseReplicas": 1, "workersPerReplica": 1.0}]}
+        {"name": "online", "workers": 2, "baseReplicas": 1, "workersPerReplica": 1.0}], "unplaceable": []}
     assert first.events[0][2].startswith("Lent 2 workers to InferencePool online: 2 replicas could not be placed")
     dipped = trade(first.lent, [online(2)], spare=3, may_lend=True, window_seconds=60, now=NOW + timedelta(seconds=5))
     assert dipped.lent["pools"][0]["surplusSince"] == ago(-5) and dipped.lent["since"] == ago(0)
@@ -176,3 +176,52 @@ def test_a_pool_shows_what_it_borrows_from_each_job():
     assert borrowed("online", jobs) == {"workers": 3, "from": ["a", "b"], "since": ago(90)}
     assert borrowed("other", jobs) == {"workers": 1, "from": ["b"], "since": ago(30)}
     assert borrowed("idle", jobs) is None
+
+
+def test_a_pool_that_places_nothing_with_the_lent_worker_free_gives_it_back_and_is_lent_nothing_more():
+    """The lent rank's pod gone (the group at its size), the pool's replica still unplaced (its nodeSelector keeps
+    it off the ranks' node, say): PLACEMENT_SECONDS later the loan is taken back, and the pool is lent nothing more
+    while it stays short with its pods placed so; changed there (another nodeSelector), or no longer short, it may
+    borrow again."""
+    before = lent(loan())
+    stuck = Borrower("online", 2, 2, 1, 1.0, "pinned")
+    leaving = trade(before, [stuck], spare=2, may_lend=False, window_seconds=60, now=NOW)
+    assert "unplacedSince" not in leaving.lent["pools"][0], "no clock while the lent rank is still leaving"
+    first = trade(before, [stuck], spare=2, may_lend=True, window_seconds=60, now=NOW)
+    assert first.lent["pools"][0]["unplacedSince"] == ago(0) and first.look_again == PLACEMENT_SECONDS
+    placed = trade(first.lent, [Borrower("online", 2, 2, 0, 0.0)], spare=2, may_lend=True, window_seconds=60,
+                   now=NOW + timedelta(seconds=5))
+    assert "unplacedSince" not in placed.lent["pools"][0], "placed: the loan did its work"
+    waiting = trade(first.lent, [stuck], spare=2, may_lend=True, window_seconds=60, now=NOW + timedelta(seconds=45))
+    assert waiting.workers == 1 and waiting.look_again == 15
+    back = trade(first.lent, [stuck], spare=2, may_lend=True, window_seconds=60,
+                 now=NOW + timedelta(seconds=PLACEMENT_SECONDS))
+    assert back.lent == {"workers": 0, "to": [], "since": None, "pools": [],
+                         "unplaceable": [{"name": "online", "placement": "pinned", "since": ago(-60)}]}
+    assert back.events == [("Normal", "TookBack", (
+        "Took back 1 worker from InferencePool online: none of its replicas was placed in 60 s with them free, so "
+        "its pods cannot run where the ranks ran (compare its nodeSelector, affinity and tolerations with the "
+        "job's); it is lent nothing more while its pods stay short and placed so; they join at a step boundary"))]
+    later = NOW + timedelta(seconds=90)
+    assert trade(back.lent, [stuck], spare=2, may_lend=True, window_seconds=60, now=later).lent == back.lent
+    fixed = trade(back.lent, [Borrower("online", 2, 2, 1, 1.0, "anywhere")], spare=2, may_lend=True,
+                  window_seconds=60, now=later)
+    assert fixed.workers == 1 and fixed.lent["unplaceable"] == [] and fixed.events[0][1] == "Lent"
+    assert trade(back.lent, [online(1)], spare=2, may_lend=True, window_seconds=60, now=later).lent is None
+
+
+def test_a_pools_short_pods_are_told_apart_by_where_they_may_run():
+    def short(name: str, **spec: Any) -> dict[str, Any]:
+        pod = server(name, placed=False, message=SHORT)
+        pod["spec"].update(spec)
+        return pod
+
+    def placement(*pods: dict[str, Any]) -> str:
+        [found] = borrowers(LEND_TO, [pool("online", len(pods))], {"online": list(pods)}, rank_pod())
+        return found.placement
+
+    serving = {"nodeSelector": {"pool": "serving"}}
+    assert placement(server("a")) == "", "nothing short: nowhere asked"
+    assert placement(server("a"), short("b", **serving)) == placement(short("c", **serving))
+    assert placement(short("b", **serving)) != placement(short("b"))
+    assert placement(short("b", tolerations=[{"key": "gpu", "operator": "Exists"}])) != placement(short("b"))

@@ -795,7 +795,7 @@ LENDING = {"minWorkers": 1, "lendTo": {"poolSelector": {"matchLabels": {"tier": 
                                        "stabilizationWindowSeconds": 60}}
 """spec.elastic of a job that lends to the pools labelled tier=online."""
 ONE_LENT = {"workers": 1, "to": ["online"], "since": ago(30), "pools": [
-    {"name": "online", "workers": 1, "baseReplicas": 1, "workersPerReplica": 1.0}]}
+    {"name": "online", "workers": 1, "baseReplicas": 1, "workersPerReplica": 1.0}], "unplaceable": []}
 
 
 def lending(status: dict[str, Any], borrowers: list[Borrower], pods: list[dict[str, Any]], **labels: str):

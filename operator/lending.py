@@ -16,7 +16,8 @@ cannot place, the clock) -> the loan now, and the Events that tell it.
   `surplusSince`), the job takes back the difference; demand that comes back within the window resets the clock.
   A pool no longer selected, or gone, gives its loan back at once.
 - **A loan that placed nothing.** A pool that, with the lent ranks' pods gone, has placed none of its replicas
-  beyond `baseReplicas` for PLACEMENT_SECONDS cannot run its pods where the ranks ran (its nodeSelector, affinity or
+  beyond `baseReplicas` for `placementDeadlineSeconds` (60 s: the scheduler tries a pending pod again on each pod
+  deletion, and within 10 s of backoff) cannot run its pods where the ranks ran (its nodeSelector, affinity or
   tolerations keep it off their nodes): its loan is taken back at once, and it is lent nothing more while it stays
   short with its pods placed as then (`unplaceable`, with a digest of their nodeSelector, affinity and tolerations).
 - Several jobs may lend to one pool: each loan begins from the replicas the pool had placed then, those the earlier
@@ -42,9 +43,6 @@ from tandem.api.training import LendTo
 from tandem.operator.observed import RankPod, isoformat, observe_pod, timestamp
 from tandem.pod_requests import requests_of
 
-PLACEMENT_SECONDS = 60.0
-"""How long a pool's replicas may stay unplaced, the lent ranks' pods gone, before its loan is taken back. The
-scheduler tries a pending pod again on each pod deletion, and within 10 s of backoff (podMaxBackoffSeconds)."""
 INSUFFICIENT = re.compile(r"Insufficient ([^\s,.]+(?:\.[^\s,.]+)*)")
 """A resource kube-scheduler's message says no node has enough of: `0/2 nodes are available: 2 Insufficient
 nvidia.com/gpu.`"""
@@ -111,9 +109,10 @@ def borrowers(lend_to: LendTo, pools: list[dict[str, Any]], pool_pods: dict[str,
 
 
 def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may_lend: bool, window_seconds: float,
-          now: datetime) -> Trade:
+          now: datetime, placement_seconds: float = 60.0) -> Trade:
     """The loan after this look (see the module's docstring). `spare`: the rank pods the job may be without (its
-    pods less minWorkers); `may_lend`: the group runs at its size, no rank coming or going."""
+    pods less minWorkers); `may_lend`: the group runs at its size, no rank coming or going; `window_seconds` and
+    `placement_seconds`: lendTo's stabilizationWindowSeconds and placementDeadlineSeconds."""
     loans = [dict(loan) for loan in (lent or {}).get("pools") or []]
     by_name = {pool.name: pool for pool in pools}
     events: list[tuple[str, str, str]] = []
@@ -130,16 +129,16 @@ def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may
         if may_lend and pool.short and pool.pods - pool.short <= int(loan["baseReplicas"]):
             since = timestamp(loan.get("unplacedSince")) or now
             waited = (now - since).total_seconds()
-            if waited >= PLACEMENT_SECONDS:
+            if waited >= placement_seconds:
                 events.append(_took_back(
                     loan["workers"], pool.name,
-                    f"none of its replicas was placed in {PLACEMENT_SECONDS:g} s with them free, so its pods cannot "
+                    f"none of its replicas was placed in {placement_seconds:g} s with them free, so its pods cannot "
                     "run where the ranks ran (compare its nodeSelector, affinity and tolerations with the job's); "
                     "it is lent nothing more while its pods stay short and placed so"))
                 unplaceable.append({"name": pool.name, "placement": pool.placement, "since": isoformat(now)})
                 continue
             loan["unplacedSince"] = isoformat(since)
-            look_again = _sooner(look_again, PLACEMENT_SECONDS - waited)
+            look_again = _sooner(look_again, placement_seconds - waited)
         else:
             loan.pop("unplacedSince", None)
         needed = _demand(pool, loan)

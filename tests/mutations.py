@@ -104,7 +104,7 @@ BUGS = [
         "return True",
         "tests/unit/test_lending_trade.py::test_only_pools_whose_labels_match_the_selector_borrow_and_none_without_a_rank_pod"),
     Bug("a loan whose pool placed nothing is kept (a worker lent for nothing while the pool stays short)",
-        "operator/lending.py", "if waited >= PLACEMENT_SECONDS:", "if False:",
+        "operator/lending.py", "if waited >= placement_seconds:", "if False:",
         "tests/unit/test_lending_trade.py::test_a_pool_that_places_nothing_with_the_lent_worker_free_gives_it_back_and_is_lent_nothing_more"),
     Bug("a pool that placed nothing is lent to again at once", "operator/lending.py",
         'if not pool.short or any(entry["name"] == pool.name for entry in unplaceable):', "if not pool.short:",

@@ -257,6 +257,10 @@ class LendTo(ApiModel):
     """How long a borrowing pool's demand must stay below its loan before the job takes the workers back (as a
     HorizontalPodAutoscaler's scale-down stabilization window keeps replicas): a pool's demand that dips and comes
     back within it keeps its loan, so the job and the pool never trade the same GPU back and forth."""
+    placement_deadline_seconds: Annotated[int, Field(ge=1)] = 60
+    """How long a borrowing pool may leave its new replicas unplaced once the lent ranks' pods are gone before the
+    job takes its workers back: its pods cannot run where the ranks ran (nodeSelector, affinity, tolerations), and it
+    is lent nothing more while they stay so (status.lent.unplaceable)."""
 
 
 class Elastic(ApiModel):
@@ -620,7 +624,7 @@ class PoolLoan(ApiModel):
     """Since when its demand has been below its loan (the stabilization window's clock); unset while it holds."""
     unplaced_since: datetime | None = None
     """Since when none of its replicas beyond baseReplicas has been placed, the lent ranks' pods gone: past
-    PLACEMENT_SECONDS (60 s) the loan is taken back (its pods cannot run where the ranks ran)."""
+    lendTo.placementDeadlineSeconds the loan is taken back (its pods cannot run where the ranks ran)."""
 
 
 class UnplaceablePool(ApiModel):

@@ -1,5 +1,6 @@
 """Serving borrows training's GPUs (spec.elastic.lendTo) end to end: `tandem operator` as a real process against
-the emulated cluster, one node with 3 `nvidia.com/gpu` (the scheduler counts them as kube-scheduler does and says
+the emulated cluster, one node with 3 `nvidia.com/gpu` (two of one each for a pool pinned to one of them; the
+scheduler counts them as kube-scheduler does and says
 `Insufficient nvidia.com/gpu` for a pod that fits nowhere), real gloo ranks training digits on CPU in their pods
 (each asking for one GPU, the device unused: no CUDA here), and real `tandem serve` processes as the pool's replicas
 (one GPU each). Mocked: nothing of Tandem's; the API server, kubelet, scheduler and Deployment controller are the
@@ -139,3 +140,42 @@ def test_a_pool_short_of_gpus_borrows_a_worker_at_a_step_boundary_and_gives_it_b
     assert any(m.startswith("Lent 1 worker to InferencePool online") for m in messages), messages
     assert any(m.startswith("Took back 1 worker from InferencePool online") for m in messages), messages
     scale(cluster, POOLS, "online", 0)
+
+
+def test_a_pool_that_cannot_run_where_the_lent_rank_ran_gives_the_worker_back_and_borrows_nothing_more(tmp_path):
+    """Two nodes of one GPU each, a rank on each. A pool pinned (nodeSelector) to rank 0's node is short of a GPU
+    there: the job lends it rank 1, whose GPU is on the other node, where the pool's replica may not run. With rank
+    1's pod gone and the replica still unplaced past placementDeadlineSeconds (5 s here), the job takes the worker
+    back (a TookBack Event saying why), rank 1 joins again with nothing restarted, and the pool, listed in
+    status.lent.unplaceable, is lent nothing more while it stays short."""
+    go = tmp_path / "go"
+    with Cluster(tmp_path / "cluster", nodes=2, capacity={GPU: "1"}, extra_env={"PYTHONPATH": str(TESTS)}) as two:
+        start_operator(two)
+        job = lending_job("lender", go, {"tier": "online"}, WINDOW, step_seconds=0.2)
+        job["spec"]["elastic"]["lendTo"]["placementDeadlineSeconds"] = 5
+        two.custom.create_namespaced_custom_object(GROUP, VERSION, NS, JOBS, job)
+        wait(two, lambda: (status(two, JOBS, "lender").get("progress") or {}).get("step", 0) >= 5, STARTUP,
+             "the job training", "lender", "pinned")
+        nodes = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in job_pods(two, "lender")}
+        assert nodes["lender-worker-0"] != nodes["lender-worker-1"], nodes
+        pool = gpu_pool("pinned", {"tier": "online"})
+        pool["spec"]["nodeSelector"] = {"kubernetes.io/hostname": nodes["lender-worker-0"]}
+        two.custom.create_namespaced_custom_object(GROUP, VERSION, NS, POOLS, pool)
+
+        given_back = wait(two, lambda: (s := status(two, JOBS, "lender")).get("lent", {}).get("unplaceable") and s,
+                          60, "the job to take its worker back from the pool that could not use it", "lender",
+                          "pinned")
+        assert given_back["lent"]["workers"] == 0 and given_back["lent"]["pools"] == []
+        assert [entry["name"] for entry in given_back["lent"]["unplaceable"]] == ["pinned"]
+        back = wait(two, lambda: (s := status(two, JOBS, "lender")).get("lastRecovery", {}).get("added") == [1]
+                    and s, 60, "rank 1 to join again", "lender", "pinned")
+        assert back["restarts"] == 0
+        time.sleep(DECIDED)
+        assert status(two, JOBS, "lender")["lent"]["workers"] == 0, "the pool is lent nothing more"
+        assert len(job_pods(two, "lender")) == 3 and "borrowed" not in status(two, POOLS, "pinned")
+        messages = [e["message"] for e in two.list("events", NS) if e["involvedObject"]["name"] == "lender"]
+        assert [m for m in messages if m.startswith("Lent ")] == [
+            "Lent 1 worker to InferencePool pinned: 1 replica could not be placed for want of what the ranks hold; "
+            "they leave at a step boundary, the others train on (spec.elastic.lendTo)"], messages
+        assert any(m.startswith("Took back 1 worker from InferencePool pinned: none of its replicas was placed in 5 s "
+                                "with them free") for m in messages), messages

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tandem.api.training import LendTo
-from tandem.operator.lending import PLACEMENT_SECONDS, Borrower, borrowed, borrowers, trade
+from tandem.operator.lending import Borrower, borrowed, borrowers, trade
 
 NOW = datetime(2026, 12, 4, 12, 0, 0, tzinfo=UTC)
 LEND_TO = LendTo.model_validate({"poolSelector": {"matchLabels": {"tier": "online"}},
@@ -180,22 +180,22 @@ def test_a_pool_shows_what_it_borrows_from_each_job():
 
 def test_a_pool_that_places_nothing_with_the_lent_worker_free_gives_it_back_and_is_lent_nothing_more():
     """The lent rank's pod gone (the group at its size), the pool's replica still unplaced (its nodeSelector keeps
-    it off the ranks' node, say): PLACEMENT_SECONDS later the loan is taken back, and the pool is lent nothing more
-    while it stays short with its pods placed so; changed there (another nodeSelector), or no longer short, it may
-    borrow again."""
+    it off the ranks' node, say): placementDeadlineSeconds (60 s by default) later the loan is taken back, and the
+    pool is lent nothing more while it stays short with its pods placed so; changed there (another nodeSelector), or
+    no longer short, it may borrow again."""
     before = lent(loan())
     stuck = Borrower("online", 2, 2, 1, 1.0, "pinned")
     leaving = trade(before, [stuck], spare=2, may_lend=False, window_seconds=60, now=NOW)
     assert "unplacedSince" not in leaving.lent["pools"][0], "no clock while the lent rank is still leaving"
     first = trade(before, [stuck], spare=2, may_lend=True, window_seconds=60, now=NOW)
-    assert first.lent["pools"][0]["unplacedSince"] == ago(0) and first.look_again == PLACEMENT_SECONDS
+    assert first.lent["pools"][0]["unplacedSince"] == ago(0) and first.look_again == 60
     placed = trade(first.lent, [Borrower("online", 2, 2, 0, 0.0)], spare=2, may_lend=True, window_seconds=60,
                    now=NOW + timedelta(seconds=5))
     assert "unplacedSince" not in placed.lent["pools"][0], "placed: the loan did its work"
     waiting = trade(first.lent, [stuck], spare=2, may_lend=True, window_seconds=60, now=NOW + timedelta(seconds=45))
     assert waiting.workers == 1 and waiting.look_again == 15
     back = trade(first.lent, [stuck], spare=2, may_lend=True, window_seconds=60,
-                 now=NOW + timedelta(seconds=PLACEMENT_SECONDS))
+                 now=NOW + timedelta(seconds=60))
     assert back.lent == {"workers": 0, "to": [], "since": None, "pools": [],
                          "unplaceable": [{"name": "online", "placement": "pinned", "since": ago(-60)}]}
     assert back.events == [("Normal", "TookBack", (

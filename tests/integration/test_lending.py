@@ -1,7 +1,7 @@
 """Serving borrows training's GPUs (spec.elastic.lendTo) end to end: `tandem operator` as a real process against
-the emulated cluster, one node with 3 `nvidia.com/gpu` (two of one each for a pool pinned to one of them; the
-scheduler counts them as kube-scheduler does and says
-`Insufficient nvidia.com/gpu` for a pod that fits nowhere), real gloo ranks training digits on CPU in their pods
+the emulated cluster, one node with 3 `nvidia.com/gpu` (two nodes of one each for a pool pinned to one of them;
+the scheduler counts them as kube-scheduler does and says `Insufficient nvidia.com/gpu` for a pod that fits
+nowhere), real gloo ranks training digits on CPU in their pods
 (each asking for one GPU, the device unused: no CUDA here), and real `tandem serve` processes as the pool's replicas
 (one GPU each). Mocked: nothing of Tandem's; the API server, kubelet, scheduler and Deployment controller are the
 harness's emulations (devcluster/), and the pool's autoscaler is played by the test (`kubectl scale`'s request on

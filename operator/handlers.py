@@ -87,9 +87,10 @@ async def pod_changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, *
 async def job_changed(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     wake(memo, namespace, name)
     wake_pools_of(memo, namespace, name)
-    lent_to = ((body.get("status") or {}).get("lent") or {}).get("to") or []
+    lent = (body.get("status") or {}).get("lent") or {}
+    named = {*(lent.get("to") or []), *(entry.get("name") for entry in lent.get("unplaceable") or [])}
     for (pool_namespace, pool), lenders in list(memo.pool_lenders.items()):  # every pool its daemon runs
-        if pool_namespace == namespace and (pool in lent_to or name in lenders):
+        if pool_namespace == namespace and (pool in named or name in lenders):
             wake(memo, namespace, pool, "pool_wakers")
 
 

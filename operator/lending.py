@@ -226,8 +226,9 @@ def _insufficient(pod: RankPod) -> list[str]:
 
 
 def borrowed(pool: str, jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """An InferencePool's status.borrowed: what the jobs' status.lent says they lend it (None: nothing)."""
-    workers, lenders, since = 0, set(), []
+    """An InferencePool's status.borrowed: what the jobs' status.lent says they lend it, and which of them found it
+    could not use their workers (None: nothing of either)."""
+    workers, lenders, since, refusing = 0, set(), [], set()
     for job in jobs:
         lent = (job.get("status") or {}).get("lent") or {}
         for loan in lent.get("pools") or []:
@@ -235,6 +236,10 @@ def borrowed(pool: str, jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
                 workers += int(loan["workers"])
                 lenders.add(job["metadata"]["name"])
                 since += [lent["since"]] if lent.get("since") else []
-    if not lenders:
+        if any(entry.get("name") == pool for entry in lent.get("unplaceable") or []):
+            refusing.add(job["metadata"]["name"])
+    if not lenders and not refusing:
         return None
-    return {"workers": workers, "from": sorted(lenders), **({"since": min(since)} if since else {})}
+    # every key, None where unset: a merge patch keeps what it does not name
+    return {"workers": workers, "from": sorted(lenders), "since": min(since) if since else None,
+            "unplaceableFor": sorted(refusing)}

@@ -109,7 +109,8 @@ async def serve_pool(name: str, namespace: str, body: kopf.Body, stopped: kopf.D
             jobs = [found_job for (job_namespace, _), found in list(training_jobs.items())
                     if job_namespace == namespace for found_job in found]
             plan.status["borrowed"] = lending.borrowed(name, jobs)
-            memo.pool_lenders[key] = set((plan.status["borrowed"] or {}).get("from") or [])
+            borrowed = plan.status["borrowed"] or {}
+            memo.pool_lenders[key] = {*(borrowed.get("from") or []), *(borrowed.get("unplaceableFor") or [])}
             await _apply(plan, observed.body, children, memo.cluster, put, state)
             memo.pool_phases.set(key, plan.status.get("phase"))
             metrics.observe_pool(key, observed.body.get("status") or {}, plan.status,

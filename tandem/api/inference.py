@@ -257,6 +257,10 @@ class Borrowed(ApiModel):
     """The jobs that lend them."""
     since: datetime | None = None
     """When the earliest of those loans began."""
+    unplaceable_for: list[str] = Field(default_factory=list)
+    """The jobs that took their workers back because this pool placed none of its replicas with them (its pods
+    cannot run where their ranks run: compare its nodeSelector, affinity and tolerations with theirs); they lend it
+    nothing more while its pods stay short and placed so."""
 
 
 class InferencePoolStatus(ApiModel):

@@ -172,7 +172,10 @@ def test_a_pool_that_cannot_run_where_the_lent_rank_ran_gives_the_worker_back_an
         assert back["restarts"] == 0
         time.sleep(DECIDED)
         assert status(two, JOBS, "lender")["lent"]["workers"] == 0, "the pool is lent nothing more"
-        assert len(job_pods(two, "lender")) == 3 and "borrowed" not in status(two, POOLS, "pinned")
+        assert len(job_pods(two, "lender")) == 3
+        wait(two, lambda: status(two, POOLS, "pinned").get("borrowed") == {"workers": 0, "from": [],
+                                                                        "unplaceableFor": ["lender"]},
+             10, "the pool to show which job found it could not use its workers", "lender", "pinned")
         messages = [e["message"] for e in two.list("events", NS) if e["involvedObject"]["name"] == "lender"]
         assert [m for m in messages if m.startswith("Lent ")] == [
             "Lent 1 worker to InferencePool pinned: 1 replica could not be placed for want of what the ranks hold; "

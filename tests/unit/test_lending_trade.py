@@ -173,9 +173,13 @@ def test_a_pool_shows_what_it_borrows_from_each_job():
 
     jobs = [job("b", {"lent": lent(loan(name="online"), loan(name="other"), since=30)}),
             job("a", {"lent": lent(loan(workers=2, name="online"), since=90)}), job("c", {}), job("d", None)]
-    assert borrowed("online", jobs) == {"workers": 3, "from": ["a", "b"], "since": ago(90)}
-    assert borrowed("other", jobs) == {"workers": 1, "from": ["b"], "since": ago(30)}
+    assert borrowed("online", jobs) == {"workers": 3, "from": ["a", "b"], "since": ago(90), "unplaceableFor": []}
+    assert borrowed("other", jobs) == {"workers": 1, "from": ["b"], "since": ago(30), "unplaceableFor": []}
     assert borrowed("idle", jobs) is None
+    stuck = [job("c", {"lent": {"workers": 0, "to": [], "pools": [], "unplaceable": [
+        {"name": "pinned", "placement": "p", "since": ago(5)}]}}), *jobs]
+    assert borrowed("pinned", stuck) == {"workers": 0, "from": [], "since": None, "unplaceableFor": ["c"]}
+    assert borrowed("online", stuck) == borrowed("online", jobs)
 
 
 def test_a_pool_that_places_nothing_with_the_lent_worker_free_gives_it_back_and_is_lent_nothing_more():

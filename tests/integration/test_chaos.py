@@ -484,7 +484,8 @@ def test_a_trade_of_workers_with_a_pool_ends_consistent_under_faults(tmp_path: P
             assert recovery.get("resumedAtStep") == recovery.get("stoppedAtStep"), f"a step lost: {recovery}"
         for version in filter(None, cluster.history(f"{GROUP}/{VERSION}/{POOLS}", NS, "online")):
             borrowed = (version.get("status") or {}).get("borrowed")
-            assert borrowed in (None, {"workers": 1, "from": ["lender"], "since": borrowed and borrowed.get("since")})
+            assert borrowed in (None, {"workers": 1, "from": ["lender"], "since": borrowed and borrowed.get("since"),
+                                       "unplaceableFor": []})
         check_status_writers(cluster, ELASTIC_RANK0_FIELDS)
         job_events = events(cluster, "lender")
         assert "Restarting" not in job_events, job_events
@@ -513,7 +514,8 @@ def trade(cluster: Cluster, go: Path) -> Client:
             loan = job.get("lent") or {}
             settled = (loan.get("workers") == 1 and (job.get("lastRecovery") or {}).get("workers") == 1
                        and rank_pods(cluster) == ["lender-worker-0"] and pool.get("readyReplicas") == 2
-                       and pool.get("borrowed") == {"workers": 1, "from": ["lender"], "since": loan.get("since")})
+                       and pool.get("borrowed") == {"workers": 1, "from": ["lender"], "since": loan.get("since"),
+                                                    "unplaceableFor": []})
             return settled and job
 
         held = trade_wait(cluster, lent, DONE, "the loan to settle")

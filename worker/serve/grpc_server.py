@@ -282,7 +282,16 @@ class GrpcServer:
 
     async def set_limits(self, limits: Limits) -> None:
         """Serve under `limits` from now on: the calls handed over at once; on grpc.aio's port, by a new server with
-        their options, started beside the old one, which closes gracefully (see the module's docstring)."""
+        their options, started beside the old one, which closes gracefully (see the module's docstring).
+
+        With SO_REUSEPORT the kernel hashes each new connection to one of the port's listeners, and Linux resets the
+        connections still queued on a listener when it closes (unless net.ipv4.tcp_migrate_req is 1, an unsafe
+        sysctl on Kubernetes), so a client connecting in the instant the old one closes sees its connection reset
+        and connects again (gRPC's clients do; a call without wait_for_ready fails UNAVAILABLE). The window is
+        grpc core's time from the kernel's queueing a connection to its accepting it (a clean clone's test run
+        under full load met it once). The limits change when the model loads, before the server is Ready, so no
+        traffic a Service routes meets that change, and when a batching change moves the full batch's size (not
+        when it keeps it: set_limits is then no swap). Connections already open are sent GOAWAY, not reset."""
         if server_options(limits) == server_options(self.limits) or self._server is None or self.closing:
             self.limits = limits
             return

@@ -58,6 +58,9 @@ OPERATOR_FIELDS = frozenset({"phase", "conditions", "workers", "master", "restar
 checkpoint, preemptionCost) is rank 0's. Two are shared, each writer merging in its own part: `recoveries` (the
 operator's `restarts`, rank 0's `regroups`) and `lastRecovery` (the operator's when it restarts the group, rank 0's
 when it regroups; each sent only when it writes a new one)."""
+SHARED_FIELDS = frozenset({"recoveries"})
+"""The fields whose writers each send only their own keys, merged into the other's: `publish` sends no nulls for
+the keys it leaves out (in every other field a key the operator dropped is deleted)."""
 FINISHED = -1.0
 """What a pass returns when the object needs no daemon any more (a job deleted after its TTL)."""
 
@@ -164,13 +167,23 @@ async def publish(cluster: Any, state: Reconciliation, body: dict[str, Any], sta
         events = [*events, event] if event else events
     current = body.get("status") or {}
     # A merge patch's nulls delete: the object read back has none, so they are left out to compare.
-    changed = {key: value for key, value in status.items() if current.get(key) != without_nulls(value)}
+    changed = {key: value if key in SHARED_FIELDS else merge_patch(current.get(key), value)
+               for key, value in status.items() if current.get(key) != without_nulls(value)}
     if changed:
         await cluster.patch_status(state.plural, state.name, state.namespace, changed)
     state.written = {key: value for key, value in status.items() if key in OPERATOR_FIELDS}
     for kind, reason, message in events:
         kopf.event(body, type=kind, reason=reason, message=message)
     return changed
+
+
+def merge_patch(current: Any, new: Any) -> Any:
+    """The JSON merge patch (RFC 7386) that makes `current` into `new`: `new`, with a null for each key of a dict that
+    `new` no longer has, at any depth (a merge patch keeps what it does not name; a list it replaces whole)."""
+    if not isinstance(current, dict) or not isinstance(new, dict):
+        return new
+    return {**dict.fromkeys(current.keys() - new.keys()),
+            **{key: merge_patch(current.get(key), value) for key, value in new.items()}}
 
 
 def describe_refusal(refusal: Refused | None) -> str | None:

@@ -94,10 +94,10 @@ def borrowers(lend_to: LendTo, pools: list[dict[str, Any]], pool_pods: dict[str,
         if not selects(lend_to, pool):
             continue
         name = pool["metadata"]["name"]
-        live = [pod for pod in pool_pods.get(name, []) if observe_pod(pod).live]
+        live = [(pod, observed) for pod in pool_pods.get(name, []) if (observed := observe_pod(pod)).live]
         short, ratio, placements = 0, Decimal(0), set()
-        for pod in live:
-            wanting = [resource for resource in _insufficient(observe_pod(pod)) if resource in held]
+        for pod, observed in live:
+            wanting = [resource for resource in _insufficient(observed) if resource in held]
             if wanting:
                 short += 1
                 asked = requests_of(pod)
@@ -109,7 +109,7 @@ def borrowers(lend_to: LendTo, pools: list[dict[str, Any]], pool_pods: dict[str,
 
 
 def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may_lend: bool, window_seconds: float,
-          now: datetime, placement_seconds: float = 60.0) -> Trade:
+          now: datetime, placement_seconds: float) -> Trade:
     """The loan after this look (see the module's docstring). `spare`: the rank pods the job may be without (its
     pods less minWorkers); `may_lend`: the group runs at its size, no rank coming or going; `window_seconds` and
     `placement_seconds`: lendTo's stabilizationWindowSeconds and placementDeadlineSeconds."""
@@ -240,6 +240,6 @@ def borrowed(pool: str, jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
             refusing.add(job["metadata"]["name"])
     if not lenders and not refusing:
         return None
-    # every key, None where unset: a merge patch keeps what it does not name
+    # since None: the pool holds no loan now (publish deletes the key)
     return {"workers": workers, "from": sorted(lenders), "since": min(since) if since else None,
             "unplaceableFor": sorted(refusing)}

@@ -211,7 +211,7 @@ class _Reconciler(QueueRules):
         self.loan = trade(self.status.get("lent"), [] if lend_to is None or refused else self.borrowers,
                           spare=max(0, self.spec.pods - ranks_at_least), may_lend=self._at_size(),
                           window_seconds=lend_to.stabilization_window_seconds if lend_to else 0, now=self.now,
-                          placement_seconds=lend_to.placement_deadline_seconds if lend_to else 60.0)
+                          placement_seconds=lend_to.placement_deadline_seconds if lend_to else 0)
         self.result.events += self.loan.events
 
     def _at_size(self) -> bool:

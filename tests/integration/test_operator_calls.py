@@ -125,3 +125,26 @@ def test_a_replace_of_an_object_deleted_meanwhile_raises_the_404_to_the_loop(clu
         asyncio.run(OperatorCluster(cluster.api).put(manifest, seen))
     assert raised.value.status == 404  # an ApiException: neither Refused, Stale nor Unavailable (ApiFailures)
     assert [method for method, *_ in served] == ["POST", "DELETE"], "a 404 is no served request: none other came"
+
+
+def test_a_status_key_the_operator_drops_is_deleted_and_rank_0s_part_of_a_shared_field_kept(cluster, served):
+    """A merge patch keeps what it does not name: `publish` sends a null for each key the operator's new value no
+    longer has, at any depth, so the object read back holds what was decided; in `recoveries`, which rank 0 writes
+    too, it sends only its own key and rank 0's `regroups` stays."""
+    body = new_job(cluster, "dropped")
+    state = daemon.Reconciliation(JOB_PLURAL, NS, "dropped")
+    api = OperatorCluster(cluster.api)
+    pool = {"name": "digits", "workers": 1, "baseReplicas": 1, "workersPerReplica": 1}
+    lent = {"workers": 1, "to": ["digits"], "since": "2026-01-01T00:00:00Z",
+            "pools": [{**pool, "unplacedSince": "2026-01-01T00:00:05Z"}]}
+    asyncio.run(daemon.publish(api, state, body, {"lent": lent, "recoveries": {"restarts": 0}}, []))
+    cluster.custom.patch_namespaced_custom_object_status(GROUP, VERSION, NS, JOB_PLURAL, "dropped", {
+        "status": {"recoveries": {"regroups": 2}}})  # rank 0's part
+    body = cluster.get(JOB_PLURAL, NS, "dropped")
+    served.clear()
+    asyncio.run(daemon.publish(api, state, body, {"lent": {"workers": 0, "to": [], "pools": [pool]},
+                                                  "recoveries": {"restarts": 1}}, []))
+    assert [(method, plural) for method, plural, *_ in served] == [("PATCH", JOB_PLURAL)]
+    status = cluster.get(JOB_PLURAL, NS, "dropped")["status"]
+    assert status["lent"] == {"workers": 0, "to": [], "pools": [pool]}
+    assert status["recoveries"] == {"restarts": 1, "regroups": 2}

@@ -5,14 +5,18 @@ status.borrowed the pool shows; table-driven where the cases share a shape."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import pytest
 
 from tandem.api.training import LendTo
-from tandem.operator.lending import Borrower, borrowed, borrowers, trade
+from tandem.operator import lending
+from tandem.operator.lending import Borrower, borrowed, borrowers
 
 NOW = datetime(2026, 12, 4, 12, 0, 0, tzinfo=UTC)
+trade = partial(lending.trade, placement_seconds=60)
+"""lendTo's placementDeadlineSeconds at its default."""
 LEND_TO = LendTo.model_validate({"poolSelector": {"matchLabels": {"tier": "online"}},
                                  "stabilizationWindowSeconds": 60})
 SHORT = "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."

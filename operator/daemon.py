@@ -58,9 +58,10 @@ OPERATOR_FIELDS = frozenset({"phase", "conditions", "workers", "master", "restar
 checkpoint, preemptionCost) is rank 0's. Two are shared, each writer merging in its own part: `recoveries` (the
 operator's `restarts`, rank 0's `regroups`) and `lastRecovery` (the operator's when it restarts the group, rank 0's
 when it regroups; each sent only when it writes a new one)."""
-SHARED_FIELDS = frozenset({"recoveries"})
-"""The fields whose writers each send only their own keys, merged into the other's: `publish` sends no nulls for
-the keys it leaves out (in every other field a key the operator dropped is deleted)."""
+OWN_FIELDS = OPERATOR_FIELDS - {"recoveries"}
+"""The fields the operator alone writes: `publish` deletes a key of theirs it no longer sends (a null in the merge
+patch). In the others (`recoveries`, whose writers each send their own keys, and rank 0's `progress`, of which it
+sends ETA_REMOVED) what it leaves out is left as it is."""
 FINISHED = -1.0
 """What a pass returns when the object needs no daemon any more (a job deleted after its TTL)."""
 
@@ -167,7 +168,7 @@ async def publish(cluster: Any, state: Reconciliation, body: dict[str, Any], sta
         events = [*events, event] if event else events
     current = body.get("status") or {}
     # A merge patch's nulls delete: the object read back has none, so they are left out to compare.
-    changed = {key: value if key in SHARED_FIELDS else merge_patch(current.get(key), value)
+    changed = {key: merge_patch(current.get(key), value) if key in OWN_FIELDS else value
                for key, value in status.items() if current.get(key) != without_nulls(value)}
     if changed:
         await cluster.patch_status(state.plural, state.name, state.namespace, changed)

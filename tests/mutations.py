@@ -323,11 +323,12 @@ BUGS = [
         "            self.connect()  # type: ignore[attr-defined]\n",
         "tests/unit/test_election.py::test_a_pause_while_connecting_is_caught_by_the_check_made_once_connected"),
     Bug("a status key the operator dropped kept (a merge patch keeps what it does not name)", "operator/daemon.py",
-        "value if key in SHARED_FIELDS else merge_patch(current.get(key), value)", "value",
+        "merge_patch(current.get(key), value) if key in OWN_FIELDS else value", "value",
         "tests/integration/test_operator_calls.py::"
         "test_a_status_key_the_operator_drops_is_deleted_and_rank_0s_part_of_a_shared_field_kept"),
-    Bug("rank 0's regroups deleted by the operator's recoveries", "operator/daemon.py",
-        "value if key in SHARED_FIELDS else merge_patch(current.get(key), value)",
+    Bug("rank 0's keys deleted by the operator's patch of a field both write (recoveries, progress)",
+        "operator/daemon.py",
+        "merge_patch(current.get(key), value) if key in OWN_FIELDS else value",
         "merge_patch(current.get(key), value)",
         "tests/integration/test_operator_calls.py::"
         "test_a_status_key_the_operator_drops_is_deleted_and_rank_0s_part_of_a_shared_field_kept"),

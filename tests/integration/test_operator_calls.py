@@ -20,6 +20,7 @@ from tandem.operator.cluster import Cluster as OperatorCluster
 from tandem.operator.observed import read_resource
 from tandem.operator.training import Settings, reconcile
 from tandem.operator.training_objects import JOB_PLURAL, TERMINATION_GRACE_SECONDS, worker_pod
+from tandem.operator.training_plan import ETA_REMOVED
 
 NS = "default"
 SETTINGS = Settings(worker_image="registry.example/tandem-worker:1", restart_backoff_seconds=10)
@@ -129,8 +130,9 @@ def test_a_replace_of_an_object_deleted_meanwhile_raises_the_404_to_the_loop(clu
 
 def test_a_status_key_the_operator_drops_is_deleted_and_rank_0s_part_of_a_shared_field_kept(cluster, served):
     """A merge patch keeps what it does not name: `publish` sends a null for each key the operator's new value no
-    longer has, at any depth, so the object read back holds what was decided; in `recoveries`, which rank 0 writes
-    too, it sends only its own key and rank 0's `regroups` stays."""
+    longer has, at any depth, so the object read back holds what was decided; in the fields rank 0 writes too it
+    sends only its own keys: rank 0's `recoveries.regroups` stays, and so does its `progress` when the operator
+    removes the ETA from it."""
     body = new_job(cluster, "dropped")
     state = daemon.Reconciliation(JOB_PLURAL, NS, "dropped")
     api = OperatorCluster(cluster.api)
@@ -139,12 +141,13 @@ def test_a_status_key_the_operator_drops_is_deleted_and_rank_0s_part_of_a_shared
             "pools": [{**pool, "unplacedSince": "2026-01-01T00:00:05Z"}]}
     asyncio.run(daemon.publish(api, state, body, {"lent": lent, "recoveries": {"restarts": 0}}, []))
     cluster.custom.patch_namespaced_custom_object_status(GROUP, VERSION, NS, JOB_PLURAL, "dropped", {
-        "status": {"recoveries": {"regroups": 2}}})  # rank 0's part
+        "status": {"recoveries": {"regroups": 2}, "progress": {"step": 5, "etaSeconds": 9}}})  # rank 0's part
     body = cluster.get(JOB_PLURAL, NS, "dropped")
     served.clear()
     asyncio.run(daemon.publish(api, state, body, {"lent": {"workers": 0, "to": [], "pools": [pool]},
-                                                  "recoveries": {"restarts": 1}}, []))
+                                                  "recoveries": {"restarts": 1}, **ETA_REMOVED}, []))
     assert [(method, plural) for method, plural, *_ in served] == [("PATCH", JOB_PLURAL)]
     status = cluster.get(JOB_PLURAL, NS, "dropped")["status"]
     assert status["lent"] == {"workers": 0, "to": [], "pools": [pool]}
     assert status["recoveries"] == {"restarts": 1, "regroups": 2}
+    assert status["progress"]["step"] == 5 and "etaSeconds" not in status["progress"]

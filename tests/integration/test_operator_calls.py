@@ -132,22 +132,28 @@ def test_a_status_key_the_operator_drops_is_deleted_and_rank_0s_part_of_a_shared
     """A merge patch keeps what it does not name: `publish` sends a null for each key the operator's new value no
     longer has, at any depth, so the object read back holds what was decided; in the fields rank 0 writes too it
     sends only its own keys: rank 0's `recoveries.regroups` stays, and so does its `progress` when the operator
-    removes the ETA from it."""
+    removes the ETA from it. A status already written is not sent again (the nulls it holds are not in the
+    object)."""
     body = new_job(cluster, "dropped")
     state = daemon.Reconciliation(JOB_PLURAL, NS, "dropped")
     api = OperatorCluster(cluster.api)
     pool = {"name": "digits", "workers": 1, "baseReplicas": 1, "workersPerReplica": 1}
     lent = {"workers": 1, "to": ["digits"], "since": "2026-01-01T00:00:00Z",
-            "pools": [{**pool, "unplacedSince": "2026-01-01T00:00:05Z"}]}
+            "pools": [{**pool, "unplacedSince": "2026-01-01T00:00:05Z"}],
+            "unplaceable": [{"name": "other", "placement": "gpu=a100", "since": "2026-01-01T00:00:00Z"}]}
     asyncio.run(daemon.publish(api, state, body, {"lent": lent, "recoveries": {"restarts": 0}}, []))
     cluster.custom.patch_namespaced_custom_object_status(GROUP, VERSION, NS, JOB_PLURAL, "dropped", {
         "status": {"recoveries": {"regroups": 2}, "progress": {"step": 5, "etaSeconds": 9}}})  # rank 0's part
     body = cluster.get(JOB_PLURAL, NS, "dropped")
     served.clear()
-    asyncio.run(daemon.publish(api, state, body, {"lent": {"workers": 0, "to": [], "pools": [pool]},
-                                                  "recoveries": {"restarts": 1}, **ETA_REMOVED}, []))
+    ended = {"lent": {"workers": 0, "to": [], "since": None, "pools": [pool]},  # unplaceable dropped, since null
+             "recoveries": {"restarts": 1}}
+    asyncio.run(daemon.publish(api, state, body, {**ended, **ETA_REMOVED}, []))
     assert [(method, plural) for method, plural, *_ in served] == [("PATCH", JOB_PLURAL)]
     status = cluster.get(JOB_PLURAL, NS, "dropped")["status"]
     assert status["lent"] == {"workers": 0, "to": [], "pools": [pool]}
     assert status["recoveries"] == {"restarts": 1, "regroups": 2}
     assert status["progress"]["step"] == 5 and "etaSeconds" not in status["progress"]
+    served.clear()  # the same decision again, on the body as the daemon reads it (its last writes laid over)
+    asyncio.run(daemon.publish(api, state, state.observed(cluster.get(JOB_PLURAL, NS, "dropped")), ended, []))
+    assert served == [], "a status already written is not patched again"

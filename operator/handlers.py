@@ -56,6 +56,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.pool_sources = {}
     memo.lenders = set()
     memo.pool_lenders = {}
+    memo.loans = {}
     memo.phases = metrics.PhaseCount()
     memo.pool_phases = metrics.PhaseCount(metrics.POOLS_BY_PHASE, POOL_PHASES)
 
@@ -128,12 +129,14 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
             workloads = state.present(indices.get("job_workloads", {}).get(key, []))  # none: no Kueue CRDs
             queued = await reads.read(memo.cluster, observed, next(iter(workloads), None))
         borrowers = _borrowers(observed, pods, state.present(namespace_pools.get(namespace, [])),
-                               indices.get("pool_pods", {}), state)
+                               indices.get("pool_pods", {}), state,
+                               _other_loans(key, memo.loans, indices.get("training_jobs", {})))
         if borrowers is None:
             memo.lenders.discard(key)
         else:
             memo.lenders.add(key)
         plan = reconcile(observed, pods, config_map, datetime.now(UTC), memo.settings, queued, borrowers)
+        memo.loans[key] = plan.status.get("lent")  # before any await: the next job's pass sees this loan
         held = observed.body.get("status") or {}
         plan.events += regroup_events(held, state.regroups_seen)
         state.regroups_seen = regroups_reported(held)
@@ -146,12 +149,26 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
     finally:
         memo.wakers.pop(key, None)
         memo.lenders.discard(key)
+        memo.loans.pop(key, None)
         memo.phases.set(key, None)
 
 
+def _other_loans(key: tuple[str, str], decided: dict[tuple[str, str], dict[str, Any] | None],
+                 training_jobs: Any) -> list[dict[str, Any] | None]:
+    """The status.lent of the other jobs in the job's namespace: as their daemons last decided it (`decided`: the
+    watch may not have brought their patch yet, or they may not have sent it), else as kopf's index holds it."""
+    namespace = key[0]
+    lents = {other: (body.get("status") or {}).get("lent") for other, bodies in list(training_jobs.items())
+             for body in bodies if other[0] == namespace}
+    lents.update((other, lent) for other, lent in decided.items() if other[0] == namespace)
+    lents.pop(key, None)
+    return list(lents.values())
+
+
 def _borrowers(job: ParsedResource, pods: list[dict[str, Any]], pools: list[dict[str, Any]], pool_pods: Any,
-               state: daemon.Reconciliation) -> list[lending.Borrower] | None:
-    """The pools a job's spec.elastic.lendTo selects, with their demand; None for a job that lends to none."""
+               state: daemon.Reconciliation, others: list[dict[str, Any] | None]) -> list[lending.Borrower] | None:
+    """The pools a job's spec.elastic.lendTo selects, with their demand; None for a job that lends to none.
+    `others`: the other jobs' status.lent in its namespace."""
     elastic = job.model.spec.elastic if job.model is not None else None
     if elastic is None or elastic.lend_to is None:
         return None
@@ -159,7 +176,7 @@ def _borrowers(job: ParsedResource, pods: list[dict[str, Any]], pools: list[dict
     rank_pod = next((pod for pod in pods if not is_coordinator(pod)), None)
     return lending.borrowers(elastic.lend_to, pools, {
         pool["metadata"]["name"]: state.present(pool_pods.get((namespace, pool["metadata"]["name"]), []))
-        for pool in pools}, rank_pod)
+        for pool in pools}, rank_pod, others)
 
 
 class QueueReads:

@@ -20,9 +20,9 @@ cannot place, the clock) -> the loan now, and the Events that tell it.
   deletion, and within 10 s of backoff) cannot run its pods where the ranks ran (its nodeSelector, affinity or
   tolerations keep it off their nodes): its loan is taken back at once, and it is lent nothing more while it stays
   short with its pods placed as then (`unplaceable`, with a digest of their nodeSelector, affinity and tolerations).
-- Several jobs may lend to one pool: each loan begins from the replicas the pool had placed then, those the earlier
-  loans placed among them, so the later loan is given back first. Two jobs deciding in the same instant may both
-  lend for the same pending pod (the second's worker is given back after the window).
+- Several jobs may lend to one pool: each loan begins from the replicas the pool had placed then, or from those the
+  other jobs' loans pay for where they reach further (`covered`: a loan whose ranks are still leaving has placed
+  nothing yet), so two jobs never lend for the same replica, and the later loan is given back first.
 
 The job's rank pods follow the loan (training.py): `spec.workers` less `lent.workers` of them, the highest indices
 leaving at a step boundary (the existing elastic shrink), and joining again when taken back.
@@ -63,6 +63,9 @@ class Borrower:
     """Rank pods' worth of the scarcest such resource one replica needs (0 when none is short)."""
     placement: str = ""
     """A digest of the short pods' nodeSelector, affinity and tolerations (where they may run)."""
+    covered: int = 0
+    """The replicas the other jobs' loans to it reach: the furthest of their baseReplicas plus the replicas a loan
+    pays for (a new loan begins there, not below)."""
 
 
 @dataclass
@@ -84,9 +87,10 @@ def selects(lend_to: LendTo, pool: dict[str, Any]) -> bool:
 
 
 def borrowers(lend_to: LendTo, pools: list[dict[str, Any]], pool_pods: dict[str, list[dict[str, Any]]],
-              rank_pod: dict[str, Any] | None) -> list[Borrower]:
+              rank_pod: dict[str, Any] | None, others: list[dict[str, Any]] | None = None) -> list[Borrower]:
     """The pools `lend_to` selects, by name, each with its demand's facts. `rank_pod`: one of the job's rank pods
-    (what one holds); without one, nothing is short of what the job holds."""
+    (what one holds); without one, nothing is short of what the job holds. `others`: the other jobs' status.lent
+    in the namespace (None for a job that lends nothing)."""
     held = {name: amount for name, amount in requests_of(rank_pod).items()
             if amount > 0 and name != "pods"} if rank_pod else {}
     found = []
@@ -104,8 +108,16 @@ def borrowers(lend_to: LendTo, pools: list[dict[str, Any]], pool_pods: dict[str,
                 ratio = max([ratio, *(asked.get(resource, Decimal(0)) / held[resource] for resource in wanting)])
                 placements.add(_placement(pod))
         found.append(Borrower(name, int((pool.get("spec") or {}).get("replicas", 1)), len(live), short,
-                              float(ratio), "+".join(sorted(placements))))
+                              float(ratio), "+".join(sorted(placements)), _covered(name, others or [])))
     return found
+
+
+def _covered(pool: str, lents: list[dict[str, Any] | None]) -> int:
+    """The replicas of `pool` that the loans in `lents` reach (0: none lends to it)."""
+    return max((int(loan["baseReplicas"]) + math.floor(int(loan["workers"]) / float(loan["workersPerReplica"])
+                                                        + 1e-9)
+                for lent in lents for loan in (lent or {}).get("pools") or [] if loan.get("name") == pool),
+               default=0)
 
 
 def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may_lend: bool, window_seconds: float,
@@ -171,7 +183,8 @@ def trade(lent: dict[str, Any] | None, pools: list[Borrower], *, spare: int, may
                 continue
             loan = next((loan for loan in loans if loan["name"] == pool.name), None)
             if loan is None:
-                loan = {"name": pool.name, "workers": 0, "baseReplicas": max(0, pool.pods - pool.short),
+                loan = {"name": pool.name, "workers": 0,
+                        "baseReplicas": max(0, pool.pods - pool.short, pool.covered),
                         "workersPerReplica": pool.workers_per_replica or 1.0}
             left = spare - sum(loan["workers"] for loan in loans)
             more = min(_demand(pool, loan) - loan["workers"], left)

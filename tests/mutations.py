@@ -338,7 +338,17 @@ BUGS = [
         "if without_nulls(patch) != current.get(key)",
         "tests/integration/test_operator_calls.py::"
         "test_a_status_key_the_operator_drops_is_deleted_and_rank_0s_part_of_a_shared_field_kept"),
+    Bug("a second lender lends for the replica a first loan in flight pays for", "operator/lending.py",
+        '"baseReplicas": max(0, pool.pods - pool.short, pool.covered),',
+        '"baseReplicas": max(0, pool.pods - pool.short),',
+        "tests/unit/test_lending_trade.py::"
+        "test_a_second_lender_does_not_lend_for_the_replica_a_first_loan_in_flight_pays_for"),
+    Bug("a job's loan decided but not yet in the API unseen by the next job's pass", "operator/handlers.py",
+        'memo.loans[key] = plan.status.get("lent")', 'memo.loans[key] = None',
+        "tests/integration/test_lending.py::test_two_jobs_woken_by_one_short_replica_lend_one_worker_between_them"),
 ]
+
+
 def scratch_copy() -> Path:
     """The committed tree plus the working tree's changes, without .venv or caches."""
     target = Path(tempfile.mkdtemp(prefix="tandem-mutant-"))

@@ -182,3 +182,33 @@ def test_a_pool_that_cannot_run_where_the_lent_rank_ran_gives_the_worker_back_an
             "they leave at a step boundary, the others train on (spec.elastic.lendTo)"], messages
         assert any(m.startswith("Took back 1 worker from InferencePool pinned: none of its replicas was placed in 5 s "
                                 "with them free") for m in messages), messages
+
+
+def test_two_jobs_woken_by_one_short_replica_lend_one_worker_between_them(tmp_path):
+    """Two lending jobs (two ranks of one GPU each) and a pool of one replica fill a node of 5 GPUs. The pool scaled
+    to 2, its new replica short of a GPU wakes both jobs' daemons at once: the first to decide lends one worker, and
+    the second counts that loan (its rank still leaving, the replica still Pending) and lends nothing, so the pool
+    borrows one worker, not two."""
+    go = tmp_path / "go"
+    with Cluster(tmp_path / "cluster", capacity={GPU: "5"}, extra_env={"PYTHONPATH": str(TESTS)}) as five:
+        start_operator(five)
+        five.custom.create_namespaced_custom_object(GROUP, VERSION, NS, POOLS, gpu_pool("online", {"tier": "online"}))
+        for name in ("first", "second"):
+            job = lending_job(name, go, {"tier": "online"}, WINDOW, step_seconds=0.2)
+            five.custom.create_namespaced_custom_object(GROUP, VERSION, NS, JOBS, job)
+        for name in ("first", "second"):
+            wait(five, lambda name=name: (status(five, JOBS, name).get("progress") or {}).get("step", 0) >= 2,
+                 STARTUP, f"{name} training", name, "online")
+        wait(five, lambda: status(five, POOLS, "online").get("phase") == "Ready", READY, "the pool Ready", "first",
+             "online")
+
+        scale(five, POOLS, "online", 2)
+        wait(five, lambda: status(five, POOLS, "online").get("readyReplicas") == 2, READY,
+             "the pool's second replica Ready on a lent GPU", "first", "online")
+        time.sleep(DECIDED)
+        lent = {name: (status(five, JOBS, name).get("lent") or {}).get("workers", 0) for name in ("first", "second")}
+        assert sorted(lent.values()) == [0, 1], f"one replica short, {lent} workers lent"
+        assert status(five, POOLS, "online")["borrowed"]["workers"] == 1
+        assert sorted(len(job_pods(five, name)) for name in ("first", "second")) == [2, 3]
+        messages = [e["message"] for e in five.list("events", NS) if e["reason"] == "Lent"]
+        assert len(messages) == 1, messages

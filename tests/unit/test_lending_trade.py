@@ -171,6 +171,24 @@ def test_a_second_lender_covers_only_what_the_first_left_short_and_is_given_back
     assert trade(b.lent, [online(2)], spare=1, may_lend=True, window_seconds=0, now=NOW).workers == 0
 
 
+def test_a_second_lender_does_not_lend_for_the_replica_a_first_loan_in_flight_pays_for():
+    """Job a has just lent one worker for the pool's pending replica (its rank still leaving, the replica still
+    short): job b, deciding next, counts a's loan (the pool's `covered`) and lends nothing for that replica, only for
+    one beyond it, its loan beginning where a's reaches."""
+    pods = [server("a"), server("b", placed=False, message=SHORT)]
+    others = [lent(loan(base=1)), None]  # job a's, and a job that lends nothing
+    [found] = borrowers(LEND_TO, [pool("online", 2)], {"online": pods}, rank_pod(), others)
+    assert (found.short, found.covered) == (1, 2)
+    assert trade(None, [found], spare=2, may_lend=True, window_seconds=60, now=NOW).lent is None
+    [grown] = borrowers(LEND_TO, [pool("online", 3)], {"online": [*pods, server("c", placed=False, message=SHORT)]},
+                        rank_pod(), others)
+    second = trade(None, [grown], spare=2, may_lend=True, window_seconds=60, now=NOW)
+    assert second.workers == 1 and second.lent["pools"][0]["baseReplicas"] == 2
+    [halves] = borrowers(LEND_TO, [pool("online", 3)], {"online": pods}, rank_pod(),
+                         [lent(loan(workers=3, base=1, per_replica=2.0))])
+    assert halves.covered == 2, "3 workers at 2 a replica pay for 1 replica"
+
+
 def test_a_pool_shows_what_it_borrows_from_each_job():
     def job(name: str, status: dict[str, Any] | None) -> dict[str, Any]:
         return {"metadata": {"name": name}, **({"status": status} if status is not None else {})}

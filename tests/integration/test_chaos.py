@@ -379,10 +379,12 @@ def test_an_elastic_jobs_lost_rank_0_is_replaced_in_process_under_faults(tmp_pat
 def test_an_elastic_job_that_loses_a_node_trains_on_and_its_replacement_joins(tmp_path: Path):
     """Three nodes, an elastic job's pods spread over them (its coordinator and each rank on a node of its own);
     rank 1's node is lost (its processes frozen, the pod Failed with reason NodeLost by the node lifecycle
-    controller's emulation): rank 0 trains on alone in the same process, the operator replaces rank 1's pod alone
-    (on a node still up), the replacement joins, and the job Succeeds with `restarts` 0. The lost rank goes silent,
-    as on a dead machine (its connections stay open: no FIN, no RST), so rank 0 catches the loss by rank 1's stalled
-    heartbeat, not by a closed connection."""
+    controller's emulation): rank 0 trains on in the same process, the operator replaces rank 1's pod alone (on a
+    node still up), the replacement joins, and the job Succeeds with `restarts` 0. The lost rank goes silent, as on
+    a dead machine (its connections stay open: no FIN, no RST, for longer than any detection takes on a busy machine),
+    so rank 0 catches the loss by rank 1's stalled heartbeat, not by a closed connection. Rank 0 trains alone until
+    the replacement joins, in a second regroup; or, where the replacement has registered by the time the loss is
+    planned (a clean clone's run under full load met it), one regroup takes the loss and the join together."""
     go = tmp_path / "go"
     with Cluster(tmp_path, nodes=3, extra_env={"PYTHONPATH": str(TESTS)}) as cluster:
         start_operator(cluster)
@@ -393,12 +395,15 @@ def test_an_elastic_job_that_loses_a_node_trains_on_and_its_replacement_joins(tm
         coordinator = cluster.get("pods", NS, "elastic-coordinator")
         assert len({p["spec"]["nodeName"] for p in (first, second, coordinator)}) == 3, "the pods spread over the nodes"
         survivor = cluster.kubelet.pid(NS, "elastic-worker-0")
-        cluster.lose_node(down_seconds=3.0, node=second["spec"]["nodeName"])
+        cluster.lose_node(down_seconds=15.0, node=second["spec"]["nodeName"])
         joined = wait(cluster, lambda: (s := status(cluster, JOBS, "elastic")).get("lastRecovery", {}).get("added")
                       == [1] and s, DONE, "the replacement to join")
-        assert (joined["phase"], joined["recoveries"]["regroups"]) == ("Running", 2)
-        assert "regrouped: generation 2, 1 rank(s) (lost rank(s) 1)" in cluster.logs(NS, "elastic-worker-0")
-        assert "heartbeat stalled" in cluster.logs(NS, "elastic-worker-0")
+        regroups = joined["recoveries"]["regroups"]
+        logs = cluster.logs(NS, "elastic-worker-0")
+        assert (joined["phase"], regroups) in {("Running", 2), ("Running", 1)}, joined
+        assert "heartbeat stalled" in logs
+        assert ("regrouped: generation 2, 1 rank(s) (lost rank(s) 1)" if regroups == 2 else
+                "regrouped: generation 2, 2 rank(s) (lost rank(s) 1; added rank(s) 1)") in logs
         replacement = cluster.get("pods", NS, "elastic-worker-1")
         assert replacement["metadata"]["uid"] != second["metadata"]["uid"]
         assert cluster.kubelet.pid(NS, "elastic-worker-0") == survivor, "rank 0's process trained on"
@@ -406,7 +411,7 @@ def test_an_elastic_job_that_loses_a_node_trains_on_and_its_replacement_joins(tm
         final = wait(cluster, lambda: (s := status(cluster, JOBS, "elastic")).get("phase") in ("Succeeded", "Failed")
                      and s, DONE, "the job to finish")
         assert final["phase"] == "Succeeded", final["message"]
-        assert (final["restarts"], final["recoveries"]) == (0, {"regroups": 2, "restarts": 0})
+        assert (final["restarts"], final["recoveries"]) == (0, {"regroups": regroups, "restarts": 0})
         assert cluster.get("pods", NS, "elastic-worker-0")["metadata"]["uid"] == first["metadata"]["uid"]
         replaced = [e["message"] for e in cluster.list("events", NS)
                     if e["involvedObject"]["name"] == "elastic" and e["reason"] == "ReplacingRank"]

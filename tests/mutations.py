@@ -346,6 +346,10 @@ BUGS = [
     Bug("a job's loan decided but not yet in the API unseen by the next job's pass", "operator/handlers.py",
         'memo.loans[key] = plan.status.get("lent")', 'memo.loans[key] = None',
         "tests/integration/test_lending.py::test_two_jobs_woken_by_one_short_replica_lend_one_worker_between_them"),
+    Bug("a failed rank's log tail read before its last output was copied from its pipe", "worker/local_group.py",
+        "if index in self._copiers and self.processes[index].poll() is not None:", "if False:",
+        "tests/integration/test_local_group.py::"
+        "test_the_tail_of_a_failed_ranks_log_holds_what_it_wrote_last_however_late_its_output_is_copied"),
 ]
 
 

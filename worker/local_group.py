@@ -31,6 +31,9 @@ TRAIN_COMMAND = [sys.executable, "-m", "tandem.worker", "train"]
 COORDINATOR_COMMAND = [sys.executable, "-m", "tandem.worker", "coordinator"]
 POLL_SECONDS = 0.2
 LOG_TAIL_LINES = 30
+OUTPUT_DRAIN_SECONDS = 5.0
+"""How long `tail` waits for an exited rank's last output to be copied from its pipe to its log (a process it
+started that outlives it and holds the pipe open would keep the pipe from ending)."""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -89,6 +92,8 @@ class LocalGroup:
         """From a stop to killing the ranks still running; None: no limit (a pod's kubelet keeps its own)."""
         self.processes: list[subprocess.Popen] = []
         self.logs: list[Path] = []
+        self._copiers: dict[int, threading.Thread] = {}
+        """Per index in `contracts`, the thread copying its (latest) process's output to its log, under `echo`."""
         self.stopping_since: float | None = None
         self.exits: list[tuple[int, int]] = []
         """(index in `contracts`, exit code) in the order the ranks exited: the first to fail is the cause, not the
@@ -135,8 +140,9 @@ class LocalGroup:
                 preexec_fn=_on_parent_death(self.parent_death_signal),
             )
         if self.echo:
-            threading.Thread(target=self._copy_output, args=(contract.rank, process, log),
-                             name=f"tandem-rank-{contract.rank}-output", daemon=True).start()
+            self._copiers[index] = threading.Thread(target=self._copy_output, args=(contract.rank, process, log),
+                                                    name=f"tandem-rank-{contract.rank}-output", daemon=True)
+            self._copiers[index].start()
         threading.Thread(target=self._watch, args=(index, process), name=f"tandem-rank-{contract.rank}",
                          daemon=True).start()
         return process
@@ -235,6 +241,8 @@ class LocalGroup:
         return GroupExit(contract.rank, code, contract.local_rank if several else None)
 
     def tail(self, rank: int, lines: int = LOG_TAIL_LINES) -> str:
-        """The last lines of `rank`'s log."""
+        """The last lines of `rank`'s log: once its process has exited, with what it wrote last (its pipe drained)."""
         index = next(i for i, contract in enumerate(self.contracts) if contract.rank == rank)
+        if index in self._copiers and self.processes[index].poll() is not None:
+            self._copiers[index].join(OUTPUT_DRAIN_SECONDS)
         return "\n".join(self.logs[index].read_text(errors="replace").splitlines()[-lines:])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,31 @@ def test_of_two_ranks_failed_when_the_supervisor_looks_the_first_to_fail_is_name
     wait_until(lambda: len(group.exits) == 2, what="rank 0's end")
     assert group.wait() == GroupExit(failed_rank=1, code=-signal.SIGKILL)
     assert group.exits == [(1, -signal.SIGKILL), (0, 1)]
+
+
+LAST_WORDS = """
+    import os, signal
+    print("loading", flush=True)
+    print("rank 0 is going down", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_tail_of_a_failed_ranks_log_holds_what_it_wrote_last_however_late_its_output_is_copied(tmp_path):
+    """Under `echo` (a pod of several ranks) a thread copies each rank's output from its pipe to its log, and the
+    group's wait returns as soon as the rank has exited: the copy may lag behind (a clean clone's run on a busy
+    machine lost the last line from a pod's termination message). The copy is held here, line two not yet in the
+    log when the wait returns (the copier writes each line to the log, then echoes it under the echo lock, held by
+    the test); the tail, read then, waits for the pipe to be drained."""
+    contracts = [WorkerContract.local(0, 1, job="group")]
+    group = LocalGroup([sys.executable, "-c", textwrap.dedent(LAST_WORDS)], contracts, environ={},
+                       log_dir=tmp_path / "logs", echo=True)
+    with group._echo_lock:
+        group.start()
+        assert group.wait() == GroupExit(failed_rank=0, code=-signal.SIGKILL)
+        wait_until(lambda: "loading" in group.logs[0].read_text(), what="the first line copied")
+        assert "going down" not in group.logs[0].read_text(), "the copy is held"
+        threading.Timer(0.3, group._echo_lock.release).start()
+        tail = group.tail(0)
+        group._echo_lock.acquire()
+    assert tail.splitlines() == ["loading", "rank 0 is going down"]

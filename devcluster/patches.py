@@ -15,6 +15,8 @@ from typing import Any
 import jsonpatch
 import jsonpointer
 
+from tandem.manifest import merge_patched
+
 
 class PatchError(ValueError):
     def __init__(self, status: int, reason: str, message: str) -> None:
@@ -25,19 +27,6 @@ class PatchError(ValueError):
 MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386. The result shares unchanged sub-objects with `target` (stored objects are never mutated)."""
-    if not isinstance(patch, dict):
-        return patch
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
 
 
 def json_patch(target: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
@@ -61,6 +50,6 @@ def apply(current: dict[str, Any], body: Any, content_type: str | None) -> dict[
     if media in (MERGE, STRATEGIC):
         if not isinstance(body, dict):
             raise PatchError(400, "BadRequest", "a merge patch must be a JSON object")
-        return merge_patch(current, body)
+        return merge_patched(current, body)
     raise PatchError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted media "
                                                   f"types include: {JSON_PATCH}, {MERGE}, {STRATEGIC} (not {media!r})")

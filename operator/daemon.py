@@ -36,7 +36,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from tandem.manifest import without_nulls
+from tandem.manifest import merge_patched, without_nulls
 from tandem.operator import metrics
 from tandem.operator.api_policy import Backoff, Refused, Stale, Unavailable
 from tandem.operator.observed import with_refusal
@@ -171,7 +171,7 @@ async def publish(cluster: Any, state: Reconciliation, body: dict[str, Any], sta
                for key, value in status.items()}
     # The body's status fields as last written may hold nulls; the object the API holds has none.
     changed = {key: patch for key, patch in patches.items()
-               if without_nulls(merged(current.get(key), patch)) != without_nulls(current.get(key))}
+               if without_nulls(merge_patched(current.get(key), patch)) != without_nulls(current.get(key))}
     if changed:
         await cluster.patch_status(state.plural, state.name, state.namespace, changed)
     state.written = {key: value for key, value in status.items() if key in OPERATOR_FIELDS}
@@ -187,19 +187,6 @@ def merge_patch(current: Any, new: Any) -> Any:
         return new
     return {**dict.fromkeys(current.keys() - new.keys()),
             **{key: merge_patch(current.get(key), value) for key, value in new.items()}}
-
-
-def merged(current: Any, patch: Any) -> Any:
-    """`current` with the merge patch `patch` applied (RFC 7386: None where it deletes the whole)."""
-    if not isinstance(patch, dict):
-        return patch
-    result = dict(current) if isinstance(current, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merged(result.get(key), value)
-    return result
 
 
 def describe_refusal(refusal: Refused | None) -> str | None:

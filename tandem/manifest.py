@@ -105,6 +105,20 @@ def _schema_problems(kind: str, document: dict[str, Any]) -> list[tuple[str, str
     return found
 
 
+def merge_patched(target: Any, patch: Any) -> Any:
+    """`target` with the JSON merge patch `patch` applied (RFC 7386: a null deletes its key; None where the patch
+    deletes the whole). The result shares unchanged sub-objects with `target`, which is never mutated."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patched(result.get(key), value)
+    return result
+
+
 def without_nulls(value: Any) -> Any:
     """What the API server validates: it drops null fields that the schema does not mark nullable."""
     if isinstance(value, dict):

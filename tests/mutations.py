@@ -334,7 +334,7 @@ BUGS = [
         "test_a_status_key_the_operator_drops_is_deleted_and_rank_0s_part_of_a_shared_field_kept"),
     Bug("a status already written patched again on each pass (its nulls, rank 0's part of recoveries)",
         "operator/daemon.py",
-        "if without_nulls(merged(current.get(key), patch)) != without_nulls(current.get(key))",
+        "if without_nulls(merge_patched(current.get(key), patch)) != without_nulls(current.get(key))",
         "if without_nulls(patch) != current.get(key)",
         "tests/integration/test_operator_calls.py::"
         "test_a_status_key_the_operator_drops_is_deleted_and_rank_0s_part_of_a_shared_field_kept"),

@@ -14,10 +14,10 @@ import yaml
 from jobs import ROOT
 from test_pool_reconcile import IMAGE, MODEL_MOUNT, NOW, ago, everything, job, pool
 
-from devcluster.patches import json_patch, merge_patch
+from devcluster.patches import json_patch
 from tandem.api.inference import FromTrainingJob, Promotion
 from tandem.contract import checkpoint_step
-from tandem.manifest import ManifestError, parse
+from tandem.manifest import ManifestError, merge_patched, parse
 from tandem.operator.daemon import OPERATOR_FIELDS
 from tandem.operator.observed import read_resource
 from tandem.operator.pool_served import Served, served_metrics, skipped_candidate
@@ -226,7 +226,7 @@ def test_the_readmes_rollback_commands_pin_the_example_pool_and_unpin_it():
     merge = json.loads(re.search(r"kubectl patch tip digits --type merge -p '([^']+)'", readme).group(1))
     remove = json.loads(re.search(r"kubectl patch tip digits --type json -p '([^']+)'", readme).group(1))
     example = yaml.safe_load((ROOT / "examples" / "digits-pool.yaml").read_text())
-    pinned = merge_patch(example, merge)
+    pinned = merge_patched(example, merge)
     assert parse(pinned).spec.model.from_training_job.checkpoint == "step-00000200.pt"
     unpinned = json_patch(pinned, remove)
     assert parse(unpinned).spec.model.from_training_job.checkpoint is None

@@ -21,13 +21,15 @@ import pytest
 import torch
 import yaml
 
-from devcluster.patches import merge_patch  # RFC 7386, as `kubectl patch --type merge`
 from tandem import ParallelInference, ParallelWrapper
 from tandem.api import InferencePool
 from tandem.api.training import TrainerSpec, TrainingMode
 from tandem.backends.local import PreflightError, preflight
 from tandem.examples.digits import mlp
-from tandem.manifest import parse
+from tandem.manifest import (
+    merge_patched,  # RFC 7386, as `kubectl patch --type merge`
+    parse,
+)
 from tandem.operator import pools
 from tandem.operator.api_policy import Refused
 from tandem.operator.daemon import describe_refusal
@@ -67,7 +69,7 @@ def test_the_quick_starts_job_is_the_example_with_its_checkpoints_on_the_claim_i
     assert claim["kind"] == "PersistentVolumeClaim"
     patch = json.loads(re.search(r"kubectl patch -f examples/digits-train\.yaml .*?-p '([^']+)'", QUICK_START,
                                  re.S).group(1))
-    job = merge_patch(yaml.safe_load((ROOT / "examples" / "digits-train.yaml").read_text()), patch)
+    job = merge_patched(yaml.safe_load((ROOT / "examples" / "digits-train.yaml").read_text()), patch)
     parsed = parse(job)
     assert parsed.spec.checkpoint.persistent_volume_claim == claim["metadata"]["name"]
     pool = parse(yaml.safe_load((ROOT / "examples" / "digits-pool.yaml").read_text()))

@@ -195,7 +195,10 @@ def test_an_elastic_job_suspended_checkpoints_at_an_agreed_step_and_resumes_from
     rank_0 = cluster.wait_for(lambda: cluster.get("pods", NS, "paused-worker-0"), STARTUP, "the new group")
     resumed = {e["name"]: e.get("value") for e in rank_0["spec"]["containers"][0]["env"]}
     assert resumed["TANDEM_RESUME_FROM"] == suspended["checkpoint"]["latest"]
-    assert cluster.get("pods", NS, "paused-coordinator")["metadata"]["uid"] != coordinator
+    # the new group's pods are created concurrently: rank 0's may be in the API before the coordinator's
+    new_coordinator = cluster.wait_for(lambda: cluster.get("pods", NS, "paused-coordinator"), STARTUP,
+                                       "the new group's coordinator")
+    assert new_coordinator["metadata"]["uid"] != coordinator
     final = wait_phase(cluster, "paused", "Succeeded", timeout=180)
     assert (final["restarts"], final["progress"]["step"]) == (0, final["progress"]["totalSteps"])
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -130,7 +131,7 @@ async def supervise(name: str, namespace: str, body: kopf.Body, stopped: kopf.Da
             queued = await reads.read(memo.cluster, observed, next(iter(workloads), None))
         borrowers = _borrowers(observed, pods, state.present(namespace_pools.get(namespace, [])),
                                indices.get("pool_pods", {}), state,
-                               _other_loans(key, memo.loans, indices.get("training_jobs", {})))
+                               lambda: _other_loans(key, memo.loans, indices.get("training_jobs", {})))
         if borrowers is None:
             memo.lenders.discard(key)
         else:
@@ -166,9 +167,10 @@ def _other_loans(key: tuple[str, str], decided: dict[tuple[str, str], dict[str, 
 
 
 def _borrowers(job: ParsedResource, pods: list[dict[str, Any]], pools: list[dict[str, Any]], pool_pods: Any,
-               state: daemon.Reconciliation, others: list[dict[str, Any] | None]) -> list[lending.Borrower] | None:
+               state: daemon.Reconciliation,
+               others: Callable[[], list[dict[str, Any] | None]]) -> list[lending.Borrower] | None:
     """The pools a job's spec.elastic.lendTo selects, with their demand; None for a job that lends to none.
-    `others`: the other jobs' status.lent in its namespace."""
+    `others`: the other jobs' status.lent in its namespace (read only for a job that lends)."""
     elastic = job.model.spec.elastic if job.model is not None else None
     if elastic is None or elastic.lend_to is None:
         return None
@@ -176,7 +178,7 @@ def _borrowers(job: ParsedResource, pods: list[dict[str, Any]], pools: list[dict
     rank_pod = next((pod for pod in pods if not is_coordinator(pod)), None)
     return lending.borrowers(elastic.lend_to, pools, {
         pool["metadata"]["name"]: state.present(pool_pods.get((namespace, pool["metadata"]["name"]), []))
-        for pool in pools}, rank_pod, others)
+        for pool in pools}, rank_pod, others())
 
 
 class QueueReads:
